@@ -1,0 +1,24 @@
+"""schedkit: a pluggable scheduling-policy framework for LLM inference serving."""
+
+from schedkit.config import Config, load_config
+from schedkit.core.hooks import AdmissionDecision
+from schedkit.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError
+from schedkit.hookspecs import hookimpl
+
+__all__ = [
+    "AdmissionDecision",
+    "Config",
+    "ConfigError",
+    "EngineDeadError",
+    "FinishReason",
+    "PluginError",
+    "Request",
+    "RequestError",
+    "RequestStatus",
+    "SamplingParams",
+    "hookimpl",
+    "load_config",
+]
+
+__version__ = "0.1.0"

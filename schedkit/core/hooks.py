@@ -1,0 +1,53 @@
+"""The scheduler's view of the plugin layer: a Protocol, never pluggy itself.
+
+``schedkit.plugins.facade.HookFacade`` implements this over a pluggy PluginManager;
+tests and the overhead benchmark may pass any other implementation.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from schedkit.config import SchedulerConfig
+    from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
+    from schedkit.core.queues import RequestQueue
+    from schedkit.core.request import Request
+    from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+
+
+class AdmissionDecision(enum.Enum):
+    """Answer of ``schedkit_admit_request`` for the request at the head of the queue."""
+
+    ADMIT = "admit"
+    """Try to schedule it now (it may still wait for blocks or budget)."""
+    DEFER = "defer"
+    """Leave it waiting this step; the scheduler looks at the next request."""
+    REJECT = "reject"
+    """Finish it now with finish reason "abort" and stop_reason "rejected"."""
+
+
+class SchedulerHooks(Protocol):
+    """One method per policy decision; keyword arguments only."""
+
+    def create_waiting_queue(self, *, scheduler_config: SchedulerConfig) -> RequestQueue: ...
+
+    def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request: ...
+
+    def prefill_chunk_limit(self, *, request: Request, num_new_tokens: int, threshold: int) -> int | None: ...
+
+    def step_token_budget(self, *, max_num_batched_tokens: int, running: Sequence[Request],
+                          waiting: RequestQueue, kv_cache_usage: float, step: int) -> int: ...
+
+    def admit_request(self, *, request: Request, num_running: int, kv_cache_usage: float,
+                      now: float) -> AdmissionDecision: ...
+
+    def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None: ...
+
+    def on_step_end(self, *, scheduler_output: SchedulerOutput,
+                    outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None,
+                    now: float) -> None: ...
+
+    def on_request_finished(self, *, request: Request, now: float) -> None: ...

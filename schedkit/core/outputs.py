@@ -1,0 +1,130 @@
+"""Data passed between the scheduler, the model runner and the clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schedkit.core.request import FinishReason, SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or has dropped): everything it needs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    """The request's whole block table."""
+    num_computed_tokens: int
+    """Tokens already in the KV cache at admission (prefix hits)."""
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already knows, as parallel lists (running, then resumed)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    """Running: only newly allocated blocks (None if none). Resumed: the whole table."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Prompt plus outputs of each resumed request (the runner recomputes them)."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: which requests run, with how many tokens and which blocks."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    num_common_prefix_blocks: list[int]
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
+    kv_connector_metadata: Any = None
+    step: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the runner returns for one step.
+
+    ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: empty for a prefill chunk that
+    sampled nothing, one token normally, up to 1 + k with k drafts (accepted drafts then
+    the bonus token).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: Any = None
+    step_duration: float | None = None
+    """Seconds the step took (simulator: modelled; real runners: measured)."""
+    kv_connector_output: Any = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens (and the end, if any) of one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_preempted_reqs: int = 0
+    prefix_cache_stats: Any = None
+    spec_decoding_stats: SpecDecodingStats | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """All outputs of one step for one client."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    finished_requests: set[str] | None = None

@@ -1,0 +1,122 @@
+"""Waiting queues. The policy plugin chooses one through ``schedkit_create_waiting_queue``.
+
+Contract (:class:`RequestQueue`): ``add`` enqueues a new or skipped-for-good request,
+``peek``/``pop`` serve the head, ``prepend_request`` puts back a preempted request, and
+``prepend_requests`` puts back the requests the scheduler skipped this step so that they
+come first again *in the order given*. Iteration is in serving order and does not mutate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from schedkit.core.request import Request
+
+
+@runtime_checkable
+class RequestQueue(Protocol):
+    """What the scheduler needs from a waiting queue (engine-core process only)."""
+
+    def add(self, request: Request) -> None: ...
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def prepend_request(self, request: Request) -> None: ...
+    def prepend_requests(self, requests: Iterable[Request]) -> None: ...
+    def remove_request(self, request: Request) -> None: ...
+    def remove_requests(self, requests: Iterable[Request]) -> None: ...
+    def __len__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSQueue:
+    """First come, first served: a deque; preempted and skipped requests go to the head."""
+
+    __slots__ = ("_q",)
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def prepend_request(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self._q.extendleft(reversed(list(requests)))
+
+    def remove_request(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        if drop:
+            self._q = deque(r for r in self._q if id(r) not in drop)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class KeyedQueue:
+    """A binary min-heap on ``key(request)``; ``prepend`` means re-insert by key.
+
+    Ties beyond the key are broken by insertion order, so the queue is deterministic.
+    The built-in priority policy uses ``(priority, arrival_time, request_id)``.
+    """
+
+    __slots__ = ("_heap", "_key", "_counter")
+
+    def __init__(self, key: Callable[[Request], Any]) -> None:
+        self._heap: list[tuple[Any, int, Request]] = []
+        self._key = key
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    prepend_request = add
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            self.add(r)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        if drop:
+            self._heap = [e for e in self._heap if id(e[2]) not in drop]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))

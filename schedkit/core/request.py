@@ -1,0 +1,221 @@
+"""Requests, their status and sampling parameters.
+
+A :class:`Request` is hot-path state: a slotted dataclass whose counters are plain
+attributes (``num_tokens`` is kept up to date on append instead of being a property).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from schedkit.errors import RequestError
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle state; a request is finished iff its status is above PREEMPTED."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, as reported to clients (compares equal to its string)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class EventType(enum.Enum):
+    """Timestamped request events that the metrics read."""
+
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    FIRST_TOKEN = "first_token"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to sample and when to stop. Validated at construction.
+
+    Args:
+        max_tokens: Most output tokens (>= 1).
+        min_tokens: Fewest output tokens before repetition checks apply (<= max_tokens).
+        stop_token_ids: Token ids that end the request (the stop token is kept).
+        ignore_eos: Do not stop at ``eos_token_id``.
+        eos_token_id: End-of-sequence id; None means no EOS stop.
+        temperature: 0 means greedy.
+        top_p: Nucleus mass in (0, 1].
+        top_k: Keep the k most likely tokens; -1 or 0 means all.
+        seed: Per-request sampling seed.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    eos_token_id: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> RequestError:
+            return RequestError(f"invalid sampling value {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
+            raise bad("eos_token_id", "must be a non-negative integer or None")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature:
+            raise bad("temperature", "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+BlockHasherFn = Callable[[list[int], list[bytes]], None]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request and its scheduling state.
+
+    ``num_computed_tokens`` counts leading tokens whose KV is (or, once the current step
+    runs, will be) in the cache; it is advanced at schedule time and rolled back for
+    rejected drafts. ``spec_token_ids`` are drafts proposed for the next step and are
+    not part of ``num_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    client_index: int = 0
+    tenant: str = "default"
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first admission (-1 before)."""
+    num_recomputed_tokens: int = 0
+    """Tokens computed again after preemptions (the metrics' recompute cost)."""
+    is_prefill_chunk: bool = True
+    stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    num_tokens: int = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    max_tokens: int = field(init=False)
+    eos_token_id: int | None = field(init=False)
+    stop_token_ids: frozenset[int] = field(init=False)
+    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    events: list[tuple[EventType, float]] = field(default_factory=list, init=False)
+    _hasher: BlockHasherFn | None = field(default=None, init=False, repr=False)
+    _hash_every: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise RequestError(f"request id must be a non-empty string, got {self.request_id!r}",
+                               request_id=str(self.request_id))
+        prompt = self.prompt_token_ids
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)) or len(prompt) == 0:
+            raise RequestError(f"request {self.request_id!r}: prompt must be a non-empty list of "
+                               "token ids", request_id=self.request_id)
+        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+            raise RequestError(f"request {self.request_id!r}: prompt token ids must be "
+                               "non-negative integers", request_id=self.request_id)
+        self.prompt_token_ids = list(prompt)
+        sp = self.sampling_params
+        self.all_token_ids = list(prompt)
+        self.num_tokens = self.num_prompt_tokens = len(prompt)
+        self.max_tokens = sp.max_tokens
+        self.eos_token_id = None if sp.ignore_eos else sp.eos_token_id
+        self.stop_token_ids = frozenset(sp.stop_token_ids)
+
+    # -- block hashes ------------------------------------------------------------------
+    def set_block_hasher(self, hasher: BlockHasherFn, block_size: int) -> None:
+        """Attach the prefix-cache hasher; hashes every full block present so far."""
+        self._hasher = hasher
+        self._hash_every = block_size
+        hasher(self.all_token_ids, self.block_hashes)
+
+    # -- tokens ------------------------------------------------------------------------
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.num_tokens += 1
+        if self._hasher is not None and self.num_tokens >= (len(self.block_hashes) + 1) * self._hash_every:
+            self._hasher(self.all_token_ids, self.block_hashes)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    # -- events ------------------------------------------------------------------------
+    def record_event(self, kind: EventType, timestamp: float | None = None) -> None:
+        self.events.append((kind, time.monotonic() if timestamp is None else timestamp))
+
+    def first_event_time(self, kind: EventType) -> float | None:
+        for k, t in self.events:
+            if k is kind:
+                return t
+        return None
+
+    def __lt__(self, other: Request) -> bool:
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)
+
+    def __hash__(self) -> int:
+        return id(self)

@@ -1,0 +1,529 @@
+"""The scheduler: vLLM V1's continuous-batching rules, with every policy decision a hook.
+
+``schedule()`` hands out tokens so that each request's ``num_computed_tokens`` catches up
+with its tokens (prompt, outputs, drafts); there is no prefill/decode split. Running
+requests go first, in admission order; waiting requests are admitted only in a step
+that preempted nobody. ``update_from_output()`` appends sampled tokens, rolls back
+rejected drafts, checks stops and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from schedkit.config import CacheConfig, SchedulerConfig
+from schedkit.core.hooks import AdmissionDecision, SchedulerHooks
+from schedkit.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
+)
+from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestStatus
+from schedkit.core.scheduler_output import build_scheduler_output
+from schedkit.core.stop import check_stop
+from schedkit.errors import PluginError, RequestError
+from schedkit.kv.connector import KVConnectorRole, NoOpConnector
+from schedkit.kv.hashing import BlockHasher
+from schedkit.kv.kv_cache_manager import KVCacheManager
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+_ADMIT = AdmissionDecision.ADMIT
+_DEFER = AdmissionDecision.DEFER
+
+
+@dataclass(slots=True)
+class StepState:
+    """Everything one schedule() call decides, before it becomes a SchedulerOutput."""
+
+    budget: int
+    threshold: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    running_reqs: list[Request] = field(default_factory=list)
+    running_new_blocks: list[list[int]] = field(default_factory=list)
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+    popped: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+    has_running_prefill: bool = False
+
+
+class Scheduler:
+    """Owns the requests, the waiting queue, the running list and the KV cache manager.
+
+    Args:
+        scheduler_config: Limits and the policy name.
+        cache_config: KV block size, pool size, prefix caching.
+        hooks: The policy layer (usually a HookFacade over the plugin manager).
+        clock: Time source for request events (the simulator passes a virtual clock).
+        log_stats: Attach SchedulerStats to each step's outputs.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 hooks: SchedulerHooks, *, clock: Callable[[], float] = time.monotonic,
+                 log_stats: bool = True) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.hooks = hooks
+        self.clock = clock
+        self.log_stats = log_stats
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.num_spec_tokens = scheduler_config.num_speculative_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            block_size=cache_config.block_size, num_blocks=cache_config.num_blocks,
+            max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
+            watermark=cache_config.watermark)
+        self._hasher = (BlockHasher(cache_config.block_size, cache_config.hash_algo)
+                        if cache_config.enable_prefix_caching else None)
+        connector = hooks.create_kv_connector(role=KVConnectorRole.SCHEDULER, config=cache_config)
+        self.connector = connector if connector is not None else NoOpConnector(KVConnectorRole.SCHEDULER)
+        self.connector.bind_kv_cache_manager(self.kv_cache_manager)
+        self.requests: dict[str, Request] = {}
+        self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self._pending_outputs: list[tuple[Request, EngineCoreOutput]] = []
+        self.current_step = 0
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ entry points
+    def add_request(self, request: Request) -> None:
+        """Validate and enqueue a new request.
+
+        Raises:
+            RequestError: Duplicate id, prompt too long for max_model_len, or a prompt
+                that could never fit in the whole KV cache.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise RequestError(f"duplicate request id {rid!r}", request_id=rid)
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise RequestError(
+                f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens; it must be "
+                f"shorter than max_model_len ({self.max_model_len})", request_id=rid)
+        usable = self.kv_cache_manager.num_blocks - 1
+        needed = -(-request.num_prompt_tokens // self.block_size)
+        if needed > usable:
+            raise RequestError(
+                f"request {rid!r}: prompt needs {needed} KV blocks but the cache has only "
+                f"{usable}; it could never be scheduled", request_id=rid)
+        if request.status is not _WAITING or request.num_computed_tokens:
+            raise RequestError(f"request {rid!r} was already used (status {request.status.name})",
+                               request_id=rid)
+        if self._hasher is not None and not request.block_hashes:
+            extend = self._hasher.extend
+            if request.cache_salt is not None:
+                extend = functools.partial(extend, cache_salt=request.cache_salt)
+            request.set_block_hasher(extend, self.block_size)
+        self.requests[rid] = request
+        self.waiting.add(request)
+        self.connector.on_new_request(request)
+        request.record_event(EventType.QUEUED, self.clock())
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string). Unknown or finished ids are ignored.
+
+        Returns:
+            The requests that were finished by this call.
+        """
+        assert finished_status.is_finished, finished_status
+        if request_ids is None:
+            ids: Iterable[str] = list(self.requests)
+        elif isinstance(request_ids, str):
+            ids = (request_ids,)
+        else:
+            ids = request_ids
+        reqs = [r for r in (self.requests.get(i) for i in ids) if r is not None and not r.is_finished]
+        if not reqs:
+            return []
+        gone = {id(r) for r in reqs}
+        if any(r.status is _RUNNING for r in reqs):
+            self.running = [r for r in self.running if id(r) not in gone]
+        waiting = [r for r in reqs if r.status is not _RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        now = self.clock()
+        for req in reqs:
+            req.status = finished_status
+            self._free_request(req, now)
+        self._notify_finished(reqs, now)
+        return reqs
+
+    def has_requests(self) -> bool:
+        return bool(self.requests) or bool(self.finished_req_ids) or bool(self._pending_outputs)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached block hash; optionally preempt all running requests first.
+
+        Returns:
+            False if blocks are still in use (and running requests were not reset).
+        """
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Set next step's draft tokens; drafts for a request still prefilling are dropped."""
+        for rid, drafts in draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            req.spec_token_ids = [] if req.is_prefill_chunk else list(drafts)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then admissions if nobody was preempted."""
+        self.current_step += 1
+        num_reqs = len(self.running) + len(self.waiting)
+        threshold = self.scheduler_config.long_prefill_token_threshold if num_reqs > 1 else 0
+        st = StepState(budget=0, threshold=threshold)
+        try:
+            st.budget = self._step_token_budget()
+            self._schedule_running(st)
+            if not st.preempted:
+                self._schedule_waiting(st)
+            output = build_scheduler_output(self, st)
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        except BaseException:
+            self._rollback(st)
+            raise
+        self._finish_rejected(st.rejected)
+        self._update_after_schedule(st)
+        return output
+
+    def _step_token_budget(self) -> int:
+        budget = self.hooks.step_token_budget(
+            max_num_batched_tokens=self.max_num_batched_tokens, running=self.running,
+            waiting=self.waiting, kv_cache_usage=self.kv_cache_manager.usage, step=self.current_step)
+        return min(budget, self.max_num_batched_tokens)
+
+    def _schedule_running(self, st: StepState) -> None:
+        running = self.running
+        allocate = self.kv_cache_manager.allocate_slots
+        chunk_limit = self.hooks.prefill_chunk_limit
+        num_scheduled = st.num_scheduled
+        last_pos = self.max_model_len - 1
+        threshold = st.threshold
+        idx = 0
+        while idx < len(running) and st.budget > 0:
+            req = running[idx]
+            computed = req.num_computed_tokens
+            n = req.num_tokens + len(req.spec_token_ids) - computed
+            if n > 1:
+                cap = chunk_limit(request=req, num_new_tokens=n, threshold=threshold)
+                if cap is not None and cap < n:
+                    n = cap
+            n = min(n, st.budget, last_pos - computed)
+            if n <= 0:
+                idx += 1
+                continue
+            new_blocks = allocate(req, n)
+            if new_blocks is None:
+                new_blocks, idx = self._preempt_until_fits(req, n, idx, st)
+                if new_blocks is None:
+                    break
+            rid = req.request_id
+            num_scheduled[rid] = n
+            st.running_reqs.append(req)
+            st.running_new_blocks.append(new_blocks)
+            st.budget -= n
+            if req.is_prefill_chunk:
+                st.has_running_prefill = True
+            if req.spec_token_ids:
+                k = n + computed - req.num_tokens
+                if k > 0:
+                    st.spec_tokens[rid] = req.spec_token_ids[:k]
+                req.spec_token_ids = []
+            idx += 1
+
+    def _preempt_until_fits(self, req: Request, n: int, idx: int, st: StepState) -> tuple[list[int] | None, int]:
+        """Preempt victims chosen by the policy until ``req`` gets its blocks or is itself
+        preempted. Returns the new blocks (or None) and the corrected scan index."""
+        running = self.running
+        while True:
+            if self.connector.has_pending_block_frees():
+                return None, idx
+            victim = self.hooks.select_preemption_victim(running=running, request=req)
+            vidx = len(running) - 1 if running[-1] is victim else running.index(victim)
+            del running[vidx]
+            if vidx < idx:
+                idx -= 1
+            if victim.request_id in st.num_scheduled:
+                self._unschedule(victim, st)
+            self._preempt(victim)
+            st.preempted.append(victim)
+            if victim is req:
+                return None, idx
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            if new_blocks is not None:
+                return new_blocks, idx
+
+    def _unschedule(self, req: Request, st: StepState) -> None:
+        """Give back the tokens of a request scheduled earlier in this step."""
+        st.budget += st.num_scheduled.pop(req.request_id)
+        i = st.running_reqs.index(req)
+        del st.running_reqs[i]
+        del st.running_new_blocks[i]
+        st.spec_tokens.pop(req.request_id, None)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop its KV, keep its outputs, queue it again."""
+        assert req.status is _RUNNING, req.status
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_recomputed_tokens += req.num_computed_tokens
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        req.record_event(EventType.PREEMPTED, self.clock())
+        self.waiting.prepend_request(req)
+        self._preempted_ids.add(req.request_id)
+        self.num_preemptions_total += 1
+
+    def _schedule_waiting(self, st: StepState) -> None:
+        waiting, running = self.waiting, self.running
+        kv = self.kv_cache_manager
+        skipped: list[Request] = []
+        now = self.clock()
+        while st.budget > 0 and waiting and len(running) < self.max_num_seqs:
+            req = waiting.peek()
+            decision = self.hooks.admit_request(
+                request=req, num_running=len(running), kv_cache_usage=kv.usage, now=now)
+            if decision is not _ADMIT:
+                st.popped.append(waiting.pop())
+                (skipped if decision is _DEFER else st.rejected).append(req)
+                continue
+            did_lookup = req.num_computed_tokens == 0
+            if did_lookup:
+                hit_blocks, num_local = kv.get_computed_blocks(req)
+                num_ext, _load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                if num_ext is None:
+                    st.popped.append(waiting.pop())
+                    skipped.append(req)
+                    continue
+                computed = num_local + num_ext
+            else:
+                hit_blocks, num_local, num_ext = [], 0, 0
+                computed = req.num_computed_tokens
+            n = self._num_tokens_to_admit(req, computed, st)
+            if n == 0:
+                break
+            new_blocks = kv.allocate_slots(
+                req, n, num_local, hit_blocks, num_external_computed_tokens=num_ext,
+                full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
+                apply_watermark=bool(running))
+            if new_blocks is None:
+                break
+            self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_ext)
+            if did_lookup and not req.skip_reading_prefix_cache:
+                kv.record_prefix_cache_hits(req.num_tokens, num_local, req.num_preemptions > 0)
+            self._admit(waiting.pop(), n, computed, st, now)
+        if skipped:
+            waiting.prepend_requests(skipped)
+
+    def _num_tokens_to_admit(self, req: Request, computed: int, st: StepState) -> int:
+        """Tokens for a waiting request this step; 0 means stop admitting (head-of-line)."""
+        n = req.num_tokens - computed
+        k = self.num_spec_tokens
+        if (k and n == 1 and not st.has_running_prefill and (st.running_reqs or computed > 0)
+                and computed + k + 2 <= self.max_model_len):
+            # Pad a one-token admission with placeholder drafts so the batch stays uniform.
+            if 1 + k > st.budget:
+                return 0
+            st.spec_tokens[req.request_id] = [-1] * k
+            return 1 + k
+        if n > 1:
+            cap = self.hooks.prefill_chunk_limit(request=req, num_new_tokens=n, threshold=st.threshold)
+            if cap is not None and cap < n:
+                n = cap
+        if not self.enable_chunked_prefill and n > st.budget:
+            return 0
+        return min(n, st.budget)
+
+    def _admit(self, req: Request, n: int, computed: int, st: StepState, now: float) -> None:
+        st.popped.append(req)
+        self.running.append(req)
+        (st.new_reqs if req.status is _WAITING else st.resumed_reqs).append(req)
+        req.status = _RUNNING
+        req.num_computed_tokens = computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = computed
+        req.record_event(EventType.SCHEDULED, now)
+        st.num_scheduled[req.request_id] = n
+        st.budget -= n
+
+    def _rollback(self, st: StepState) -> None:
+        """Undo this step's admissions after a hook raised, so no request is half-admitted."""
+        admitted = {id(r) for r in st.new_reqs} | {id(r) for r in st.resumed_reqs}
+        if admitted:
+            self.running = [r for r in self.running if id(r) not in admitted]
+        for req in reversed(st.popped):
+            if id(req) in admitted:
+                self.kv_cache_manager.free(req)
+                req.status = _WAITING if req.num_preemptions == 0 else RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+            self.waiting.prepend_request(req)
+        for req in st.running_reqs:
+            req.spec_token_ids = []
+
+    def _update_after_schedule(self, st: StepState) -> None:
+        requests = self.requests
+        for rid, n in st.num_scheduled.items():
+            req = requests[rid]
+            req.num_computed_tokens += n
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens
+        self.finished_req_ids = set()
+        self._preempted_ids = set()
+
+    def _finish_rejected(self, rejected: list[Request]) -> None:
+        if not rejected:
+            return
+        now = self.clock()
+        for req in rejected:
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.stop_reason = "rejected"
+            self._free_request(req, now)
+            self._pending_outputs.append((req, EngineCoreOutput(
+                req.request_id, [], FINISH_REASONS[req.status], req.stop_reason)))
+        self._notify_finished(rejected, now)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Apply one step's sampled tokens. Returns the outputs grouped by client index."""
+        sampled = runner_output.sampled_token_ids
+        index = runner_output.req_id_to_index
+        requests = self.requests
+        spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        spec_stats = SpecDecodingStats() if spec_sched and self.log_stats else None
+        max_model_len = self.max_model_len
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        stopped: list[Request] = []
+        for req, out in self._pending_outputs:
+            by_client.setdefault(req.client_index, []).append(out)
+        self._pending_outputs = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue  # finished or preempted while the step ran: its output is void
+            i = index.get(rid)
+            gen = sampled[i] if i is not None else None
+            if not gen:
+                continue  # a prefill chunk that sampled nothing
+            if spec_sched:
+                drafts = spec_sched.get(rid)
+                if drafts:
+                    self._apply_spec_result(req, drafts, len(gen), spec_stats)
+            had_outputs = bool(req.output_token_ids)
+            if len(gen) == 1:
+                req.append_output_token_ids(gen[0])
+                is_stopped = check_stop(req, max_model_len)
+                new_ids = gen
+            else:
+                new_ids, is_stopped = self._append_tokens(req, gen)
+            if not had_outputs:
+                req.record_event(EventType.FIRST_TOKEN, self.clock())
+            if is_stopped:
+                stopped.append(req)
+                out = EngineCoreOutput(rid, new_ids, FINISH_REASONS[req.status], req.stop_reason,
+                                       req.num_cached_tokens)
+            else:
+                out = EngineCoreOutput(rid, new_ids, None, None, req.num_cached_tokens)
+            lst = by_client.get(req.client_index)
+            if lst is None:
+                by_client[req.client_index] = lst = []
+            lst.append(out)
+        now = self.clock()
+        if stopped:
+            gone = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for req in stopped:
+                params = self._free_request(req, now)
+                if params is not None:
+                    self._attach_transfer_params(by_client, req, params)
+        self.connector.update_connector_output(runner_output.kv_connector_output)
+        outputs = {c: EngineCoreOutputs(outputs=o) for c, o in by_client.items()}
+        stats = self._make_stats(spec_stats) if self.log_stats else None
+        if stats is not None:
+            outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
+        try:
+            self._notify_finished(stopped, now)
+            self.hooks.on_step_end(scheduler_output=scheduler_output, outputs=outputs,
+                                   stats=stats, now=now)
+        except PluginError as e:
+            e.outputs = outputs  # type: ignore[attr-defined]  # the step itself succeeded
+            raise
+        return outputs
+
+    def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
+                           spec_stats: SpecDecodingStats | None) -> None:
+        num_accepted = num_gen - 1
+        num_rejected = len(drafts) - num_accepted
+        if num_rejected > 0 and req.num_computed_tokens > 0:
+            req.num_computed_tokens -= num_rejected
+        if spec_stats is not None and drafts[0] != -1:
+            spec_stats.observe(len(drafts), num_accepted)
+
+    def _append_tokens(self, req: Request, gen: list[int]) -> tuple[list[int], bool]:
+        max_model_len = self.max_model_len
+        for j, tok in enumerate(gen):
+            req.append_output_token_ids(tok)
+            if check_stop(req, max_model_len):
+                return gen[: j + 1], True
+        return gen, False
+
+    @staticmethod
+    def _attach_transfer_params(by_client: dict[int, list[EngineCoreOutput]], req: Request,
+                                params: dict) -> None:
+        for out in reversed(by_client[req.client_index]):
+            if out.request_id == req.request_id:
+                out.kv_transfer_params = params
+                return
+
+    def _free_request(self, req: Request, now: float) -> dict | None:
+        rid = req.request_id
+        delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
+        self.finished_req_ids.add(rid)
+        req.record_event(EventType.FINISHED, now)
+        if not delay:
+            self.kv_cache_manager.free(req)
+            del self.requests[rid]
+        return params
+
+    def _notify_finished(self, reqs: list[Request], now: float) -> None:
+        for req in reqs:
+            self.hooks.on_request_finished(request=req, now=now)
+
+    def _make_stats(self, spec_stats: SpecDecodingStats | None) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preempted_reqs=self.num_preemptions_total,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            spec_decoding_stats=spec_stats if spec_stats and spec_stats.num_drafts else None)

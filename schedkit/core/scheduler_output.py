@@ -1,0 +1,56 @@
+"""Turn one step's decisions (StepState) into the SchedulerOutput the runner reads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from schedkit.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from schedkit.core.scheduler import Scheduler, StepState
+
+
+def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
+    """Assemble the output with pre-advance ``num_computed_tokens`` values.
+
+    New requests carry their whole block table; running requests only the blocks
+    allocated this step (None if none); resumed requests their whole (new) table and
+    their tokens, since the runner dropped them at preemption.
+    """
+    kv = sched.kv_cache_manager
+    new_reqs = [
+        NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                       list(kv.get_block_ids(req.request_id)), req.num_computed_tokens)
+        for req in st.new_reqs
+    ]
+    cached = CachedRequestData()
+    req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+    num_computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
+    for req, blocks in zip(st.running_reqs, st.running_new_blocks):
+        req_ids.append(req.request_id)
+        new_block_ids.append(blocks or None)
+        num_computed.append(req.num_computed_tokens)
+        num_output.append(len(req.output_token_ids))
+    for req in st.resumed_reqs:
+        rid = req.request_id
+        req_ids.append(rid)
+        cached.resumed_req_ids.add(rid)
+        new_block_ids.append(list(kv.get_block_ids(rid)))
+        num_computed.append(req.num_computed_tokens)
+        num_output.append(len(req.output_token_ids))
+        cached.resumed_token_ids[rid] = list(req.all_token_ids)
+    running = sched.running
+    common = (kv.get_num_common_prefix_blocks(running[0].request_id, len(running))
+              if len(running) > 1 else 0)
+    preempted = sched._preempted_ids
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=st.num_scheduled,
+        total_num_scheduled_tokens=sum(st.num_scheduled.values()),
+        scheduled_spec_decode_tokens=st.spec_tokens,
+        num_common_prefix_blocks=[common],
+        preempted_req_ids=preempted,
+        finished_req_ids=sched.finished_req_ids,
+        step=sched.current_step,
+    )

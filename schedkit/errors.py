@@ -1,0 +1,42 @@
+"""Typed errors. Resource exhaustion is a return value (``None``), bugs are asserts,
+and user, config and plugin mistakes raise one of these."""
+
+from __future__ import annotations
+
+
+class SchedkitError(Exception):
+    """Base class of every error schedkit raises on purpose."""
+
+
+class ConfigError(SchedkitError, ValueError):
+    """A configuration file or value is invalid. The message names key, value and file."""
+
+
+class PluginError(SchedkitError):
+    """A plugin failed to load, validate, or raised inside a hook.
+
+    Attributes:
+        plugin: The plugin's registered name (or None when unknown).
+        hook: The hook name involved (or None at load time).
+    """
+
+    def __init__(self, message: str, *, plugin: str | None = None, hook: str | None = None):
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+
+
+class RequestError(SchedkitError, ValueError):
+    """A request was rejected: bad prompt, bad sampling values, duplicate id, too long.
+
+    Attributes:
+        request_id: The id of the rejected request.
+    """
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class EngineDeadError(SchedkitError):
+    """The engine-core process died; every pending client call raises this."""

@@ -1,0 +1,209 @@
+"""The plugin contract: every policy decision schedkit makes is one of these hooks.
+
+Plugins implement hooks with ``@schedkit.hookimpl`` on functions or methods whose names
+are exactly the spec names below; they may accept any subset of the arguments. All hooks
+run in the engine-core process (the process that owns the Scheduler). Every call passes
+keyword arguments only, and hooks are called once per step or once per decision with
+whole lists, never per token or per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from schedkit.config import SchedulerConfig
+    from schedkit.core.hooks import AdmissionDecision
+    from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
+    from schedkit.core.queues import RequestQueue
+    from schedkit.core.request import Request
+    from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+
+PROJECT = "schedkit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig) -> RequestQueue | None:
+    """Create the waiting queue, which fixes the order in which requests are admitted.
+
+    Stops at first non-None result. Called in the engine-core process, once, when the
+    Scheduler is built.
+
+    Args:
+        scheduler_config: The scheduler section of the config. Do not mutate.
+
+    Returns:
+        An object with the :class:`schedkit.core.queues.RequestQueue` methods (``add``,
+        ``peek``, ``pop``, ``prepend_request``, ``prepend_requests``, ``remove_request(s)``,
+        ``__len__``, ``__iter__`` in serving order), or None to defer to the next plugin.
+        The built-in ``fcfs`` plugin returns a FIFO whose ``prepend_request`` puts a
+        preempted request at the head; ``priority`` returns a heap keyed by
+        ``(priority, arrival_time, request_id)`` (smaller priority first).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_select_preemption_victim(running: Sequence[Request], request: Request) -> Request | None:
+    """Choose the running request to preempt when ``request`` cannot get its KV blocks.
+
+    Stops at first non-None result. Called in the engine-core process, at most once per
+    failed block allocation (then again after each preemption until the allocation fits
+    or ``request`` itself is chosen). Never called per token.
+
+    Args:
+        running: Running requests in admission order, possibly including requests
+            already scheduled in this step (their tokens are given back). Do not mutate.
+        request: The running request that needs blocks; it may itself be the victim,
+            which ends scheduling of running requests for this step.
+
+    Returns:
+        A member of ``running`` (the scheduler frees its blocks, resets its computed
+        tokens, keeps its outputs and re-queues it with ``prepend_request``), or None to
+        defer. Built-ins: ``fcfs`` returns ``running[-1]``; ``priority`` returns the first
+        request with the largest ``(priority, arrival_time)``. Returning an object that is
+        not running raises PluginError.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_prefill_chunk_limit(request: Request, num_new_tokens: int, threshold: int) -> int | None:
+    """Cap how many tokens ``request`` gets this step (chunked-prefill threshold).
+
+    Stops at first non-None result. Called in the engine-core process, once per
+    scheduling decision for a request that would get more than one token this step
+    (a prompt chunk, a resumed request, or a decode with drafts); plain one-token decodes
+    never call it.
+
+    Args:
+        request: The running or waiting request being scheduled. Do not mutate.
+        num_new_tokens: Tokens it would get before the step budget is applied.
+        threshold: The configured ``long_prefill_token_threshold``, or 0 when the request
+            is alone in the scheduler (a lone request is never capped) or when it is off.
+
+    Returns:
+        A cap >= 1 (values >= num_new_tokens change nothing), or None for no cap. The
+        built-in default returns ``threshold`` when it is positive, else None.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_step_token_budget(max_num_batched_tokens: int, running: Sequence[Request],
+                               waiting: RequestQueue, kv_cache_usage: float, step: int) -> int | None:
+    """Set this step's token budget.
+
+    Stops at first non-None result. Called in the engine-core process, once at the start
+    of every schedule().
+
+    Args:
+        max_num_batched_tokens: The configured budget (an upper bound for the answer).
+        running: Running requests in admission order. Do not mutate.
+        waiting: The waiting queue. Do not mutate.
+        kv_cache_usage: Fraction of usable KV blocks in use, in [0, 1].
+        step: The step number (1 for the first schedule()).
+
+    Returns:
+        A budget in ``[0, max_num_batched_tokens]`` (0 schedules nothing this step), or
+        None to defer. The built-in default returns ``max_num_batched_tokens``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: float,
+                           now: float) -> AdmissionDecision | None:
+    """Decide whether the request at the head of the waiting queue may be admitted now.
+
+    Stops at first non-None result. Called in the engine-core process, once per waiting
+    request examined in a step (only in steps that preempted nobody, while budget and
+    running slots remain).
+
+    Args:
+        request: The request at the head of the waiting queue. Do not mutate.
+        num_running: Requests running now.
+        kv_cache_usage: Fraction of usable KV blocks in use, in [0, 1].
+        now: The scheduler clock (seconds; virtual in the simulator).
+
+    Returns:
+        ``AdmissionDecision.ADMIT`` to try to schedule it (it may still wait for blocks
+        or budget, which blocks the queue head as in vLLM), ``DEFER`` to skip it this step
+        (it goes back to the head afterwards), ``REJECT`` to finish it with finish reason
+        "abort" and stop_reason "rejected", or None to defer to the next plugin. The
+        built-in default admits.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_create_kv_connector(role: KVConnectorRole, config: Any) -> KVConnectorBase | None:
+    """Create the KV connector for one side (scheduler or worker).
+
+    Stops at first non-None result. Called once per role: in the engine-core process
+    when the Scheduler is built (role SCHEDULER) and in the runner's process when the
+    runner starts (role WORKER).
+
+    Args:
+        role: ``KVConnectorRole.SCHEDULER`` or ``KVConnectorRole.WORKER``.
+        config: The cache section of the config. Do not mutate.
+
+    Returns:
+        A :class:`schedkit.kv.connector.KVConnectorBase`, or None; when every plugin
+        returns None the scheduler uses a no-op connector.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def schedkit_on_step_end(scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs],
+                         stats: SchedulerStats | None, now: float) -> None:
+    """Observe a finished step (accounting for fair share, MLFQ levels, metrics).
+
+    Called on every plugin that implements it, in the engine-core process, once at the
+    end of every update_from_output(), after all state changes of the step.
+
+    Args:
+        scheduler_output: The step's plan. Do not mutate.
+        outputs: New tokens and finishes per client index. Do not mutate.
+        stats: Scheduler statistics of the step (None when stats are off).
+        now: The scheduler clock.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def schedkit_on_request_finished(request: Request, now: float) -> None:
+    """Observe a request that just finished (stop, length, abort, error, rejected).
+
+    Called on every plugin that implements it, in the engine-core process, once per
+    finished request, after its blocks were released.
+
+    Args:
+        request: The finished request (its events hold the timeline). Do not mutate.
+        now: The scheduler clock.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+HOOK_NAMES: tuple[str, ...] = tuple(
+    name for name in list(globals()) if name.startswith("schedkit_"))

@@ -1,0 +1,141 @@
+"""Test kit for plugin authors (also used by schedkit's own tests).
+
+Installed as a pytest plugin (entry point ``pytest11``), so with schedkit installed the
+fixtures ``make_scheduler``, ``registered_plugin`` and ``fake_runner`` are available in
+any test suite. The plain functions are importable too, with the names and keywords of
+vLLM's own test helpers (``tests/v1/core/utils.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from schedkit.config import CacheConfig, SchedulerConfig
+from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.core.request import Request, SamplingParams
+from schedkit.core.scheduler import Scheduler
+from schedkit.plugins.facade import HookFacade
+from schedkit.plugins.manager import get_plugin_manager
+
+_last_arrival = [0.0]
+
+
+def _next_arrival_time() -> float:
+    t = max(time.monotonic(), _last_arrival[0] + 1e-6)
+    _last_arrival[0] = t
+    return t
+
+
+def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: int = 10000,
+                   max_num_batched_tokens: int = 8192, max_num_seqs: int = 16,
+                   max_model_len: int = 2048, enable_prefix_caching: bool = False,
+                   enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                   num_speculative_tokens: int = 0, plugins: Iterable[Any] = (),
+                   plugin_settings: Mapping[str, Mapping[str, Any]] | None = None,
+                   scheduler_reserve_full_isl: bool = True, watermark: float = 0.0,
+                   clock: Callable[[], float] = time.monotonic,
+                   log_stats: bool = True) -> Scheduler:
+    """A Scheduler with vLLM's test-harness defaults and the real plugin manager.
+
+    ``plugins`` are plugin objects registered after the built-ins (so they win);
+    ``plugin_settings`` switches on installed entry-point plugins by name.
+    """
+    sched_cfg = SchedulerConfig(
+        policy=policy, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl)
+    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=enable_prefix_caching, watermark=watermark)
+    pm = get_plugin_manager(scheduler_config=sched_cfg, plugin_settings=plugin_settings,
+                            extra_plugins=plugins)
+    return Scheduler(sched_cfg, cache_cfg, HookFacade(pm), clock=clock, log_stats=log_stats)
+
+
+def make_request(request_id: str, prompt_token_ids: Sequence[int], *, max_tokens: int = 16,
+                 priority: int = 0, arrival_time: float | None = None,
+                 eos_token_id: int | None = 50256, stop_token_ids: Sequence[int] = (),
+                 min_tokens: int = 0, ignore_eos: bool = False, client_index: int = 0,
+                 tenant: str = "default", cache_salt: str | None = None) -> Request:
+    """One request; ``arrival_time=None`` takes a strictly increasing clock."""
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
+                            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                            eos_token_id=eos_token_id)
+    return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                   sampling_params=params, priority=priority,
+                   arrival_time=_next_arrival_time() if arrival_time is None else arrival_time,
+                   client_index=client_index, tenant=tenant, cache_salt=cache_salt)
+
+
+def make_requests(n: int, *, num_tokens: int = 10, max_tokens: int = 16,
+                  prompts: Sequence[Sequence[int]] | None = None,
+                  priorities: Sequence[int] | None = None,
+                  arrival_times: Sequence[float] | None = None, same_prompt: bool = False,
+                  eos_token_id: int | None = 50256) -> list[Request]:
+    """Requests "0".."n-1" with prompt ``[i] * num_tokens`` unless ``prompts`` is given."""
+    reqs = []
+    for i in range(n):
+        prompt = prompts[i] if prompts is not None else [0 if same_prompt else i] * num_tokens
+        reqs.append(make_request(
+            str(i), prompt, max_tokens=max_tokens,
+            priority=priorities[i] if priorities is not None else 0,
+            arrival_time=arrival_times[i] if arrival_times is not None else None,
+            eos_token_id=eos_token_id))
+    return reqs
+
+
+def runner_output(scheduler_output: SchedulerOutput,
+                  sampled: Mapping[str, Sequence[int]]) -> ModelRunnerOutput:
+    """A ModelRunnerOutput for every scheduled request; missing ids sample nothing."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[list(sampled.get(r, ())) for r in req_ids])
+
+
+# ---------------------------------------------------------------------- pytest fixtures
+@pytest.fixture
+def registered_plugin() -> Iterator[Callable[[Any], Any]]:
+    """Register plugin objects for every ``make_scheduler`` fixture call in this test.
+
+    Usage: ``registered_plugin(MyPolicy())`` then ``make_scheduler()``; unregistered at
+    teardown, even if the test fails.
+    """
+    _registered.clear()
+
+    def register(plugin: Any) -> Any:
+        _registered.append(plugin)
+        return plugin
+
+    try:
+        yield register
+    finally:
+        _registered.clear()
+
+
+_registered: list[Any] = []
+
+
+@pytest.fixture(name="make_scheduler")
+def make_scheduler_fixture() -> Callable[..., Scheduler]:
+    """``make_scheduler(**kwargs)`` with the test's ``registered_plugin`` objects added."""
+
+    def factory(**kwargs: Any) -> Scheduler:
+        plugins = list(kwargs.pop("plugins", ())) + list(_registered)
+        return make_scheduler(plugins=plugins, **kwargs)
+
+    return factory
+
+
+@pytest.fixture
+def fake_runner() -> Callable[..., Any]:
+    """Factory of deterministic FakeRunners: ``fake_runner(vocab_size=..., eos_token_id=...)``."""
+    from schedkit.runners.fake import FakeRunner
+
+    return FakeRunner
+
+

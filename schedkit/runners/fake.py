@@ -1,0 +1,121 @@
+"""A deterministic runner for tests and scheduler benchmarks: no model, no torch.
+
+The "model" emits output token ``i`` of request ``r`` as a fixed function of ``r`` and
+``i``; an optional per-request output length makes it emit EOS at that position. It
+verifies drafts against the same function, so speculative decoding accepts exactly the
+correct prefix of each draft list, as a real target model would.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _ReqState:
+    seed: int
+    num_prompt_tokens: int
+    tokens: list[int]
+    num_computed_tokens: int
+    eos_at: int | None = None
+
+
+def request_seed(request_id: str) -> int:
+    return zlib.crc32(request_id.encode())
+
+
+@dataclass
+class FakeRunner:
+    """Args:
+        vocab_size: Tokens are drawn from ``[0, vocab_size)``.
+        eos_token_id: Token emitted at a request's ``output_len``; never otherwise.
+        output_len: ``request_id -> number of outputs before EOS`` (None: never EOS).
+        draft_error_every: Every this many draft positions the proposal is wrong (0: never).
+    """
+
+    vocab_size: int = 32000
+    eos_token_id: int | None = None
+    output_len: Callable[[str], int | None] | None = None
+    draft_error_every: int = 3
+    states: dict[str, _ReqState] = field(default_factory=dict)
+    _last_sampled: list[str] = field(default_factory=list)
+
+    def initialize(self, num_blocks: int, block_size: int) -> int:
+        return num_blocks
+
+    def token_at(self, state: _ReqState, output_index: int) -> int:
+        if state.eos_at is not None and output_index == state.eos_at and self.eos_token_id is not None:
+            return self.eos_token_id
+        tok = (state.seed + 7919 * output_index) % self.vocab_size
+        if tok == self.eos_token_id:
+            tok = (tok + 1) % self.vocab_size
+        return tok
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        states = self.states
+        for rid in scheduler_output.finished_req_ids:
+            states.pop(rid, None)
+        for rid in scheduler_output.preempted_req_ids:
+            states.pop(rid, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            eos_at = self.output_len(new.req_id) if self.output_len is not None else None
+            states[new.req_id] = _ReqState(request_seed(new.req_id), len(new.prompt_token_ids),
+                                           list(new.prompt_token_ids), new.num_computed_tokens, eos_at)
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, tokens in cached.resumed_token_ids.items():
+            old = states.get(rid)
+            num_prompt = old.num_prompt_tokens if old is not None else len(tokens)
+            eos_at = self.output_len(rid) if self.output_len is not None else None
+            states[rid] = _ReqState(request_seed(rid), num_prompt, list(tokens), 0, eos_at)
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            states[rid].num_computed_tokens = computed
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        req_ids, sampled = [], []
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            st = states[rid]
+            drafts = spec.get(rid, ())
+            end = st.num_computed_tokens + n - len(drafts)
+            st.num_computed_tokens += n
+            req_ids.append(rid)
+            if end < len(st.tokens):
+                sampled.append([])  # a prefill chunk: no token yet
+                continue
+            out = self._verify(st, drafts)
+            st.tokens.extend(out)
+            st.num_computed_tokens -= len(drafts) - (len(out) - 1)
+            sampled.append(out)
+        self._last_sampled = [r for r, s in zip(req_ids, sampled) if s]
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+    def _verify(self, st: _ReqState, drafts: list[int] | tuple[()]) -> list[int]:
+        base = len(st.tokens) - st.num_prompt_tokens
+        out = []
+        for j, d in enumerate(drafts):
+            tok = self.token_at(st, base + j)
+            out.append(tok)
+            if d != tok or tok == self.eos_token_id:
+                return out
+        out.append(self.token_at(st, base + len(drafts)))
+        return out
+
+    def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
+        """Propose the true next tokens, wrong at every ``draft_error_every``-th position."""
+        drafts = {}
+        for rid in self._last_sampled:
+            st = self.states.get(rid)
+            if st is None:
+                continue
+            base = len(st.tokens) - st.num_prompt_tokens
+            props = []
+            for j in range(num_spec_tokens):
+                tok = self.token_at(st, base + j)
+                if self.draft_error_every and (st.seed + base + j) % self.draft_error_every == 0:
+                    tok = (tok + 1) % self.vocab_size
+                props.append(tok)
+            drafts[rid] = props
+        return drafts

@@ -344,6 +344,8 @@ class Scheduler:
             if did_lookup and not req.skip_reading_prefix_cache:
                 kv.record_prefix_cache_hits(req.num_tokens, num_local, req.num_preemptions > 0)
             self._admit(waiting.pop(), n, computed, st, now)
+            if n > 1 and req.num_tokens - computed == 1:
+                st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
         if skipped:
             waiting.prepend_requests(skipped)
 
@@ -356,7 +358,6 @@ class Scheduler:
             # Pad a one-token admission with placeholder drafts so the batch stays uniform.
             if 1 + k > st.budget:
                 return 0
-            st.spec_tokens[req.request_id] = [-1] * k
             return 1 + k
         if n > 1:
             cap = self.hooks.prefill_chunk_limit(request=req, num_new_tokens=n, threshold=st.threshold)

@@ -20,7 +20,7 @@ class CachedBlockMap:
     def get(self, block_hash: BlockHash) -> int | None:
         """Return the first inserted surviving block with this hash, or None."""
         v = self._map.get(block_hash)
-        if v is None or type(v) is int:
+        if v is None or isinstance(v, int):
             return v
         return next(iter(v))
 
@@ -29,7 +29,7 @@ class CachedBlockMap:
         v = self._map.get(block_hash)
         if v is None:
             return []
-        return [v] if type(v) is int else list(v)
+        return [v] if isinstance(v, int) else list(v)
 
     def insert(self, block_hash: BlockHash, block_id: int) -> None:
         """Add ``block_id`` under ``block_hash``."""
@@ -37,7 +37,7 @@ class CachedBlockMap:
         v = m.get(block_hash)
         if v is None:
             m[block_hash] = block_id
-        elif type(v) is int:
+        elif isinstance(v, int):
             m[block_hash] = {v: None, block_id: None}
         else:
             v[block_id] = None
@@ -52,7 +52,7 @@ class CachedBlockMap:
         v = m.get(block_hash)
         if v is None:
             return None
-        if type(v) is int:
+        if isinstance(v, int):
             if v != block_id:
                 return None
             del m[block_hash]

@@ -1,13 +1,18 @@
 """Scheduler-side KV cache manager for one full-attention KV group (spec 4.6-4.10).
 
-Keeps each request's block table and its number of prefix-cached blocks in dicts keyed
-by request id, and delegates block bookkeeping to :class:`BlockPool`. Runs in the
-scheduler (engine-core) process only; not thread-safe.
+Keeps each request's block table and its number of prefix-cached blocks (one
+:class:`RequestBlocks` per request id), and delegates block bookkeeping to
+:class:`BlockPool`. Runs in the scheduler (engine-core) process only; not thread-safe.
+
+Hot path: a decode step calls ``allocate_slots(req, 1)`` for every running request; when
+no block is needed and no block fills up, that costs one dict lookup and a few integer
+operations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from schedkit.errors import ConfigError
 from schedkit.kv.block_pool import BlockPool
@@ -15,7 +20,20 @@ from schedkit.kv.events import KVCacheEvent
 from schedkit.kv.interfaces import KVRequest
 from schedkit.kv.metrics import PrefixCacheStats
 
-__all__ = ["KVCacheManager", "KVRequest"]
+__all__ = ["KVCacheManager", "KVRequest", "RequestBlocks"]
+
+
+@dataclass(slots=True)
+class RequestBlocks:
+    """One request's KV state, kept in a dict keyed by request id.
+
+    Attributes:
+        block_ids: The block table, in token order.
+        num_cached_blocks: Leading blocks registered in the prefix cache (only grows).
+    """
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0
 
 
 class KVCacheManager:
@@ -38,8 +56,7 @@ class KVCacheManager:
         "block_pool",
         "prefix_cache_totals",
         "_watermark_blocks",
-        "_tables",
-        "_num_cached",
+        "_reqs",
         "_stats",
     )
 
@@ -84,8 +101,7 @@ class KVCacheManager:
             enable_kv_events=enable_kv_events,
         )
         self._watermark_blocks = int(watermark * num_blocks)
-        self._tables: dict[str, list[int]] = {}
-        self._num_cached: dict[str, int] = {}
+        self._reqs: dict[str, RequestBlocks] = {}
         self._stats = PrefixCacheStats()
         self.prefix_cache_totals = PrefixCacheStats()
 
@@ -104,22 +120,26 @@ class KVCacheManager:
     @property
     def num_tracked_requests(self) -> int:
         """Requests that currently own a block table."""
-        return len(self._tables)
+        return len(self._reqs)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's full block table ([] when it holds none)."""
-        table = self._tables.get(request_id)
-        return list(table) if table else []
+        state = self._reqs.get(request_id)
+        return list(state.block_ids) if state is not None else []
 
     def get_num_cached_blocks(self, request_id: str) -> int:
         """Number of leading blocks of the request registered in the prefix cache."""
-        return self._num_cached.get(request_id, 0)
+        state = self._reqs.get(request_id)
+        return state.num_cached_blocks if state is not None else 0
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
         """Leading blocks of the request's table held by all ``num_running_requests``."""
+        state = self._reqs.get(request_id)
+        if state is None:
+            return 0
         ref = self.block_pool.ref_cnt
         n = 0
-        for b in self._tables.get(request_id, ()):
+        for b in state.block_ids:
             if ref(b) != num_running_requests:
                 break
             n += 1
@@ -193,35 +213,34 @@ class KVCacheManager:
             )  # fmt: skip
         # Fast path (every running request): no hits, no external tokens, no gate.
         assert num_new_tokens > 0 or num_new_computed_tokens > 0, "nothing to allocate"
-        rid = request.request_id
-        table = self._tables.get(rid)
-        bs = self.block_size
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        need = computed + num_new_tokens + num_lookahead_tokens
+        state = self._reqs.get(request.request_id)
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        need = end + num_lookahead_tokens
         if need > self.max_model_len:
             need = self.max_model_len
-        num_new = (need + bs - 1) // bs - (len(table) if table is not None else 0)
-        if num_new > 0 or apply_watermark or reserved_blocks:
-            if num_new < 0:
-                num_new = 0
+        bs = self.block_size
+        if state is not None and need <= len(state.block_ids) * bs:
+            if apply_watermark or reserved_blocks:
+                pool = self.block_pool
+                wm = self._watermark_blocks if apply_watermark else 0
+                if wm > pool.num_free_blocks - reserved_blocks:
+                    return None
+            new_blocks = []
+        else:
+            num_new = (need + bs - 1) // bs - (len(state.block_ids) if state is not None else 0)
             pool = self.block_pool
             wm = self._watermark_blocks if apply_watermark else 0
             if num_new + wm > pool.num_free_blocks - reserved_blocks:
                 return None
             new_blocks = pool.get_new_blocks(num_new)
-        else:
-            new_blocks = []
-        if table is None:
-            table = self._tables[rid] = new_blocks.copy()
-        elif new_blocks:
-            table += new_blocks
-        if self.enable_caching and not delay_cache_blocks:
-            end = computed + num_new_tokens
-            num_cached = self._num_cached.get(rid, 0)
-            if end // bs > num_cached:
-                num_full = min(end, request.num_tokens) // bs
-                if num_full > num_cached:
-                    self._cache(request, table, num_cached, num_full)
+            if state is None:
+                state = self._reqs[request.request_id] = RequestBlocks(new_blocks.copy())
+            else:
+                state.block_ids += new_blocks
+        if end // bs > state.num_cached_blocks and self.enable_caching and not delay_cache_blocks:
+            num_full = min(end, request.num_tokens) // bs
+            if num_full > state.num_cached_blocks:
+                self._cache(request, state, num_full)
         return new_blocks
 
     def _allocate_general(
@@ -242,9 +261,11 @@ class KVCacheManager:
         rid = request.request_id
         bs = self.block_size
         pool = self.block_pool
-        table = self._tables.get(rid)
-        num_held = (len(table) if table else 0) + len(new_computed_blocks)
-        assert not (new_computed_blocks and table), "prefix hits for a request holding blocks"
+        state = self._reqs.get(rid)
+        num_held = (len(state.block_ids) if state else 0) + len(new_computed_blocks)
+        assert not (new_computed_blocks and state and state.block_ids), (
+            "hits for a request holding blocks"
+        )
         total_computed = min(
             request.num_computed_tokens + num_new_computed_tokens + ext, self.max_model_len
         )
@@ -262,12 +283,13 @@ class KVCacheManager:
         if num_blocks + wm > free - reserved_blocks:
             return None
 
-        if table is None:
-            table = self._tables[rid] = []
+        if state is None:
+            state = self._reqs[rid] = RequestBlocks([])
+        table = state.block_ids
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             table.extend(new_computed_blocks)
-            self._num_cached[rid] = len(table)
+            state.num_cached_blocks = len(table)
         if ext:
             num_ext_blocks = -(-total_computed // bs) - len(table)
             if num_ext_blocks > 0:
@@ -277,19 +299,20 @@ class KVCacheManager:
         table.extend(new_blocks)
         if self.enable_caching and not delay_cache_blocks:
             num_full = min(total_computed + num_new_tokens, request.num_tokens) // bs
-            num_cached = self._num_cached.get(rid, 0)
-            if num_full > num_cached:
-                self._cache(request, table, num_cached, num_full)
+            if num_full > state.num_cached_blocks:
+                self._cache(request, state, num_full)
         return new_blocks
 
     # Caching and freeing ------------------------------------------------------------
 
-    def _cache(self, request: KVRequest, table: list[int], num_cached: int, num_full: int) -> None:
-        assert num_full <= len(table), (num_full, len(table))
+    def _cache(self, request: KVRequest, state: RequestBlocks, num_full: int) -> None:
+        assert num_full <= len(state.block_ids), (num_full, len(state.block_ids))
         pool = self.block_pool
         token_ids = request.all_token_ids if pool.enable_kv_events else None
-        pool.cache_full_blocks(table, request.block_hashes, num_cached, num_full, token_ids)
-        self._num_cached[request.request_id] = num_full
+        pool.cache_full_blocks(
+            state.block_ids, request.block_hashes, state.num_cached_blocks, num_full, token_ids
+        )
+        state.num_cached_blocks = num_full
 
     def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         """Register the request's full blocks covering its first ``num_tokens`` tokens.
@@ -299,19 +322,16 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        rid = request.request_id
-        num_cached = self._num_cached.get(rid, 0)
+        state = self._reqs[request.request_id]
         num_full = num_tokens // self.block_size
-        if num_full > num_cached:
-            self._cache(request, self._tables[rid], num_cached, num_full)
+        if num_full > state.num_cached_blocks:
+            self._cache(request, state, num_full)
 
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks, last block first, and forget its table."""
-        rid = request.request_id
-        table = self._tables.pop(rid, None)
-        self._num_cached.pop(rid, None)
-        if table:
-            self.block_pool.free_blocks(reversed(table))
+        state = self._reqs.pop(request.request_id, None)
+        if state is not None and state.block_ids:
+            self.block_pool.free_blocks(reversed(state.block_ids))
 
     def new_step_starts(self) -> None:
         """Per-step hook; nothing to do for full attention."""

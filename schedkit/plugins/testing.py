@@ -97,6 +97,42 @@ def runner_output(scheduler_output: SchedulerOutput,
         sampled_token_ids=[list(sampled.get(r, ())) for r in req_ids])
 
 
+def assert_scheduler_consistent(sched: Scheduler) -> None:
+    """Assert the scheduler's invariants; call between steps in plugin tests.
+
+    Every known request is in exactly one place (running, waiting, or finished and held
+    by a connector); statuses match places; running fits max_num_seqs; each block's
+    reference count equals the number of block tables holding it; free + used blocks
+    add up to the pool.
+    """
+    from collections import Counter
+
+    from schedkit.core.request import RequestStatus
+
+    running_ids = [r.request_id for r in sched.running]
+    waiting_ids = [r.request_id for r in sched.waiting]
+    assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
+    assert len(set(waiting_ids)) == len(waiting_ids), "a request is twice in waiting"
+    assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+    assert len(running_ids) <= sched.max_num_seqs
+    for rid, req in sched.requests.items():
+        if req.is_finished:
+            continue
+        where = rid in running_ids, rid in waiting_ids
+        assert where in ((True, False), (False, True)), f"request {rid} is lost ({req.status.name})"
+        assert (req.status is RequestStatus.RUNNING) == where[0], f"{rid}: {req.status.name}"
+    assert set(running_ids) | set(waiting_ids) <= set(sched.requests)
+    kv = sched.kv_cache_manager
+    held: Counter[int] = Counter()
+    for rid in sched.requests:
+        held.update(b for b in kv.get_block_ids(rid) if b != 0)
+    pool = kv.block_pool
+    for b in range(1, kv.num_blocks):
+        assert pool.ref_cnt(b) == held[b], f"block {b}: ref_cnt {pool.ref_cnt(b)} != {held[b]} tables"
+    used = sum(1 for b in range(1, kv.num_blocks) if held[b])
+    assert kv.num_free_blocks + used == kv.num_blocks - 1
+
+
 # ---------------------------------------------------------------------- pytest fixtures
 @pytest.fixture
 def registered_plugin() -> Iterator[Callable[[Any], Any]]:

@@ -57,7 +57,10 @@ def make_request() -> MakeRequest:
         **kwargs: object,
     ) -> FakeRequest:
         return FakeRequest(
-            str(request_id), list(tokens), BlockHasher(block_size, algo), **kwargs  # type: ignore[arg-type]
+            str(request_id),
+            list(tokens),
+            BlockHasher(block_size, algo),
+            **kwargs,  # type: ignore[arg-type]
         )
 
     return make

@@ -197,7 +197,9 @@ def test_null_parent_block_hash_s63():
     pool.cache_full_blocks(table, hashes, 2, 4, token_ids=tokens)
     events = pool.take_events()
     assert events == [
-        BlockStored(block_hashes=hashes[2:4], parent_block_hash=hashes[1], token_ids=[12, 13], block_size=1)
+        BlockStored(
+            block_hashes=hashes[2:4], parent_block_hash=hashes[1], token_ids=[12, 13], block_size=1
+        )
     ]
     assert pool.block_hash(0) is None
     assert pool.block_hash(new[1]) == hashes[2] and pool.block_hash(new[2]) == hashes[3]

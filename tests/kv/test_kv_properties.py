@@ -60,7 +60,7 @@ def check_invariants(m: KVCacheManager, active: dict) -> None:
         assert pool.ref_cnt(b) == holders[b]
         assert (b in free) == (holders[b] == 0)
     assert 0 not in free and holders[0] == 0
-    hashed = {}
+    hashed: dict[bytes, list[int]] = {}
     for b in range(NUM_BLOCKS):
         h = pool.block_hash(b)
         if h is not None:
@@ -71,7 +71,9 @@ def check_invariants(m: KVCacheManager, active: dict) -> None:
     assert abs(m.usage - (1 - pool.num_free_blocks / (NUM_BLOCKS - 1))) < 1e-12
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(caching=st.booleans(), program=st.lists(ops, min_size=20, max_size=80))
 def test_random_programs_keep_refcounts_consistent(make_request, caching, program):
     m = KVCacheManager(block_size=BS, num_blocks=NUM_BLOCKS, max_model_len=64,
@@ -111,7 +113,12 @@ def test_random_programs_keep_refcounts_consistent(make_request, caching, progra
                 m.free(req)  # preempt
                 del active[req.request_id]
             else:
-                assert m.get_block_ids(req.request_id)[len(m.get_block_ids(req.request_id)) - len(new):] == new
+                assert (
+                    m.get_block_ids(req.request_id)[
+                        len(m.get_block_ids(req.request_id)) - len(new) :
+                    ]
+                    == new
+                )
                 req.num_computed_tokens += n
         elif kind == "free":
             req = active.pop(str(args[0]), None)

@@ -37,7 +37,9 @@ class RunnerConfig(_Strict):
     vocab_size: int = Field(default=32000, ge=2)
     """Vocabulary size of the fake runner's token function."""
     eos_token_id: int | None = Field(default=None, ge=0)
-    """EOS id produced by the fake runner at the end of each request (None: never)."""
+    """EOS id the fake runner emits at each request's sampled output length (None: never)."""
+    step_time_ms: float = Field(default=10.0, gt=0)
+    """Virtual duration of one fake-runner step, which drives the engine's clock."""
 
 
 class CacheConfig(_Strict):

@@ -7,6 +7,7 @@ attributes (``num_tokens`` is kept up to date on append instead of being a prope
 from __future__ import annotations
 
 import enum
+from array import array
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,7 +114,7 @@ class SamplingParams:
 BlockHasherFn = Callable[[list[int], list[bytes]], None]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, repr=False)
 class Request:
     """One generation request and its scheduling state.
 
@@ -162,7 +163,11 @@ class Request:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)) or len(prompt) == 0:
             raise RequestError(f"request {self.request_id!r}: prompt must be a non-empty list of "
                                "token ids", request_id=self.request_id)
-        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+        try:
+            ok = min(array("q", prompt)) >= 0  # C-speed type and range check
+        except (TypeError, OverflowError):
+            ok = False
+        if not ok:
             raise RequestError(f"request {self.request_id!r}: prompt token ids must be "
                                "non-negative integers", request_id=self.request_id)
         self.prompt_token_ids = list(prompt)
@@ -212,6 +217,11 @@ class Request:
             if k is kind:
                 return t
         return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"priority={self.priority})")
 
     def __lt__(self, other: Request) -> bool:
         return (self.priority, self.arrival_time, self.request_id) < (

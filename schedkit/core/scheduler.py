@@ -96,6 +96,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[tuple[Request, EngineCoreOutput]] = []
+        self._pending_finished: list[Request] = []
         self.current_step = 0
         self.num_preemptions_total = 0
 
@@ -163,7 +164,8 @@ class Scheduler:
         return reqs
 
     def has_requests(self) -> bool:
-        return bool(self.requests) or bool(self.finished_req_ids) or bool(self._pending_outputs)
+        return bool(self.requests or self.finished_req_ids or self._pending_outputs
+                    or self._pending_finished)
 
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_ids)
@@ -412,7 +414,9 @@ class Scheduler:
             self._free_request(req, now)
             self._pending_outputs.append((req, EngineCoreOutput(
                 req.request_id, [], FINISH_REASONS[req.status], req.stop_reason)))
-        self._notify_finished(rejected, now)
+        # Observers hear of them in update_from_output, so a raising observer cannot
+        # lose this step's output (its admissions must reach the runner).
+        self._pending_finished.extend(rejected)
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -473,6 +477,9 @@ class Scheduler:
         stats = self._make_stats(spec_stats) if self.log_stats else None
         if stats is not None:
             outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
+        if self._pending_finished:
+            stopped = self._pending_finished + stopped
+            self._pending_finished = []
         try:
             self._notify_finished(stopped, now)
             self.hooks.on_step_end(scheduler_output=scheduler_output, outputs=outputs,

@@ -1,9 +1,12 @@
 """Typed calls into the plugin layer; implements :class:`schedkit.core.hooks.SchedulerHooks`.
 
-Each method calls one pluggy hook with keyword arguments, checks the answer, and turns
-any exception raised inside a plugin into a :class:`PluginError` that names the plugin
-and the hook. Finding the plugin walks the traceback only after a failure, so the
-success path costs one extra Python call.
+Each method calls one hook with keyword arguments, checks the answer, and turns any
+exception raised inside a plugin into a :class:`PluginError` that names the plugin and
+the hook. The facade walks the registered implementations itself (in pluggy's call
+order: tryfirst, then normal, then trylast; later registrations first within a class),
+so it knows exactly which plugin raised or gave a bad answer. A hook that has
+``wrapper=True`` implementations is called through pluggy instead, and blame is then
+found from the traceback. The plugin set is read once, when the facade is built.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerS
 from schedkit.core.queues import RequestQueue
 from schedkit.core.request import Request, RequestStatus
 from schedkit.errors import PluginError
+from schedkit.hookspecs import HOOK_NAMES
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
 
 _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
                   "remove_request", "remove_requests", "__len__", "__iter__")
+
+_Impl = tuple[Any, tuple[str, ...], str]
 
 
 class HookFacade:
@@ -30,115 +36,107 @@ class HookFacade:
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self.pm = pm
-        h = pm.hook
-        self._queue = h.schedkit_create_waiting_queue
-        self._victim = h.schedkit_select_preemption_victim
-        self._chunk = h.schedkit_prefill_chunk_limit
-        self._budget = h.schedkit_step_token_budget
-        self._admit = h.schedkit_admit_request
-        self._connector = h.schedkit_create_kv_connector
-        self._step_end = h.schedkit_on_step_end
-        self._finished = h.schedkit_on_request_finished
+        self._impls: dict[str, tuple[_Impl, ...] | None] = {}
+        for name in HOOK_NAMES:
+            impls = getattr(pm.hook, name).get_hookimpls()
+            if any(i.hookwrapper or i.wrapper for i in impls):
+                self._impls[name] = None
+            else:
+                self._impls[name] = tuple((i.function, tuple(i.argnames), i.plugin_name)
+                                          for i in reversed(impls))
+        self._chunk_impls = self._impls["schedkit_prefill_chunk_limit"]
 
-    # -- failure reporting ---------------------------------------------------------------
-    def _plugin_of(self, hook_name: str, exc: BaseException) -> str | None:
-        codes = {getattr(impl.function, "__code__", None): impl.plugin_name
-                 for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
-        tb = exc.__traceback__
-        while tb is not None:
-            name = codes.get(tb.tb_frame.f_code)
-            if name is not None:
-                return name
-            tb = tb.tb_next
-        return None
+    # -- calling -------------------------------------------------------------------------
+    def _call(self, name: str, kwargs: dict[str, Any], first: bool) -> tuple[Any, str | None]:
+        """Call a hook; for firstresult hooks return (answer, plugin that gave it)."""
+        impls = self._impls[name]
+        if impls is None:
+            return self._call_via_pluggy(name, kwargs)
+        for fn, argnames, plugin in impls:
+            try:
+                result = fn(*[kwargs[a] for a in argnames])
+            except Exception as e:
+                raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
+                                  f"{type(e).__name__}: {e}", plugin=plugin, hook=name) from e
+            if first and result is not None:
+                return result, plugin
+        return None, None
 
-    def _error(self, hook_name: str, exc: BaseException) -> PluginError:
-        plugin = self._plugin_of(hook_name, exc)
-        return PluginError(f"plugin {plugin!r} raised in hook {hook_name}: "
-                           f"{type(exc).__name__}: {exc}", plugin=plugin, hook=hook_name)
+    def _call_via_pluggy(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+        caller = getattr(self.pm.hook, name)
+        try:
+            return caller(**kwargs), None
+        except Exception as e:
+            codes = {getattr(i.function, "__code__", None): i.plugin_name
+                     for i in caller.get_hookimpls()}
+            plugin, tb = None, e.__traceback__
+            while tb is not None and plugin is None:
+                plugin = codes.get(tb.tb_frame.f_code)
+                tb = tb.tb_next
+            raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
+                              f"{type(e).__name__}: {e}", plugin=plugin, hook=name) from e
 
-    def _bad_answer(self, hook_name: str, answer: Any, why: str) -> PluginError:
-        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
-        names = [i.plugin_name for i in reversed(impls)]
-        return PluginError(f"hook {hook_name} returned {answer!r}: {why} "
-                           f"(implemented by {names})", plugin=names[0] if names else None,
-                           hook=hook_name)
+    @staticmethod
+    def _bad_answer(name: str, plugin: str | None, answer: Any, why: str) -> PluginError:
+        return PluginError(f"plugin {plugin!r}: hook {name} returned {answer!r}: {why}",
+                           plugin=plugin, hook=name)
 
     # -- hooks ---------------------------------------------------------------------------
     def create_waiting_queue(self, *, scheduler_config: SchedulerConfig) -> RequestQueue:
-        try:
-            queue = self._queue(scheduler_config=scheduler_config)
-        except Exception as e:
-            raise self._error("schedkit_create_waiting_queue", e) from e
+        name = "schedkit_create_waiting_queue"
+        queue, plugin = self._call(name, {"scheduler_config": scheduler_config}, True)
         missing = [m for m in _QUEUE_METHODS if not hasattr(queue, m)]
         if queue is None or missing:
-            raise self._bad_answer("schedkit_create_waiting_queue", queue,
-                                   f"not a waiting queue (missing {missing})")
+            raise self._bad_answer(name, plugin, queue, f"not a waiting queue (missing {missing})")
         return queue
 
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request:
-        try:
-            victim = self._victim(running=running, request=request)
-        except Exception as e:
-            raise self._error("schedkit_select_preemption_victim", e) from e
+        name = "schedkit_select_preemption_victim"
+        victim, plugin = self._call(name, {"running": running, "request": request}, True)
         if victim is None or victim.status is not RequestStatus.RUNNING or victim not in running:
-            raise self._bad_answer("schedkit_select_preemption_victim", victim,
-                                   "the victim must be one of the running requests")
+            raise self._bad_answer(name, plugin, victim, "the victim must be one of the running requests")
         return victim
 
     def prefill_chunk_limit(self, *, request: Request, num_new_tokens: int, threshold: int) -> int | None:
-        try:
-            cap = self._chunk(request=request, num_new_tokens=num_new_tokens, threshold=threshold)
-        except Exception as e:
-            raise self._error("schedkit_prefill_chunk_limit", e) from e
+        name = "schedkit_prefill_chunk_limit"
+        cap, plugin = self._call(name, {"request": request, "num_new_tokens": num_new_tokens,
+                                        "threshold": threshold}, True)
         if cap is not None and (type(cap) is not int or cap < 1):
-            raise self._bad_answer("schedkit_prefill_chunk_limit", cap, "a cap must be an int >= 1")
+            raise self._bad_answer(name, plugin, cap, "a cap must be an int >= 1")
         return cap
 
     def step_token_budget(self, *, max_num_batched_tokens: int, running: Sequence[Request],
                           waiting: RequestQueue, kv_cache_usage: float, step: int) -> int:
-        try:
-            budget = self._budget(max_num_batched_tokens=max_num_batched_tokens, running=running,
-                                  waiting=waiting, kv_cache_usage=kv_cache_usage, step=step)
-        except Exception as e:
-            raise self._error("schedkit_step_token_budget", e) from e
+        name = "schedkit_step_token_budget"
+        budget, plugin = self._call(name, {
+            "max_num_batched_tokens": max_num_batched_tokens, "running": running,
+            "waiting": waiting, "kv_cache_usage": kv_cache_usage, "step": step}, True)
         if type(budget) is not int or not 0 <= budget <= max_num_batched_tokens:
-            raise self._bad_answer("schedkit_step_token_budget", budget,
+            raise self._bad_answer(name, plugin, budget,
                                    f"must be an int in [0, {max_num_batched_tokens}]")
         return budget
 
     def admit_request(self, *, request: Request, num_running: int, kv_cache_usage: float,
                       now: float) -> AdmissionDecision:
-        try:
-            decision = self._admit(request=request, num_running=num_running,
-                                   kv_cache_usage=kv_cache_usage, now=now)
-        except Exception as e:
-            raise self._error("schedkit_admit_request", e) from e
+        name = "schedkit_admit_request"
+        decision, plugin = self._call(name, {"request": request, "num_running": num_running,
+                                             "kv_cache_usage": kv_cache_usage, "now": now}, True)
         if not isinstance(decision, AdmissionDecision):
-            raise self._bad_answer("schedkit_admit_request", decision,
-                                   "must be an AdmissionDecision")
+            raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision")
         return decision
 
     def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:
-        try:
-            connector = self._connector(role=role, config=config)
-        except Exception as e:
-            raise self._error("schedkit_create_kv_connector", e) from e
+        name = "schedkit_create_kv_connector"
+        connector, plugin = self._call(name, {"role": role, "config": config}, True)
         if connector is not None and not isinstance(connector, KVConnectorBase):
-            raise self._bad_answer("schedkit_create_kv_connector", connector,
-                                   "must be a KVConnectorBase")
+            raise self._bad_answer(name, plugin, connector, "must be a KVConnectorBase")
         return connector
 
     def on_step_end(self, *, scheduler_output: SchedulerOutput,
                     outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None,
                     now: float) -> None:
-        try:
-            self._step_end(scheduler_output=scheduler_output, outputs=outputs, stats=stats, now=now)
-        except Exception as e:
-            raise self._error("schedkit_on_step_end", e) from e
+        self._call("schedkit_on_step_end", {"scheduler_output": scheduler_output,
+                                            "outputs": outputs, "stats": stats, "now": now}, False)
 
     def on_request_finished(self, *, request: Request, now: float) -> None:
-        try:
-            self._finished(request=request, now=now)
-        except Exception as e:
-            raise self._error("schedkit_on_request_finished", e) from e
+        self._call("schedkit_on_request_finished", {"request": request, "now": now}, False)

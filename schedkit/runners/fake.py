@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -35,14 +36,23 @@ class FakeRunner:
         eos_token_id: Token emitted at a request's ``output_len``; never otherwise.
         output_len: ``request_id -> number of outputs before EOS`` (None: never EOS).
         draft_error_every: Every this many draft positions the proposal is wrong (0: never).
+        step_time_s: Virtual duration reported for every step (drives the engine clock).
     """
 
     vocab_size: int = 32000
     eos_token_id: int | None = None
     output_len: Callable[[str], int | None] | None = None
     draft_error_every: int = 3
+    step_time_s: float = 0.01
     states: dict[str, _ReqState] = field(default_factory=dict)
     _last_sampled: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: Any) -> FakeRunner:
+        """Build from a :class:`schedkit.config.Config` (its ``runner`` section)."""
+        rc = config.runner
+        return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id,
+                   step_time_s=rc.step_time_ms / 1e3)
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         return num_blocks
@@ -90,7 +100,7 @@ class FakeRunner:
             sampled.append(out)
         self._last_sampled = [r for r, s in zip(req_ids, sampled) if s]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+                                 sampled_token_ids=sampled, step_duration=self.step_time_s)
 
     def _verify(self, st: _ReqState, drafts: list[int] | tuple[()]) -> list[int]:
         base = len(st.tokens) - st.num_prompt_tokens

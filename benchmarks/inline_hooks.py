@@ -1,0 +1,35 @@
+"""FCFS with every hook inlined as a plain method: the baseline for the hook-layer cost.
+
+Same decisions as the built-in defaults + fcfs plugins, without pluggy or the facade.
+"""
+
+from __future__ import annotations
+
+from schedkit.core.hooks import AdmissionDecision
+from schedkit.core.queues import FCFSQueue
+
+
+class InlineFCFSHooks:
+    def create_waiting_queue(self, *, scheduler_config):
+        return FCFSQueue()
+
+    def select_preemption_victim(self, *, running, request):
+        return running[-1]
+
+    def prefill_chunk_limit(self, *, request, num_new_tokens, threshold):
+        return threshold if threshold > 0 else None
+
+    def step_token_budget(self, *, max_num_batched_tokens, running, waiting, kv_cache_usage, step):
+        return max_num_batched_tokens
+
+    def admit_request(self, *, request, num_running, kv_cache_usage, now):
+        return AdmissionDecision.ADMIT
+
+    def create_kv_connector(self, *, role, config):
+        return None
+
+    def on_step_end(self, *, scheduler_output, outputs, stats, now):
+        return None
+
+    def on_request_finished(self, *, request, now):
+        return None

@@ -1,0 +1,37 @@
+"""The console script on real files (in-process main())."""
+
+from __future__ import annotations
+
+import json
+
+from schedkit.cli import main
+
+
+def test_run_quickstart_writes_results(tmp_path, capsys):
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text("workload: {num_requests: 20, rate: 50, prompt_len: [8, 64], output_len: [4, 16]}\n"
+                   "cache: {num_blocks: 128}\n")
+    out = tmp_path / "res.json"
+    assert main(["run", str(cfg), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "TTFT p50" in text and "requests" in text
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests"] == 20
+    assert all(r["finish_reason"] == "length" for r in data["requests"])
+    assert sum(r["num_output_tokens"] for r in data["requests"]) == data["summary"]["output_tokens"]
+
+
+def test_check_rejects_unknown_policy_and_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler: {policy: no-such-policy}\n")
+    assert main(["check", str(bad)]) == 2
+    assert "no-such-policy" in capsys.readouterr().err
+    bad.write_text("schedulr: {}\n")
+    assert main(["check", str(bad)]) == 2
+    assert "unknown key 'schedulr'" in capsys.readouterr().err
+
+
+def test_plugins_lists_builtins(capsys):
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    assert "fcfs" in text and "schedkit_select_preemption_victim" in text

@@ -87,7 +87,7 @@ def replay(cfg: dict, reqs: list[dict], hooks=None) -> tuple[int, int, float]:
         so = sched.schedule()
         in_sched += clock() - t0
         sampled = {}
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid in so.num_scheduled_tokens:
             req = sched.requests[rid]
             if req.num_computed_tokens >= req.num_tokens:
                 sampled[rid] = [2 if num_out[rid] == eos_at[rid] else 7]

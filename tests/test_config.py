@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from schedkit.config import Config, load_config
 from schedkit.errors import ConfigError
@@ -49,5 +50,5 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 def test_defaults_are_frozen():
     cfg = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.scheduler.max_num_seqs = 3  # type: ignore[misc]

@@ -60,6 +60,15 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class KVConnectorOutput:
+    """What the worker-side connector reports after a step."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    """Finished requests whose blocks the connector held (delay_free) and now releases."""
+    finished_recving: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """What the runner returns for one step.
 
@@ -74,7 +83,7 @@ class ModelRunnerOutput:
     logprobs: Any = None
     step_duration: float | None = None
     """Seconds the step took (simulator: modelled; real runners: measured)."""
-    kv_connector_output: Any = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ attributes (``num_tokens`` is kept up to date on append instead of being a prope
 from __future__ import annotations
 
 import enum
-from array import array
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,16 +32,13 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended, as reported to clients (compares equal to its string)."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 FINISH_REASONS: dict[RequestStatus, FinishReason] = {

@@ -171,6 +171,7 @@ class Scheduler:
         return bool(self.finished_req_ids)
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests running or waiting (finished ones held by a connector excluded)."""
         return len(self.running) + len(self.waiting)
 
     def get_request_counts(self) -> tuple[int, int]:
@@ -324,7 +325,13 @@ class Scheduler:
             did_lookup = req.num_computed_tokens == 0
             if did_lookup:
                 hit_blocks, num_local = kv.get_computed_blocks(req)
-                num_ext, _load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                if load_async:
+                    raise PluginError(
+                        f"KV connector {type(self.connector).__name__} asked for an asynchronous "
+                        "load; this scheduler supports synchronous connector loads only",
+                        plugin=type(self.connector).__name__,
+                        hook="schedkit_create_kv_connector")
                 if num_ext is None:
                     st.popped.append(waiting.pop())
                     skipped.append(req)
@@ -434,9 +441,10 @@ class Scheduler:
             by_client.setdefault(req.client_index, []).append(out)
         self._pending_outputs = []
         for rid in scheduler_output.num_scheduled_tokens:
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
+            maybe = requests.get(rid)
+            if maybe is None or maybe.status is not _RUNNING:
                 continue  # finished or preempted while the step ran: its output is void
+            req = maybe
             i = index.get(rid)
             gen = sampled[i] if i is not None else None
             if not gen:
@@ -472,7 +480,10 @@ class Scheduler:
                 params = self._free_request(req, now)
                 if params is not None:
                     self._attach_transfer_params(by_client, req, params)
-        self.connector.update_connector_output(runner_output.kv_connector_output)
+        kv_out = runner_output.kv_connector_output
+        self.connector.update_connector_output(kv_out)
+        if kv_out is not None and kv_out.finished_sending:
+            self._release_held_requests(kv_out.finished_sending)
         outputs = {c: EngineCoreOutputs(outputs=o) for c, o in by_client.items()}
         stats = self._make_stats(spec_stats) if self.log_stats else None
         if stats is not None:
@@ -523,6 +534,14 @@ class Scheduler:
             self.kv_cache_manager.free(req)
             del self.requests[rid]
         return params
+
+    def _release_held_requests(self, request_ids: Iterable[str]) -> None:
+        """Free finished requests whose blocks the connector held until sent."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.is_finished:
+                self.kv_cache_manager.free(req)
+                del self.requests[rid]
 
     def _notify_finished(self, reqs: list[Request], now: float) -> None:
         for req in reqs:

@@ -26,7 +26,7 @@ def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
     cached = CachedRequestData()
     req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
     num_computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
-    for req, blocks in zip(st.running_reqs, st.running_new_blocks):
+    for req, blocks in zip(st.running_reqs, st.running_new_blocks, strict=True):
         req_ids.append(req.request_id)
         new_block_ids.append(blocks or None)
         num_computed.append(req.num_computed_tokens)

@@ -143,8 +143,8 @@ def get_plugin_manager(
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as e:
-        name = pm.get_name(e.plugin) if e.plugin is not None else None
-        raise PluginError(f"plugin {name!r}: {e}", plugin=name) from e
+        bad = pm.get_name(e.plugin) if e.plugin is not None else None
+        raise PluginError(f"plugin {bad!r}: {e}", plugin=bad) from e
     return pm
 
 

@@ -81,10 +81,11 @@ class FakeRunner:
             num_prompt = old.num_prompt_tokens if old is not None else len(tokens)
             eos_at = self.output_len(rid) if self.output_len is not None else None
             states[rid] = _ReqState(request_seed(rid), num_prompt, list(tokens), 0, eos_at)
-        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             states[rid].num_computed_tokens = computed
         spec = scheduler_output.scheduled_spec_decode_tokens
-        req_ids, sampled = [], []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = states[rid]
             drafts = spec.get(rid, ())
@@ -98,7 +99,7 @@ class FakeRunner:
             st.tokens.extend(out)
             st.num_computed_tokens -= len(drafts) - (len(out) - 1)
             sampled.append(out)
-        self._last_sampled = [r for r, s in zip(req_ids, sampled) if s]
+        self._last_sampled = [r for r, s in zip(req_ids, sampled, strict=True) if s]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, step_duration=self.step_time_s)
 

@@ -6,7 +6,12 @@ import pytest
 
 from schedkit.core.request import Request, RequestStatus, SamplingParams
 from schedkit.errors import RequestError
-from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler, runner_output
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_request,
+    make_scheduler,
+    runner_output,
+)
 
 
 def test_prompt_at_or_over_max_model_len_is_rejected():

@@ -106,16 +106,16 @@ def test_schedule_spec_decoding_stats(drafts, sampled, expected):  # S17
     assert not out.scheduled_spec_decode_tokens
     outs = sched.update_from_output(out, runner_output(out, {r.request_id: [0] for r in reqs}))
     assert outs[0].scheduler_stats.spec_decoding_stats is None
-    sched.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts)})
-    for r, d in zip(reqs, drafts):
+    sched.update_draft_token_ids({r.request_id: d for r, d in zip(reqs, drafts, strict=True)})
+    for r, d in zip(reqs, drafts, strict=True):
         assert r.num_computed_tokens == 1 and r.num_tokens == 2
         assert r.num_tokens_with_spec == 2 + len(d)
     out = sched.schedule()
     assert len(out.scheduled_new_reqs) == 0
     assert out.total_num_scheduled_tokens == len(reqs) + sum(len(d) for d in drafts)
     assert [out.num_scheduled_tokens[r.request_id] for r in reqs] == [1 + len(d) for d in drafts]
-    assert out.scheduled_spec_decode_tokens == {r.request_id: d for r, d in zip(reqs, drafts) if d}
-    outs = sched.update_from_output(out, runner_output(out, {r.request_id: s for r, s in zip(reqs, sampled)}))
+    assert out.scheduled_spec_decode_tokens == {r.request_id: d for r, d in zip(reqs, drafts, strict=True) if d}
+    outs = sched.update_from_output(out, runner_output(out, {r.request_id: s for r, s in zip(reqs, sampled, strict=True)}))
     stats = outs[0].scheduler_stats.spec_decoding_stats
     if expected is None:
         assert stats is None

@@ -52,11 +52,13 @@ def assert_consistent(sched: Scheduler, requests: Iterable[Request]) -> None:
     tables = {r.request_id: kv.get_block_ids(r.request_id) for r in requests}
     for req in requests:
         if req.status is not RequestStatus.RUNNING:
-            assert tables[req.request_id] == [], f"{req.request_id} holds blocks while {req.status.name}"
+            assert tables[req.request_id] == [], (
+                f"{req.request_id} holds blocks while {req.status.name}")
     holders = Counter(b for table in tables.values() for b in table)
     assert 0 not in holders, "the null block is in a block table"
     for b in range(1, kv.num_blocks):
-        assert pool.ref_cnt(b) == holders[b], f"block {b}: ref_cnt {pool.ref_cnt(b)}, held by {holders[b]}"
+        assert pool.ref_cnt(b) == holders[b], (
+            f"block {b}: ref_cnt {pool.ref_cnt(b)}, held by {holders[b]} tables")
     num_used = sum(1 for b in range(1, kv.num_blocks) if pool.ref_cnt(b) > 0)
     assert pool.num_free_blocks + num_used == kv.num_blocks - 1
     assert kv.num_tracked_requests == sum(1 for t in tables.values() if t)

@@ -58,9 +58,10 @@ def _install_with_pip(src: Path, target: Path) -> None:
     work = target.parent / "src-copy"  # pip builds in the source tree: keep ours clean
     shutil.copytree(src, work, ignore=shutil.ignore_patterns(
         "build", "*.egg-info", "__pycache__", ".pytest_cache"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-                    "--no-index", "-q", "--target", str(target), str(work)],
-                   check=True, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps",
+                           "--no-build-isolation", "--no-index", "-q", "--target", str(target),
+                           str(work)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout}\n{proc.stderr}"
 
 
 def _install_by_hand(src: Path, target: Path) -> None:
@@ -175,11 +176,11 @@ def test_unknown_plugin_name_is_a_config_error(spf_site):
 
 
 def test_example_package_tests_pass_against_the_installed_package(spf_site):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(spf_site), os.environ.get("PYTHONPATH", "")]),
-               PYTHONDONTWRITEBYTECODE="1")
+    path = os.pathsep.join(filter(None, [str(spf_site), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1")
     env.pop("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-o", "pythonpath=", "tests"],
+                           "-p", "no:benchmark", "-o", "pythonpath=", "tests"],
                           cwd=SPF_DIR, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout

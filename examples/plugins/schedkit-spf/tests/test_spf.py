@@ -5,10 +5,10 @@ test suite once schedkit is installed."""
 from __future__ import annotations
 
 import pytest
-
 from schedkit import PluginError
 from schedkit.plugins.manager import discover_plugins
 from schedkit.plugins.testing import make_request
+
 from schedkit_spf import ShortestPromptFirst
 
 

@@ -398,6 +398,10 @@ class Scheduler:
                 self.kv_cache_manager.free(req)
                 req.status = _WAITING if req.num_preemptions == 0 else RequestStatus.PREEMPTED
                 req.num_computed_tokens = 0
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = -1
+                if req.events and req.events[-1][0] is EventType.SCHEDULED:
+                    req.events.pop()
             self.waiting.prepend_request(req)
         for req in st.running_reqs:
             req.spec_token_ids = []

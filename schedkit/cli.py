@@ -13,43 +13,39 @@ from schedkit.errors import ConfigError, PluginError, SchedkitError
 
 
 def _run(args: argparse.Namespace) -> int:
-    from schedkit.core.engine_core import EngineCore
-    from schedkit.core.request import Request, SamplingParams
-    from schedkit.lab.metrics import request_metrics, summarize
+    from schedkit.core.client import LLM
+    from schedkit.core.request import SamplingParams
+    from schedkit.lab.metrics import metrics_from_output, summarize
     from schedkit.lab.workloads import generate
 
-    config = load_config(args.config)
-    engine = EngineCore(config)
+    config = load_config(args.config)  # a bad file stops here, before any process starts
     workload = generate(config.workload, config.runner.vocab_size)
-    pending = list(reversed(workload))
-    finished: list[Request] = []
     wall0 = time.perf_counter()
-    start = engine.now()
-    while pending or engine.has_requests():
-        if not engine.has_requests() and pending:
-            engine.advance_to(start + pending[-1].arrival_time)
-        while pending and start + pending[-1].arrival_time <= engine.now():
-            w = pending.pop()
-            engine.add_request(Request(
-                w.request_id, w.prompt_token_ids, SamplingParams(max_tokens=w.max_tokens,
-                                                                 eos_token_id=config.runner.eos_token_id),
-                arrival_time=start + w.arrival_time))
-        before = dict(engine.scheduler.requests)
-        engine.step()
-        finished.extend(r for rid, r in before.items() if r.is_finished)
+    with LLM(config) as llm:
+        outs = llm.generate(
+            [w.prompt_token_ids for w in workload],
+            [SamplingParams(max_tokens=w.max_tokens, eos_token_id=config.runner.eos_token_id)
+             for w in workload],
+            arrival_offsets=[w.arrival_time for w in workload], use_tqdm=sys.stderr.isatty())
+        stats = llm.call_utility("stats")
     wall = time.perf_counter() - wall0
-    metrics = [request_metrics(r) for r in sorted(finished, key=lambda r: r.arrival_time)]
-    summary = summarize(metrics, engine.now() - start)
-    _print_summary(config, summary, wall, engine.num_steps)
-    for r in finished[: args.samples]:
-        print(f"  {r.request_id}: {r.num_prompt_tokens} prompt tokens -> "
-              f"{r.output_token_ids[:8]}{'...' if r.num_output_tokens > 8 else ''} "
-              f"({r.num_output_tokens} tokens, {r.get_finished_reason()})")
+    metrics = [metrics_from_output(o) for o in outs if o.metrics is not None]
+    finish = max((m.finish_time or 0.0) for m in metrics) if metrics else 0.0
+    start = min(m.arrival_time for m in metrics) if metrics else 0.0
+    summary = summarize(metrics, finish - start)
+    _print_summary(config, summary, wall, stats["num_steps"])
+    for o in outs[: args.samples]:
+        toks = o.output_token_ids
+        print(f"  {o.request_id}: {len(o.prompt_token_ids)} prompt tokens -> "
+              f"{toks[:8]}{'...' if len(toks) > 8 else ''} ({len(toks)} tokens, {o.finish_reason})")
+    failed = [o for o in outs if o.error is not None]
+    for o in failed[:5]:
+        print(f"  failed {o.request_id}: {o.error}", file=sys.stderr)
     if args.output:
         Path(args.output).write_text(json.dumps(
             {"summary": summary, "requests": [m.to_dict() for m in metrics]}, indent=1))
         print(f"per-request results written to {args.output}")
-    return 0
+    return 1 if failed else 0
 
 
 def _print_summary(config: Config, s: dict, wall: float, steps: int) -> None:

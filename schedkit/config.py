@@ -7,6 +7,7 @@ names the key, the offending value, the file and the line.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,8 @@ class ModelConfig(_Strict):
     """Weights and activations dtype."""
     tokenizer: str | None = None
     """Tokenizer folder; None means the model folder (or token-id prompts only)."""
+    seed: int = Field(default=0, ge=0)
+    """Weight seed of the built-in random-weight models (tiny-llama, tiny-qwen2)."""
 
 
 class RunnerConfig(_Strict):
@@ -40,6 +43,19 @@ class RunnerConfig(_Strict):
     """EOS id the fake runner emits at each request's sampled output length (None: never)."""
     step_time_ms: float = Field(default=10.0, gt=0)
     """Virtual duration of one fake-runner step, which drives the engine's clock."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Paged runner on CUDA: fraction of GPU memory for weights, activations and KV cache
+    (the KV cache gets what is left, at most cache.num_blocks blocks)."""
+    enforce_eager: bool = False
+    """Paged runner on CUDA: never capture CUDA graphs for decode batches."""
+    cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=2048)
+    """Paged runner on CUDA: largest decode batch replayed from a captured CUDA graph."""
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """Paged attention implementation: auto (Triton on CUDA, PyTorch on CPU), torch or triton."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the paged runner's sampler for requests without their own seed."""
+    num_threads: int | None = Field(default=None, ge=1, le=1024)
+    """Paged runner on CPU: torch intra-op threads (None: torch's default)."""
 
 
 class CacheConfig(_Strict):
@@ -192,7 +208,7 @@ def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Con
         raise ConfigError(format_validation_error(e, source)) from e
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config file.
 
     Raises:

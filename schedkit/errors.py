@@ -20,10 +20,13 @@ class PluginError(SchedkitError):
         hook: The hook name involved (or None at load time).
     """
 
-    def __init__(self, message: str, *, plugin: str | None = None, hook: str | None = None):
+    def __init__(self, message: str, *, plugin: str | None = None, hook: str | None = None,
+                 request_id: str | None = None):
         super().__init__(message)
         self.plugin = plugin
         self.hook = hook
+        self.request_id = request_id
+        """The request the hook was deciding about, when there was one."""
 
 
 class RequestError(SchedkitError, ValueError):

@@ -2,22 +2,47 @@
 
 The engine owns the scheduler clock: with a runner that reports step durations (the
 fake runner and the simulator) time is virtual and advances by each step's duration,
-so a long workload replays in seconds; otherwise it is wall-clock time.
+so a long workload replays in seconds; otherwise it is wall-clock time. Requests may be
+added ahead of their arrival (``arrival_offset`` seconds after the engine started); the
+engine holds them until its clock reaches that time, jumping over idle gaps when virtual.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from schedkit.config import Config
-from schedkit.core.outputs import EngineCoreOutputs
-from schedkit.core.request import Request, RequestStatus
+from schedkit.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from schedkit.core.request import FinishReason, Request, RequestStatus
 from schedkit.core.scheduler import Scheduler
+from schedkit.errors import PluginError
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import describe_plugins, get_plugin_manager
 from schedkit.runners import runner_class
+
+log = logging.getLogger("schedkit.engine")
+
+
+def _add_output(outputs: dict[int, EngineCoreOutputs], client: int, out: EngineCoreOutput) -> None:
+    group = outputs.get(client)
+    if group is None:
+        outputs[client] = group = EngineCoreOutputs()
+    group.outputs.append(out)
+
+
+def _merge(first: dict[int, EngineCoreOutputs], second: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
+    for client, group in second.items():
+        if client in first:
+            first[client].outputs.extend(group.outputs)
+            first[client].scheduler_stats = group.scheduler_stats
+        else:
+            first[client] = group
+    return first
 
 
 class EngineCore:
@@ -31,13 +56,17 @@ class EngineCore:
         self.config = config
         self.plugin_manager = get_plugin_manager(config, extra_plugins=extra_plugins)
         self.runner = runner if runner is not None else self._build_runner(config)
-        self._virtual = hasattr(self.runner, "step_time_s")
+        self._virtual = bool(getattr(self.runner, "is_virtual_clock", False))
         self._now = 0.0
+        self.start_time = self.now()
+        self._future: list[tuple[float, int, Request]] = []
+        self._seq = itertools.count()
         num_blocks = self.runner.initialize(config.cache.num_blocks, config.cache.block_size)
         cache_cfg = config.cache.model_copy(update={"num_blocks": num_blocks})
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
                                    clock=self.now)
         self.num_steps = 0
+        self._consecutive_step_failures = 0
 
     @staticmethod
     def _build_runner(config: Config) -> Any:
@@ -45,6 +74,11 @@ class EngineCore:
         return cls.from_config(config)
 
     # -- clock ---------------------------------------------------------------------------
+    @property
+    def is_virtual(self) -> bool:
+        """True when time advances by the runner's reported step durations."""
+        return self._virtual
+
     def now(self) -> float:
         return self._now if self._virtual else time.monotonic()
 
@@ -54,29 +88,116 @@ class EngineCore:
             self._now = t
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, arrival_offset: float | None = None) -> None:
+        """Add now, or hold until ``start_time + arrival_offset`` (then stamped as arrival).
+
+        Raises:
+            RequestError: Invalid request (checked at once, even for a future arrival).
+        """
+        if arrival_offset is None or self.start_time + arrival_offset <= self.now():
+            self.scheduler.add_request(request)
+            return
+        if request.request_id in self.scheduler.requests or any(
+                r.request_id == request.request_id for _, _, r in self._future):
+            self.scheduler.add_request(request)  # raises the duplicate-id error
+        request.arrival_time = self.start_time + arrival_offset
+        heapq.heappush(self._future, (request.arrival_time, next(self._seq), request))
+
+    def next_arrival_in(self) -> float | None:
+        """Seconds until the next held request arrives (None if none is held)."""
+        return max(self._future[0][0] - self.now(), 0.0) if self._future else None
+
+    def _release_arrivals(self) -> list[tuple[Request, Exception]]:
+        if self._future and self._virtual and not self.scheduler.has_requests():
+            self.advance_to(self._future[0][0])
+        failed = []
+        now = self.now()
+        while self._future and self._future[0][0] <= now:
+            req = heapq.heappop(self._future)[2]
+            try:
+                self.scheduler.add_request(req)
+            except Exception as e:  # e.g. became a duplicate while held
+                failed.append((req, e))
+        return failed
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        return self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        """Abort requests (held, waiting or running); their KV blocks are freed now."""
+        ids = set(request_ids)
+        held = [r for _, _, r in self._future if r.request_id in ids]
+        if held:
+            self._future = [e for e in self._future if e[2].request_id not in ids]
+            heapq.heapify(self._future)
+            for req in held:
+                req.status = RequestStatus.FINISHED_ABORTED
+        return held + self._finish(list(ids), RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        try:
+            return self.scheduler.finish_requests(request_ids, status)
+        except PluginError as e:  # an observer raised; the requests did finish
+            log.error("%s", e)
+            return list(getattr(e, "finished_requests", ()))
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return bool(self._future) or self.scheduler.has_requests()
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> dict[int, EngineCoreOutputs]:
-        """Run one step; returns outputs per client index (empty when idle)."""
+        """Run one step; returns outputs per client index (empty when idle).
+
+        Failures never escape and never lose a request silently: a plugin that raises
+        while deciding about one request fails that request; a plugin that fails the
+        whole step three times in a row fails every unfinished request; a runner error
+        fails the requests of that step. Each failed request gets an output with
+        finish_reason "error" and a message naming the plugin and hook (or the runner).
+        """
         sched = self.scheduler
+        failed_arrivals = self._release_arrivals()
+        outputs: dict[int, EngineCoreOutputs] = {}
+        for req, err in failed_arrivals:
+            _add_output(outputs, req.client_index, EngineCoreOutput(
+                req.request_id, [], FinishReason.ERROR, None, error=str(err)))
         if not sched.has_requests():
-            return {}
-        scheduler_output = sched.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+            return outputs
+        try:
+            scheduler_output = sched.schedule()
+        except PluginError as e:
+            return _merge(outputs, self._on_plugin_error(e))
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as e:
+            log.exception("runner failed; failing the requests of this step")
+            return _merge(outputs, self.fail_requests(
+                list(scheduler_output.num_scheduled_tokens), f"runner failed: {type(e).__name__}: {e}"))
+        self._consecutive_step_failures = 0
         if self._virtual and runner_output.step_duration is not None:
             self._now += runner_output.step_duration
-        outputs = sched.update_from_output(scheduler_output, runner_output)
+        try:
+            step_outputs = sched.update_from_output(scheduler_output, runner_output)
+        except PluginError as e:  # an observer raised after the step was applied
+            log.error("%s", e)
+            step_outputs = getattr(e, "outputs", {})
         if sched.num_spec_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
         self.num_steps += 1
+        return _merge(outputs, step_outputs)
+
+    def _on_plugin_error(self, e: PluginError) -> dict[int, EngineCoreOutputs]:
+        log.error("%s", e)
+        if e.request_id is not None and e.request_id in self.scheduler.requests:
+            return self.fail_requests([e.request_id], str(e))
+        self._consecutive_step_failures += 1
+        if self._consecutive_step_failures < 3:
+            return {}
+        self._consecutive_step_failures = 0
+        return self.fail_requests(list(self.scheduler.requests), str(e))
+
+    def fail_requests(self, request_ids: list[str], message: str) -> dict[int, EngineCoreOutputs]:
+        """Finish requests with an error; returns their error outputs per client."""
+        outputs: dict[int, EngineCoreOutputs] = {}
+        for req in self._finish(request_ids, RequestStatus.FINISHED_ERROR):
+            _add_output(outputs, req.client_index, EngineCoreOutput(
+                req.request_id, [], FinishReason.ERROR, None, req.num_cached_tokens, error=message))
         return outputs
 
     # -- utility calls -------------------------------------------------------------------
@@ -92,5 +213,7 @@ class EngineCore:
         return {
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "kv_cache_usage": kv.usage, "num_preemptions": sched.num_preemptions_total,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
+                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
+            "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
+            "now": self.now(),
         }

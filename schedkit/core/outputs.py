@@ -96,6 +96,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+    """Why the request failed (finish_reason "error"): a plugin, the runner, bad input."""
 
     @property
     def finished(self) -> bool:

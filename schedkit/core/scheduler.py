@@ -160,7 +160,11 @@ class Scheduler:
         for req in reqs:
             req.status = finished_status
             self._free_request(req, now)
-        self._notify_finished(reqs, now)
+        try:
+            self._notify_finished(reqs, now)
+        except PluginError as e:
+            e.finished_requests = reqs  # type: ignore[attr-defined]  # they did finish
+            raise
         return reqs
 
     def has_requests(self) -> bool:

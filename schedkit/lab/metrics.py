@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from schedkit.core.request import EventType, Request
 
@@ -44,6 +45,17 @@ def request_metrics(req: Request) -> RequestMetrics:
         num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
         num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
         finish_reason=None if reason is None else reason.value)
+
+
+def metrics_from_output(out: Any) -> RequestMetrics:
+    """RequestMetrics of a finished client-side RequestOutput (metrics from the engine)."""
+    m = out.metrics
+    return RequestMetrics(
+        request_id=out.request_id, arrival_time=m.arrival_time,
+        first_token_time=m.first_token_time, finish_time=m.finish_time,
+        num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
+        num_cached_tokens=m.num_cached_tokens, num_preemptions=m.num_preemptions,
+        finish_reason=out.finish_reason)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -31,6 +31,11 @@ _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
 _Impl = tuple[Any, tuple[str, ...], str]
 
 
+def _request_id(kwargs: dict[str, Any]) -> str | None:
+    req = kwargs.get("request")
+    return getattr(req, "request_id", None)
+
+
 class HookFacade:
     """The scheduler's typed door to the plugins of one PluginManager."""
 
@@ -57,7 +62,8 @@ class HookFacade:
                 result = fn(*[kwargs[a] for a in argnames])
             except Exception as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
-                                  f"{type(e).__name__}: {e}", plugin=plugin, hook=name) from e
+                                  f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
+                                  request_id=_request_id(kwargs)) from e
             if first and result is not None:
                 return result, plugin
         return None, None
@@ -74,7 +80,8 @@ class HookFacade:
                 plugin = codes.get(tb.tb_frame.f_code)
                 tb = tb.tb_next
             raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
-                              f"{type(e).__name__}: {e}", plugin=plugin, hook=name) from e
+                              f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
+                              request_id=_request_id(kwargs)) from e
 
     @staticmethod
     def _bad_answer(name: str, plugin: str | None, answer: Any, why: str) -> PluginError:
@@ -94,7 +101,9 @@ class HookFacade:
         name = "schedkit_select_preemption_victim"
         victim, plugin = self._call(name, {"running": running, "request": request}, True)
         if victim is None or victim.status is not RequestStatus.RUNNING or victim not in running:
-            raise self._bad_answer(name, plugin, victim, "the victim must be one of the running requests")
+            err = self._bad_answer(name, plugin, victim, "the victim must be one of the running requests")
+            err.request_id = request.request_id
+            raise err
         return victim
 
     def prefill_chunk_limit(self, *, request: Request, num_new_tokens: int, threshold: int) -> int | None:

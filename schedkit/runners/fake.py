@@ -44,6 +44,7 @@ class FakeRunner:
     output_len: Callable[[str], int | None] | None = None
     draft_error_every: int = 3
     step_time_s: float = 0.01
+    is_virtual_clock: bool = True
     states: dict[str, _ReqState] = field(default_factory=dict)
     _last_sampled: list[str] = field(default_factory=list)
 

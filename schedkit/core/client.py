@@ -1,0 +1,471 @@
+"""Front-end clients of the engine process: ``LLM`` (offline batches) and ``AsyncLLM``
+(async streaming), both started from the same YAML.
+
+Each client connects two DEALER sockets (one identity) to the engine's input and output
+ROUTER sockets, over ``ipc://`` by default or ``tcp://127.0.0.1``. A dead engine surfaces
+as :class:`EngineDeadError` within a few seconds (process exit or missing heartbeats),
+never as a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from schedkit.config import Config, load_config
+from schedkit.core.messages import (
+    AbortRequests,
+    AddRequests,
+    Hello,
+    OutputBatch,
+    Ready,
+    UtilityCall,
+    WireMetrics,
+    WireOutput,
+    WireRequest,
+    WireSamplingParams,
+    client_encoder,
+    engine_decoder,
+)
+from schedkit.core.request import SamplingParams
+from schedkit.errors import EngineDeadError, RequestError, SchedkitError
+
+DEAD_AFTER_S = 3.0
+"""No message (not even a heartbeat) for this long means the engine is gone."""
+START_TIMEOUT_S = 120.0
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """Starts (and owns) one engine-core process for a validated config.
+
+    The config and its plugins are checked in this process first, so a bad YAML or a
+    plugin that is not installed stops the launch before any process starts.
+    """
+
+    def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING") -> None:
+        from schedkit.plugins.manager import get_plugin_manager
+        from schedkit.runners import runner_class
+
+        get_plugin_manager(config)  # raises ConfigError / PluginError before spawning
+        runner_class(config.runner.kind)
+        self._paths: list[Path] = []
+        if transport == "ipc":
+            base = Path(tempfile.gettempdir()) / f"schedkit-{uuid.uuid4().hex[:12]}"
+            self._paths = [Path(f"{base}-in.sock"), Path(f"{base}-out.sock")]
+            self.input_addr, self.output_addr = (f"ipc://{p}" for p in self._paths)
+        elif transport == "tcp":
+            self.input_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
+            self.output_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
+        else:
+            raise SchedkitError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        # A fresh interpreter (not multiprocessing): no re-import of the caller's __main__,
+        # so scripts need no ``if __name__ == "__main__"`` guard.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "schedkit.core.engine_proc", "--input", self.input_addr,
+             "--output", self.output_addr, "--log-level", log_level],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(config.model_dump(mode="json")) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline().strip() if ready else ""
+        if not line.startswith("ready"):
+            self.shutdown()
+            detail = line.removeprefix("error ") or f"no answer (exit code {self.proc.returncode})"
+            raise EngineDeadError(f"the engine process failed to start: {detail}")
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL), reap it and remove the socket files."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        for p in self._paths:
+            p.unlink(missing_ok=True)
+
+
+def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
+                 cache_salt: str | None = None) -> WireRequest:
+    sp = WireSamplingParams(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                            stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                            eos_token_id=params.eos_token_id, temperature=params.temperature,
+                            top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+    return WireRequest(request_id, list(prompt_token_ids), sp, priority=priority, tenant=tenant,
+                       cache_salt=cache_salt, arrival_offset=arrival_offset)
+
+
+class EngineClient:
+    """A synchronous connection to an engine process (one identity, two sockets)."""
+
+    def __init__(self, input_addr: str, output_addr: str, *, engine: EngineProcess | None = None) -> None:
+        self.engine = engine
+        self.ctx = zmq.Context()
+        identity = uuid.uuid4().bytes
+        self.in_sock = self._connect(input_addr, identity)
+        self.out_sock = self._connect(output_addr, identity)
+        self._call_ids = itertools.count()
+        self._last_seen = time.monotonic()
+        self.out_sock.send(client_encoder.encode(Hello()))
+        while True:
+            msg = self._recv_one(START_TIMEOUT_S)
+            if isinstance(msg, Ready):
+                self.client_index = msg.client_index
+                break
+
+    @staticmethod
+    def _connect_opts(sock: zmq.Socket, identity: bytes) -> None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+
+    def _connect(self, addr: str, identity: bytes) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        self._connect_opts(sock, identity)
+        sock.connect(addr)
+        return sock
+
+    def check_alive(self) -> None:
+        if self.engine is not None and not self.engine.is_alive():
+            raise EngineDeadError(f"the engine process exited (code {self.engine.exitcode})")
+        if time.monotonic() - self._last_seen > DEAD_AFTER_S:
+            raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
+
+    def _recv_one(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.out_sock.poll(100):
+                self._last_seen = time.monotonic()
+                return engine_decoder.decode(self.out_sock.recv(copy=False).buffer)
+            self.check_alive()
+            if time.monotonic() > deadline:
+                return None
+
+    def recv(self, timeout: float = 1.0) -> OutputBatch | None:
+        """The next output batch (None after ``timeout`` seconds without one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._recv_one(max(deadline - time.monotonic(), 0.0))
+            if msg is None or isinstance(msg, OutputBatch):
+                return msg
+
+    def add_requests(self, requests: list[WireRequest]) -> None:
+        self.check_alive()
+        self.in_sock.send(client_encoder.encode(AddRequests(requests)))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.in_sock.send(client_encoder.encode(AbortRequests(list(request_ids))))
+
+    def call_utility(self, method: str, *args: Any, timeout: float = 30.0,
+                     pending: list[OutputBatch] | None = None) -> Any:
+        """Run a utility method in the engine; outputs received meanwhile go to ``pending``."""
+        call_id = next(self._call_ids)
+        self.in_sock.send(client_encoder.encode(UtilityCall(call_id, method, list(args))))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            batch = self.recv(deadline - time.monotonic())
+            if batch is None:
+                continue
+            for res in batch.utility_results:
+                if res.call_id == call_id:
+                    if res.error is not None:
+                        raise SchedkitError(f"utility {method}: {res.error}")
+                    if pending is not None and batch.outputs:
+                        pending.append(OutputBatch(outputs=batch.outputs))
+                    return res.result
+            if pending is not None:
+                pending.append(batch)
+        raise EngineDeadError(f"utility {method} got no answer in {timeout:.0f} s")
+
+    def close(self) -> None:
+        self.in_sock.close(0)
+        self.out_sock.close(0)
+        self.ctx.term()
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's result (or, when streaming, the tokens of one delta)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    metrics: WireMetrics | None = None
+    text: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _prompt_ids(prompt: str | Sequence[int], tokenizer: Any) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("text prompts need a model with a tokenizer; pass token ids instead")
+        return list(tokenizer.encode(prompt))
+    return list(prompt)
+
+
+def _resolve(config: Config | str | os.PathLike[str]) -> Config:
+    return config if isinstance(config, Config) else load_config(config)
+
+
+class LLM:
+    """Offline batch generation through an engine process started from a config.
+
+    Args:
+        config: A Config or the path of a YAML file.
+        transport: ``"ipc"`` (default) or ``"tcp"`` (loopback).
+    """
+
+    def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> None:
+        self.config = _resolve(config)
+        self.tokenizer: Any = None
+        self.engine = EngineProcess(self.config, transport=transport)
+        try:
+            self.client = EngineClient(self.engine.input_addr, self.engine.output_addr, engine=self.engine)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 priorities: Sequence[int] | None = None,
+                 arrival_offsets: Sequence[float] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order.
+
+        A request that fails (invalid input, a plugin error) has ``finish_reason == "error"``
+        and ``error`` set; the others are unaffected.
+        """
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        results: dict[str, RequestOutput] = {}
+        order, wire = [], []
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"{self.client.client_index}-{next(self._ids)}"
+            ids = _prompt_ids(prompt, self.tokenizer)
+            order.append(rid)
+            results[rid] = RequestOutput(rid, ids)
+            wire.append(wire_request(rid, ids, sp, priority=priorities[i] if priorities else 0,
+                                     arrival_offset=arrival_offsets[i] if arrival_offsets else None))
+        self.client.add_requests(wire)
+        self._collect(results, use_tqdm)
+        return [results[rid] for rid in order]
+
+    def _collect(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        remaining = len(results)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=remaining, desc="requests", unit="req", dynamic_ncols=True)
+        try:
+            while remaining:
+                batch = self.client.recv(timeout=1.0)
+                if batch is None:
+                    continue
+                done = _apply(batch.outputs, results)
+                remaining -= done
+                if bar is not None and done:
+                    bar.update(done)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.client.call_utility(method, *args)
+
+    def close(self) -> None:
+        self.client.close()
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _apply(outputs: list[WireOutput], results: dict[str, RequestOutput]) -> int:
+    """Fold output deltas into results; returns how many requests finished."""
+    done = 0
+    for o in outputs:
+        res = results.get(o.request_id)
+        if res is None or res.finished:
+            continue
+        res.output_token_ids.extend(o.new_token_ids)
+        if o.finish_reason is not None:
+            res.finish_reason, res.stop_reason, res.error, res.metrics = (
+                o.finish_reason, o.stop_reason, o.error, o.metrics)
+            done += 1
+    return done
+
+
+class AsyncLLM:
+    """Async streaming generation through an engine process.
+
+    Use ``await AsyncLLM.create(config)``; then ``async for out in llm.generate(...)``
+    yields one :class:`RequestOutput` delta per engine step (new tokens only); the last
+    one has ``finish_reason`` set. Cancelling the iteration aborts the request.
+    """
+
+    def __init__(self, config: Config, engine: EngineProcess) -> None:
+        self.config = config
+        self.engine = engine
+        self.ctx = zmq.asyncio.Context()
+        identity = uuid.uuid4().bytes
+        self.in_sock = self.ctx.socket(zmq.DEALER)
+        self.out_sock = self.ctx.socket(zmq.DEALER)
+        for sock, addr in ((self.in_sock, engine.input_addr), (self.out_sock, engine.output_addr)):
+            EngineClient._connect_opts(sock, identity)
+            sock.connect(addr)
+        self._queues: dict[str, asyncio.Queue[WireOutput | BaseException]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self.tokenizer: Any = None
+
+    @classmethod
+    async def create(cls, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> AsyncLLM:
+        cfg = _resolve(config)
+        engine = await asyncio.to_thread(EngineProcess, cfg, transport=transport)
+        llm = cls(cfg, engine)
+        await llm.out_sock.send(client_encoder.encode(Hello()))
+        llm._reader = asyncio.create_task(llm._read_outputs())
+        return llm
+
+    async def _read_outputs(self) -> None:
+        last_seen = time.monotonic()
+        try:
+            while True:
+                if await self.out_sock.poll(100):
+                    msg = engine_decoder.decode(await self.out_sock.recv())
+                    last_seen = time.monotonic()
+                    if isinstance(msg, OutputBatch):
+                        for o in msg.outputs:
+                            q = self._queues.get(o.request_id)
+                            if q is not None:
+                                q.put_nowait(o)
+                        for res in msg.utility_results:
+                            fut = self._calls.pop(res.call_id, None)
+                            if fut is not None and not fut.done():
+                                if res.error is not None:
+                                    fut.set_exception(SchedkitError(f"utility: {res.error}"))
+                                else:
+                                    fut.set_result(res.result)
+                    continue
+                if not self.engine.is_alive():
+                    raise EngineDeadError(f"the engine process exited (code {self.engine.exitcode})")
+                if time.monotonic() - last_seen > DEAD_AFTER_S:
+                    raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
+        except EngineDeadError as e:
+            self._dead = e
+            for q in self._queues.values():
+                q.put_nowait(e)
+            for fut in self._calls.values():
+                if not fut.done():
+                    fut.set_exception(e)
+
+    async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
+                       *, request_id: str | None = None, priority: int = 0,
+                       tenant: str = "default") -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; raises RequestError if the engine rejects it."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        rid = request_id or f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        ids = _prompt_ids(prompt, self.tokenizer)
+        q: asyncio.Queue[WireOutput | BaseException] = asyncio.Queue()
+        self._queues[rid] = q
+        finished = False
+        try:
+            req = wire_request(rid, ids, sampling_params or SamplingParams(), priority=priority, tenant=tenant)
+            await self.in_sock.send(client_encoder.encode(AddRequests([req])))
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None and not item.new_token_ids and item.metrics is None:
+                    finished = True
+                    raise RequestError(f"request {rid!r} failed: {item.error}", request_id=rid)
+                finished = item.finish_reason is not None
+                yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
+                                    item.stop_reason, item.error, item.metrics)
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self._dead is None:
+                await self.in_sock.send(client_encoder.encode(AbortRequests([rid])))
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        call_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self.in_sock.send(client_encoder.encode(UtilityCall(call_id, method, list(args))))
+        return await fut
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+        self.in_sock.close(0)
+        self.out_sock.close(0)
+        self.ctx.term()
+        await asyncio.to_thread(self.engine.shutdown)
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+

@@ -1,0 +1,313 @@
+"""EngineCoreProc: EngineCore in its own process, fed over ZMQ.
+
+Threads of the engine process:
+
+- input thread: receives ``[identity, payload]`` on a ROUTER socket, decodes the msgspec
+  payload and puts it on the input queue; a malformed message is logged and dropped.
+- busy loop (main thread): blocks on the input queue only while there is no work;
+  otherwise drains it without blocking (ADD / ABORT / UTILITY), runs one step and puts
+  each client's outputs on the output queue.
+- output thread: owns a second ROUTER socket; answers ``Hello`` with ``Ready``, encodes and
+  sends output batches, and sends a heartbeat every 0.5 s so clients can tell a dead
+  engine from a slow one.
+
+Each socket is used by one thread only (ZMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from schedkit.config import Config
+from schedkit.core.engine_core import EngineCore
+from schedkit.core.messages import (
+    AbortRequests,
+    AddRequests,
+    Heartbeat,
+    Hello,
+    OutputBatch,
+    Ready,
+    UtilityCall,
+    UtilityResult,
+    WireMetrics,
+    WireOutput,
+    WireRequest,
+    client_decoder,
+    engine_encoder,
+)
+from schedkit.core.outputs import EngineCoreOutputs
+from schedkit.core.request import EventType, Request, SamplingParams
+from schedkit.errors import SchedkitError
+
+log = logging.getLogger("schedkit.engine")
+
+HEARTBEAT_INTERVAL_S = 0.5
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "list_plugins", "shutdown", "num_unfinished")
+
+
+def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
+    """Build a Request (validating it) from its wire form."""
+    sp = w.sampling_params
+    params = SamplingParams(max_tokens=sp.max_tokens, min_tokens=sp.min_tokens,
+                            stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                            eos_token_id=sp.eos_token_id, temperature=sp.temperature,
+                            top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed)
+    return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
+                   priority=w.priority, client_index=client_index, tenant=w.tenant,
+                   cache_salt=w.cache_salt)
+
+
+def metrics_of(req: Request) -> WireMetrics:
+    return WireMetrics(
+        arrival_time=req.arrival_time, first_token_time=req.first_event_time(EventType.FIRST_TOKEN),
+        finish_time=req.first_event_time(EventType.FINISHED), num_preemptions=req.num_preemptions,
+        num_cached_tokens=max(req.num_cached_tokens, 0), num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens)
+
+
+class EngineCoreProc:
+    """Args:
+        config: The validated config (plugins are loaded here, in the engine process).
+        input_addr: ZMQ address the input ROUTER binds (``ipc://...`` or ``tcp://127.0.0.1:N``).
+        output_addr: ZMQ address the output ROUTER binds.
+    """
+
+    def __init__(self, config: Config, input_addr: str, output_addr: str, *, runner: Any = None) -> None:
+        self.engine = EngineCore(config, runner=runner)
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[int, OutputBatch]] = queue.Queue()
+        self.ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._identities: list[bytes] = []
+        self._index_of: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._live: dict[str, Request] = {}
+        self.num_malformed = 0
+        self._in_sock = self._bind(input_addr)
+        self._out_sock = self._bind(output_addr)
+        self._threads = [threading.Thread(target=self._input_loop, name="schedkit-input", daemon=True),
+                         threading.Thread(target=self._output_loop, name="schedkit-output", daemon=True)]
+
+    def _bind(self, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(addr)
+        return sock
+
+    def client_index(self, identity: bytes) -> int:
+        with self._lock:
+            idx = self._index_of.get(identity)
+            if idx is None:
+                idx = self._index_of[identity] = len(self._identities)
+                self._identities.append(identity)
+            return idx
+
+    # -- threads -------------------------------------------------------------------------
+    def _input_loop(self) -> None:
+        sock = self._in_sock
+        while not self._stop.is_set():
+            if not sock.poll(100):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) != 2:
+                self._malformed(f"{len(frames)} frames")
+                continue
+            identity, payload = frames[0].bytes, frames[1].buffer
+            try:
+                msg = client_decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._malformed(str(e))
+                continue
+            self.input_queue.put((identity, msg))
+        sock.close(0)
+
+    def _malformed(self, why: str) -> None:
+        self.num_malformed += 1
+        log.warning("dropped a malformed message on the input socket: %s", why)
+
+    def _output_loop(self) -> None:
+        sock = self._out_sock
+        encode = engine_encoder.encode
+        next_beat = time.monotonic()
+        while True:
+            while sock.poll(0):
+                frames = sock.recv_multipart()
+                if len(frames) == 2 and frames[1] == encode(Hello()):
+                    idx = self.client_index(frames[0])
+                    sock.send_multipart([frames[0], encode(Ready(client_index=idx))])
+            try:
+                client, batch = self.output_queue.get(timeout=0.005)
+                sock.send_multipart([self._identities[client], encode(batch)], copy=False)
+                continue
+            except queue.Empty:
+                if self._stop.is_set():
+                    break
+            now = time.monotonic()
+            if now >= next_beat:
+                beat = encode(Heartbeat(engine_time=self.engine.now()))
+                for identity in list(self._identities):
+                    sock.send_multipart([identity, beat])
+                next_beat = now + HEARTBEAT_INTERVAL_S
+        sock.close(0)
+
+    # -- busy loop -----------------------------------------------------------------------
+    def run_busy_loop(self) -> None:
+        for t in self._threads:
+            t.start()
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._wait_for_work()
+                while True:
+                    try:
+                        identity, msg = self.input_queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._handle(identity, msg)
+                if engine.has_requests():
+                    self._dispatch(engine.step())
+        finally:
+            self._stop.set()
+            for t in self._threads:
+                t.join(timeout=2)
+            self.ctx.term()
+
+    def _wait_for_work(self) -> None:
+        engine = self.engine
+        if engine.scheduler.has_requests():
+            return
+        delay = engine.next_arrival_in()
+        if delay is not None and (delay == 0 or engine.is_virtual):
+            return
+        try:
+            item = self.input_queue.get(timeout=min(delay, 0.1) if delay is not None else 0.1)
+        except queue.Empty:
+            return
+        self._handle(*item)
+
+    def _handle(self, identity: bytes, msg: Any) -> None:
+        client = self.client_index(identity)
+        if isinstance(msg, AddRequests):
+            self._add(client, msg.requests)
+        elif isinstance(msg, AbortRequests):
+            aborted = self.engine.abort_requests(msg.request_ids)
+            outs = [WireOutput(r.request_id, finish_reason="abort", metrics=metrics_of(r)) for r in aborted]
+            for r in aborted:
+                self._live.pop(r.request_id, None)
+            self._send_by_client(outs)
+        elif isinstance(msg, UtilityCall):
+            self.output_queue.put((client, OutputBatch(utility_results=[self._utility(msg)])))
+        elif isinstance(msg, Hello):
+            pass  # hellos belong on the output socket; harmless here
+        else:  # a type the decoder knows but we do not handle is a bug
+            raise AssertionError(type(msg))
+
+    def _add(self, client: int, requests: list[WireRequest]) -> None:
+        errors = []
+        engine = self.engine
+        for w in requests:
+            try:
+                req = request_from_wire(w, client, engine.now())
+                if w.request_id in self._live:
+                    raise SchedkitError(f"duplicate request id {w.request_id!r}")
+                engine.add_request(req, w.arrival_offset)
+            except (SchedkitError, ValueError) as e:
+                errors.append(WireOutput(w.request_id, finish_reason="error", error=str(e)))
+                continue
+            self._live[w.request_id] = req
+        if errors:
+            self.output_queue.put((client, OutputBatch(outputs=errors)))
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        method = call.method
+        try:
+            if method == "stats":
+                result: Any = self.engine.stats() | {"num_malformed_messages": self.num_malformed}
+            elif method == "reset_prefix_cache":
+                result = self.engine.reset_prefix_cache()
+            elif method == "list_plugins":
+                result = self.engine.list_plugins()
+            elif method == "num_unfinished":
+                result = len(self._live)
+            elif method == "shutdown":
+                self._stop.set()
+                result = True
+            else:
+                return UtilityResult(call.call_id, error=f"unknown utility method {method!r}; "
+                                                         f"known: {', '.join(UTILITY_METHODS)}")
+        except Exception as e:  # a utility failing must not take the engine down
+            log.exception("utility %s failed", method)
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+        return UtilityResult(call.call_id, result=result)
+
+    def _dispatch(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        live = self._live
+        for client, group in outputs.items():
+            wire = []
+            for o in group.outputs:
+                metrics = None
+                if o.finish_reason is not None:
+                    req = live.pop(o.request_id, None)
+                    metrics = metrics_of(req) if req is not None else None
+                wire.append(WireOutput(o.request_id, o.new_token_ids,
+                                       None if o.finish_reason is None else o.finish_reason.value,
+                                       o.stop_reason, o.error, metrics))
+            if wire:
+                self.output_queue.put((client, OutputBatch(outputs=wire)))
+
+    def _send_by_client(self, outs: list[WireOutput]) -> None:
+        by_client: dict[int, list[WireOutput]] = {}
+        for o in outs:
+            req = self._live.get(o.request_id)
+            client = req.client_index if req is not None else 0
+            by_client.setdefault(client, []).append(o)
+        for client, group in by_client.items():
+            self.output_queue.put((client, OutputBatch(outputs=group)))
+
+
+def _exit_when_parent_goes(stdin: Any) -> None:
+    """The parent keeps our stdin open; EOF means it closed it or died: leave at once."""
+    while stdin.read(4096):
+        pass
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the engine process, started by :class:`~schedkit.core.client.EngineProcess`
+    as ``python -m schedkit.core.engine_proc --input ADDR --output ADDR``. The config comes
+    as one JSON line on stdin; one line on stdout answers ``ready PID`` or ``error MSG``."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        config = Config.model_validate(json.loads(sys.stdin.readline()))
+        proc = EngineCoreProc(config, args.input, args.output)
+    except Exception as e:
+        print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        return
+    threading.Thread(target=_exit_when_parent_goes, args=(sys.stdin,), daemon=True).start()
+    print(f"ready {os.getpid()}", flush=True)
+    proc.run_busy_loop()
+
+
+if __name__ == "__main__":
+    main()

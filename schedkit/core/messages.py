@@ -1,0 +1,103 @@
+"""Wire messages between clients and the engine-core process (msgspec, no pickle).
+
+Client -> engine (input socket): ``AddRequests``, ``AbortRequests``, ``UtilityCall``.
+Engine -> client (output socket): ``OutputBatch`` (token deltas, finishes with metrics,
+per-request errors, utility results) and ``Heartbeat``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    eos_token_id: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+
+class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: WireSamplingParams
+    priority: int = 0
+    tenant: str = "default"
+    cache_salt: str | None = None
+    arrival_offset: float | None = None
+    """Seconds after the engine's start at which the request arrives (None: now).
+    Lets a workload replay on the engine's (possibly virtual) clock."""
+
+
+class AddRequests(msgspec.Struct, tag="add", frozen=True):
+    requests: list[WireRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", frozen=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Sent on the output socket by a client so the engine learns its identity."""
+
+
+ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello
+
+
+class WireMetrics(msgspec.Struct, frozen=True):
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class WireOutput(msgspec.Struct, frozen=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    metrics: WireMetrics | None = None
+
+
+class UtilityResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class OutputBatch(msgspec.Struct, tag="outputs", frozen=True, omit_defaults=True):
+    outputs: list[WireOutput] = []
+    utility_results: list[UtilityResult] = []
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    engine_time: float
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    client_index: int
+
+
+EngineMessage = OutputBatch | Heartbeat | Ready
+
+client_encoder = msgspec.msgpack.Encoder()
+client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+engine_encoder = msgspec.msgpack.Encoder()
+engine_decoder = msgspec.msgpack.Decoder(EngineMessage)

@@ -1,0 +1,213 @@
+"""The engine process behind real sockets: same outputs as in-process, load, faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import zmq
+
+from schedkit.config import config_from_dict
+from schedkit.core.client import LLM, EngineClient, EngineProcess, wire_request
+from schedkit.core.engine_core import EngineCore
+from schedkit.core.request import Request, SamplingParams
+from schedkit.errors import ConfigError, EngineDeadError
+
+
+def prompts_and_params(n=24):
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(5 + (i * 11) % 40)] for i in range(n)]
+    shared = list(range(100, 116))
+    prompts += [shared + [i] for i in range(6)]  # prefix hits
+    params = [SamplingParams(max_tokens=4 + (i * 5) % 30) for i in range(len(prompts))]
+    return prompts, params
+
+
+def run_in_process(config, prompts, params, priorities):
+    engine = EngineCore(config)
+    reqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        req = Request(f"0-{i}", p, sp, arrival_time=engine.now(), priority=priorities[i])
+        engine.add_request(req)
+        reqs.append(req)
+    while engine.has_requests():
+        engine.step()
+    return reqs
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_process_gives_same_outputs_as_in_process(small_config, policy):
+    config = small_config(policy)
+    prompts, params = prompts_and_params()
+    priorities = [i % 3 for i in range(len(prompts))]
+    expected = run_in_process(config, prompts, params, priorities)
+    with LLM(config) as llm:
+        outs = llm.generate(prompts, params, priorities=priorities, use_tqdm=False)
+    assert [o.request_id for o in outs] == [r.request_id for r in expected]
+    for o, r in zip(outs, expected, strict=True):
+        assert o.output_token_ids == r.output_token_ids
+        assert o.finish_reason == r.get_finished_reason()
+        assert o.metrics.num_preemptions == r.num_preemptions
+        assert o.metrics.num_cached_tokens == r.num_cached_tokens
+    assert sum(r.num_preemptions for r in expected) > 0, "the workload must preempt"
+    assert any(r.num_cached_tokens > 0 for r in expected), "the workload must hit the prefix cache"
+
+
+def test_ten_thousand_requests_from_four_clients():
+    config = config_from_dict({"cache": {"num_blocks": 4096, "block_size": 16},
+                               "scheduler": {"max_num_batched_tokens": 8192, "max_num_seqs": 256}})
+    engine = EngineProcess(config)
+    results: dict[int, dict[str, list]] = {}
+    errors = []
+
+    def client_main(c: int) -> None:
+        try:
+            client = EngineClient(engine.input_addr, engine.output_addr, engine=engine)
+            mine = {f"c{c}-{i}": [] for i in range(2500)}
+            ids = list(mine)
+            for start in range(0, len(ids), 500):
+                client.add_requests([wire_request(rid, [c + 3, i % 97 + 3, 5], SamplingParams(max_tokens=1 + i % 3))
+                                     for i, rid in enumerate(ids[start:start + 500], start)])
+            finished = 0
+            while finished < len(ids):
+                batch = client.recv(timeout=5)
+                assert batch is not None, "stalled"
+                for o in batch.outputs:
+                    mine[o.request_id].append(o)
+                    finished += o.finish_reason is not None
+            results[c] = mine
+            client.close()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client_main, args=(c,)) for c in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.shutdown()
+    assert not errors, errors
+    assert sum(len(m) for m in results.values()) == 10_000
+    for mine in results.values():
+        for rid, outs in mine.items():
+            i = int(rid.split("-")[1])
+            finishes = [o for o in outs if o.finish_reason is not None]
+            assert len(finishes) == 1 and outs[-1] is finishes[0], rid
+            assert sum(len(o.new_token_ids) for o in outs) == 1 + i % 3, rid
+
+
+def test_killed_engine_raises_engine_dead_error_quickly():
+    llm = LLM(config_from_dict({"cache": {"num_blocks": 4096}, "scheduler": {"max_model_len": 100000}}))
+    box = {}
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            llm.generate([[5] * 50] * 64, SamplingParams(max_tokens=90000), use_tqdm=False)
+        except EngineDeadError as e:
+            box["err"], box["after"] = e, time.monotonic() - t0
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(llm.engine.pid, signal.SIGKILL)
+    t.join(10)
+    llm.close()
+    assert isinstance(box.get("err"), EngineDeadError)
+    assert time.monotonic() - killed_at < 5
+
+
+def test_malformed_message_is_dropped_and_engine_keeps_serving(small_config):
+    with LLM(small_config()) as llm:
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(llm.engine.input_addr)
+        raw.send(b"\x93not msgpack of ours")
+        raw.send_multipart([b"two", b"frames"])
+        raw.close(linger=2000)  # deliver before closing
+        ctx.term()
+        outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert outs[0].finish_reason == "length" and len(outs[0].output_token_ids) == 3
+        assert llm.call_utility("stats")["num_malformed_messages"] == 2
+
+
+def test_invalid_requests_fail_alone(small_config):
+    with LLM(small_config()) as llm:
+        client = llm.client
+        good = wire_request("good", [1, 2, 3], SamplingParams(max_tokens=2))
+        too_long = wire_request("long", [1] * 200, SamplingParams(max_tokens=2))
+        bad_params = wire_request("bad", [1, 2], SamplingParams(max_tokens=2))
+        bad_params = type(bad_params)(bad_params.request_id, bad_params.prompt_token_ids,
+                                      type(bad_params.sampling_params)(max_tokens=0))
+        client.add_requests([good, too_long, bad_params, wire_request("good", [4], SamplingParams())])
+        seen: dict[str, list] = {}
+        num_finished = 0
+        while num_finished < 4:
+            batch = client.recv(timeout=5)
+            assert batch is not None, seen
+            for o in batch.outputs:
+                if o.finish_reason is not None:
+                    seen.setdefault(o.request_id, []).append(o)
+                    num_finished += 1
+        assert "max_model_len" in seen["long"][0].error
+        assert "max_tokens" in seen["bad"][0].error
+        good_outs = seen["good"]
+        assert {o.finish_reason for o in good_outs} == {"error", "length"}
+        assert any("duplicate" in (o.error or "") for o in good_outs)
+
+
+def test_abort_frees_kv_blocks_and_shutdown_cleans_up():
+    config = config_from_dict({"cache": {"num_blocks": 512, "block_size": 16},
+                               "scheduler": {"max_model_len": 100000}})
+    llm = LLM(config)
+    client = llm.client
+    client.add_requests([wire_request(f"r{i}", [i + 3] * 40, SamplingParams(max_tokens=90000))
+                         for i in range(8)])
+    pending: list = []
+    for _ in range(100):  # the adds and this call may be handled before the first step
+        stats = client.call_utility("stats", pending=pending)
+        if stats["num_free_blocks"] < 511:
+            break
+    assert stats["num_running"] + stats["num_waiting"] == 8 and stats["num_free_blocks"] < 511
+    client.abort([f"r{i}" for i in range(8)])
+    aborted = set()
+    deadline = time.monotonic() + 10
+    while len(aborted) < 8 and time.monotonic() < deadline:
+        for batch in pending + [client.recv(timeout=1) or type(pending)()]:
+            for o in getattr(batch, "outputs", ()):
+                if o.finish_reason == "abort":
+                    aborted.add(o.request_id)
+        pending = []
+    assert aborted == {f"r{i}" for i in range(8)}
+    stats = client.call_utility("stats")
+    assert stats["num_free_blocks"] == 511 and stats["num_running"] == 0
+    pid = llm.engine.pid
+    paths = [p for p in llm.engine._paths]
+    assert all(p.exists() for p in paths)
+    llm.close()
+    assert llm.engine.exitcode is not None
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert not any(p.exists() for p in paths)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("scheduler: {policy: nope}\n", "nope"),
+    ("plugins: [{name: not-installed}]\n", "not-installed"),
+    ("cache: {block_size: many}\n", "cache.block_size"),
+    ("runner: {kindd: fake}\n", "runner.kindd"),
+])
+def test_bad_yaml_stops_before_any_process(tmp_path, monkeypatch, text, needle):
+    def no_spawn(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_spawn)
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        LLM(cfg)

@@ -147,7 +147,7 @@ class EngineCoreProc:
                     idx = self.client_index(frames[0])
                     sock.send_multipart([frames[0], encode(Ready(client_index=idx))])
             try:
-                client, batch = self.output_queue.get(timeout=0.005)
+                client, batch = self.output_queue.get(timeout=0.05)
                 sock.send_multipart([self._identities[client], encode(batch)], copy=False)
                 continue
             except queue.Empty:
@@ -254,17 +254,14 @@ class EngineCoreProc:
     def _dispatch(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         live = self._live
         for client, group in outputs.items():
-            wire = []
-            for o in group.outputs:
-                metrics = None
+            outs = group.outputs
+            for o in outs:
                 if o.finish_reason is not None:
                     req = live.pop(o.request_id, None)
-                    metrics = metrics_of(req) if req is not None else None
-                wire.append(WireOutput(o.request_id, o.new_token_ids,
-                                       None if o.finish_reason is None else o.finish_reason.value,
-                                       o.stop_reason, o.error, metrics))
-            if wire:
-                self.output_queue.put((client, OutputBatch(outputs=wire)))
+                    if req is not None:
+                        o.metrics = metrics_of(req)
+            if outs:
+                self.output_queue.put((client, OutputBatch(outputs=outs)))
 
     def _send_by_client(self, outs: list[WireOutput]) -> None:
         by_client: dict[int, list[WireOutput]] = {}

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from schedkit.core.outputs import EngineCoreOutput, RequestMetricsData
+
 
 class WireSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 16
@@ -57,23 +59,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello
 
 
-class WireMetrics(msgspec.Struct, frozen=True):
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
-    num_preemptions: int
-    num_cached_tokens: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-
-class WireOutput(msgspec.Struct, frozen=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int] = []
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    metrics: WireMetrics | None = None
+WireMetrics = RequestMetricsData
+WireOutput = EngineCoreOutput
+"""Outputs travel as the scheduler built them (msgspec Structs, no conversion)."""
 
 
 class UtilityResult(msgspec.Struct, frozen=True, omit_defaults=True):

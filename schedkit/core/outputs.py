@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from schedkit.core.request import FinishReason, SamplingParams
+import msgspec
+
+from schedkit.core.request import SamplingParams
 
 
 @dataclass(slots=True)
@@ -86,18 +88,35 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """New tokens (and the end, if any) of one request in one step."""
+class RequestMetricsData(msgspec.Struct, frozen=True):
+    """Timeline and counters of a finished request (engine clock, seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """New tokens (and the end, if any) of one request in one step.
+
+    A msgspec Struct: built once per request per step on the hot path, and sent to
+    clients as it is (the engine process attaches ``metrics`` when the request ends).
+    """
 
     request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    """A FinishReason value ("stop", "length", "abort", "error") or None while running."""
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
     """Why the request failed (finish_reason "error"): a plugin, the runner, bad input."""
+    metrics: RequestMetricsData | None = None
 
     @property
     def finished(self) -> bool:

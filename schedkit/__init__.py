@@ -7,6 +7,8 @@ from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestEr
 from schedkit.hookspecs import hookimpl
 
 __all__ = [
+    "LLM",
+    "AsyncLLM",
     "AdmissionDecision",
     "Config",
     "ConfigError",
@@ -22,3 +24,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # the clients pull in pyzmq: import them on first use
+    if name in ("LLM", "AsyncLLM"):
+        from schedkit.core import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'schedkit' has no attribute {name!r}")

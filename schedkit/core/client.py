@@ -122,13 +122,13 @@ class EngineProcess:
 
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
-                 cache_salt: str | None = None) -> WireRequest:
+                 cache_salt: str | None = None, final_only: bool = False) -> WireRequest:
     sp = WireSamplingParams(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                             stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
                             eos_token_id=params.eos_token_id, temperature=params.temperature,
                             top_p=params.top_p, top_k=params.top_k, seed=params.seed)
     return WireRequest(request_id, list(prompt_token_ids), sp, priority=priority, tenant=tenant,
-                       cache_salt=cache_salt, arrival_offset=arrival_offset)
+                       cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only)
 
 
 class EngineClient:
@@ -293,7 +293,8 @@ class LLM:
             order.append(rid)
             results[rid] = RequestOutput(rid, ids)
             wire.append(wire_request(rid, ids, sp, priority=priorities[i] if priorities else 0,
-                                     arrival_offset=arrival_offsets[i] if arrival_offsets else None))
+                                     arrival_offset=arrival_offsets[i] if arrival_offsets else None,
+                                     final_only=True))
         self.client.add_requests(wire)
         self._collect(results, use_tqdm)
         return [results[rid] for rid in order]

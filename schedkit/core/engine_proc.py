@@ -91,6 +91,7 @@ class EngineCoreProc:
         self._index_of: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._live: dict[str, Request] = {}
+        self._final_only: set[str] = set()
         self.num_malformed = 0
         self._in_sock = self._bind(input_addr)
         self._out_sock = self._bind(output_addr)
@@ -202,10 +203,14 @@ class EngineCoreProc:
             self._add(client, msg.requests)
         elif isinstance(msg, AbortRequests):
             aborted = self.engine.abort_requests(msg.request_ids)
-            outs = [WireOutput(r.request_id, finish_reason="abort", metrics=metrics_of(r)) for r in aborted]
+            outs = []
+            for r in aborted:
+                out = WireOutput(r.request_id, finish_reason="abort")
+                self._finalize(out, r)
+                outs.append(out)
+            self._send_by_client(outs)
             for r in aborted:
                 self._live.pop(r.request_id, None)
-            self._send_by_client(outs)
         elif isinstance(msg, UtilityCall):
             self.output_queue.put((client, OutputBatch(utility_results=[self._utility(msg)])))
         elif isinstance(msg, Hello):
@@ -226,6 +231,8 @@ class EngineCoreProc:
                 errors.append(WireOutput(w.request_id, finish_reason="error", error=str(e)))
                 continue
             self._live[w.request_id] = req
+            if w.final_only:
+                self._final_only.add(w.request_id)
         if errors:
             self.output_queue.put((client, OutputBatch(outputs=errors)))
 
@@ -252,16 +259,27 @@ class EngineCoreProc:
         return UtilityResult(call.call_id, result=result)
 
     def _dispatch(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        live = self._live
+        live, final_only = self._live, self._final_only
         for client, group in outputs.items():
-            outs = group.outputs
-            for o in outs:
-                if o.finish_reason is not None:
-                    req = live.pop(o.request_id, None)
-                    if req is not None:
-                        o.metrics = metrics_of(req)
-            if outs:
-                self.output_queue.put((client, OutputBatch(outputs=outs)))
+            send = []
+            for o in group.outputs:
+                if o.finish_reason is None:
+                    if not final_only or o.request_id not in final_only:
+                        send.append(o)
+                    continue
+                self._finalize(o, live.pop(o.request_id, None))
+                send.append(o)
+            if send:
+                self.output_queue.put((client, OutputBatch(outputs=send)))
+
+    def _finalize(self, out: WireOutput, req: Request | None) -> None:
+        """Attach the finished request's metrics (and, for final-only, all its tokens)."""
+        if req is None:
+            return
+        out.metrics = metrics_of(req)
+        if req.request_id in self._final_only:
+            self._final_only.discard(req.request_id)
+            out.new_token_ids = list(req.output_token_ids)
 
     def _send_by_client(self, outs: list[WireOutput]) -> None:
         by_client: dict[int, list[WireOutput]] = {}

@@ -36,6 +36,9 @@ class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     arrival_offset: float | None = None
     """Seconds after the engine's start at which the request arrives (None: now).
     Lets a workload replay on the engine's (possibly virtual) clock."""
+    final_only: bool = False
+    """Send nothing until the request ends, then all its tokens at once (offline batches,
+    like vLLM's FINAL_ONLY output kind); False streams a delta every step."""
 
 
 class AddRequests(msgspec.Struct, tag="add", frozen=True):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+    from schedkit.kv.kv_cache_manager import KVCacheManager
 
 PROJECT = "schedkit"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -28,7 +29,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec(firstresult=True)
-def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig) -> RequestQueue | None:
+def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
+                                  kv_cache_manager: KVCacheManager) -> RequestQueue | None:
     """Create the waiting queue, which fixes the order in which requests are admitted.
 
     Stops at first non-None result. Called in the engine-core process, once, when the
@@ -36,6 +38,9 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig) -> RequestQ
 
     Args:
         scheduler_config: The scheduler section of the config. Do not mutate.
+        kv_cache_manager: The scheduler's KV cache manager, for queues that rank by
+            prefix-cache hits (``get_computed_blocks(request)`` has no side effects).
+            Do not allocate or free through it.
 
     Returns:
         An object with the :class:`schedkit.core.queues.RequestQueue` methods (``add``,

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+    from schedkit.kv.kv_cache_manager import KVCacheManager
 
 
 class AdmissionDecision(enum.Enum):
@@ -32,7 +33,8 @@ class AdmissionDecision(enum.Enum):
 class SchedulerHooks(Protocol):
     """One method per policy decision; keyword arguments only."""
 
-    def create_waiting_queue(self, *, scheduler_config: SchedulerConfig) -> RequestQueue: ...
+    def create_waiting_queue(self, *, scheduler_config: SchedulerConfig,
+                             kv_cache_manager: KVCacheManager) -> RequestQueue: ...
 
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request: ...
 

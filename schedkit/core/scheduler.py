@@ -91,7 +91,8 @@ class Scheduler:
         self.connector = connector if connector is not None else NoOpConnector(KVConnectorRole.SCHEDULER)
         self.connector.bind_kv_cache_manager(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
-        self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config)
+        self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config,
+                                                  kv_cache_manager=self.kv_cache_manager)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self._preempted_ids: set[str] = set()

@@ -24,6 +24,7 @@ from schedkit.core.request import Request, RequestStatus
 from schedkit.errors import PluginError
 from schedkit.hookspecs import HOOK_NAMES
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+from schedkit.kv.kv_cache_manager import KVCacheManager
 
 _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
                   "remove_request", "remove_requests", "__len__", "__iter__")
@@ -89,9 +90,11 @@ class HookFacade:
                            plugin=plugin, hook=name)
 
     # -- hooks ---------------------------------------------------------------------------
-    def create_waiting_queue(self, *, scheduler_config: SchedulerConfig) -> RequestQueue:
+    def create_waiting_queue(self, *, scheduler_config: SchedulerConfig,
+                             kv_cache_manager: KVCacheManager) -> RequestQueue:
         name = "schedkit_create_waiting_queue"
-        queue, plugin = self._call(name, {"scheduler_config": scheduler_config}, True)
+        queue, plugin = self._call(name, {"scheduler_config": scheduler_config,
+                                          "kv_cache_manager": kv_cache_manager}, True)
         missing = [m for m in _QUEUE_METHODS if not hasattr(queue, m)]
         if queue is None or missing:
             raise self._bad_answer(name, plugin, queue, f"not a waiting queue (missing {missing})")

@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     metrics = [metrics_from_output(o) for o in outs if o.metrics is not None]
     finish = max((m.finish_time or 0.0) for m in metrics) if metrics else 0.0
     start = min(m.arrival_time for m in metrics) if metrics else 0.0
-    summary = summarize(metrics, finish - start)
+    summary = summarize(metrics, config.workload.slo, finish - start)
     _print_summary(config, summary, wall, stats["num_steps"])
     for o in outs[: args.samples]:
         toks = o.output_token_ids
@@ -55,14 +55,56 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int) -> None:
         ("requests", s["requests"]), ("steps", steps),
         (f"duration ({clock} s)", f"{s['duration_s']:.2f}"),
         ("output tokens/s", f"{s['output_tokens_per_s']:.1f}"),
-        ("TTFT p50 / p99 (ms)", f"{s['ttft_p50_s'] * 1e3:.1f} / {s['ttft_p99_s'] * 1e3:.1f}"),
-        ("TPOT p50 / p99 (ms)", f"{s['tpot_p50_s'] * 1e3:.1f} / {s['tpot_p99_s'] * 1e3:.1f}"),
+        ("TTFT p50 / p99 (ms)", f"{s['ttft_s']['p50'] * 1e3:.1f} / {s['ttft_s']['p99'] * 1e3:.1f}"),
+        ("TPOT p50 / p99 (ms)", f"{s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f}"),
         ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("wall time (s)", f"{wall:.2f}"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from schedkit.lab import report
+    from schedkit.lab.compare import CompareResult, compare, parse_sweep, sweep
+
+    config = load_config(args.config)
+    base = Path(args.config).parent
+    knob, values = parse_sweep(args.sweep) if args.sweep else (None, [])
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = compare(config, base_dir=base) if not args.sweep_only else CompareResult()
+    if result.summaries:
+        print(report.format_table(result.summaries))
+        for name, failed in result.failed.items():
+            if failed:
+                print(f"  {name}: {len(failed)} requests failed, e.g. {next(iter(failed.values()))}")
+    if knob is not None:
+        sweep(config, knob, values, base_dir=base, result=result)
+        print(f"\nhighest {'load (1/time_scale)' if knob == 'time_scale' else knob} meeting the SLO "
+              f"(attainment >= {config.workload.slo.attainment:.0%}):")
+        for name, best in result.sustained.items():
+            print(f"  {name:<20} {'none of the loads' if best is None else f'{best:g}'}")
+    payload = {
+        "config": config.model_dump(mode="json"),
+        "summaries": result.summaries,
+        "failed": result.failed,
+        "requests": {n: [m.to_dict() for m in ms] for n, ms in result.metrics.items()},
+        "sweep": {n: [{"load": x, "summary": s} for x, s in pts] for n, pts in result.sweep.items()},
+        "sustained": result.sustained,
+    }
+    report.write_json(out / "results.json", payload)
+    written = ["results.json"]
+    if result.metrics and report.plot_cdfs(result.metrics, out / "latency_cdf.png"):
+        written.append("latency_cdf.png")
+    if result.metrics and report.plot_tenant_service(result.metrics, out / "tenant_service.png"):
+        written.append("tenant_service.png")
+    label = "load (x trace arrival rate)" if knob == "time_scale" else "rate (req/s)"
+    if result.sweep and report.plot_latency_vs_load(result.sweep, out / "latency_vs_load.png", label):
+        written.append("latency_vs_load.png")
+    print(f"wrote {', '.join(written)} to {out}")
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -99,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", "-o", help="write per-request results as JSON")
     p.add_argument("--samples", type=int, default=3, help="sample outputs to print")
     p.set_defaults(func=_run)
+    p = sub.add_parser("compare", help="run several policy profiles on the YAML's workload")
+    p.add_argument("config")
+    p.add_argument("--output-dir", "-o", default="compare-results", help="where results go")
+    p.add_argument("--sweep", help="KNOB=V1,V2,...: find the highest load each profile sustains "
+                                   "under the SLO (KNOB: rate or time_scale)")
+    p.add_argument("--sweep-only", action="store_true", help="skip the single-load comparison")
+    p.set_defaults(func=_compare)
     p = sub.add_parser("check", help="validate a config file")
     p.add_argument("config")
     p.set_defaults(func=_check)

@@ -43,6 +43,8 @@ class RunnerConfig(_Strict):
     """EOS id the fake runner emits at each request's sampled output length (None: never)."""
     step_time_ms: float = Field(default=10.0, gt=0)
     """Virtual duration of one fake-runner step, which drives the engine's clock."""
+    profile: str = "h200-qwen2.5-0.5b-handset"
+    """Simulated runner: cost-model profile, a bundled name or a JSON file path."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     """Paged runner on CUDA: fraction of GPU memory for weights, activations and KV cache
     (the KV cache gets what is left, at most cache.num_blocks blocks)."""
@@ -115,27 +117,136 @@ class PluginConfig(_Strict):
     """Settings handed to the plugin's factory; the plugin validates them itself."""
 
 
-class WorkloadConfig(_Strict):
-    kind: Literal["poisson", "fixed"] = "poisson"
-    """Arrival process."""
-    rate: float = Field(default=4.0, gt=0)
-    """Mean arrivals per second."""
-    num_requests: int = Field(default=200, ge=1)
-    """Requests to generate."""
-    prompt_len: tuple[int, int] = (32, 512)
-    """Uniform prompt-length range [lo, hi] in tokens."""
-    output_len: tuple[int, int] = (16, 256)
-    """Uniform output-length range [lo, hi] in tokens."""
-    seed: int = 0
-    """Seed of the workload generator."""
+class LengthConfig(_Strict):
+    """A token-length distribution. YAML shorthands: ``128`` (fixed) or ``[lo, hi]`` (uniform)."""
+
+    dist: Literal["fixed", "uniform", "zipf", "lognormal"] = "uniform"
+    """fixed: always ``min``; uniform on [min, max]; zipf: P(k) ~ k^-a on [min, max];
+    lognormal: median ``median`` and shape ``sigma``, clipped to [min, max]."""
+    min: int = Field(default=1, ge=1)
+    """Smallest length (the value of a fixed distribution)."""
+    max: int = Field(default=512, ge=1)
+    """Largest length."""
+    a: float = Field(default=1.2, gt=1.0)
+    """Zipf exponent."""
+    median: float = Field(default=128.0, gt=0)
+    """Lognormal median."""
+    sigma: float = Field(default=1.0, gt=0)
+    """Lognormal shape (standard deviation of the log)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            return {"dist": "fixed", "min": v, "max": v}
+        if isinstance(v, (list, tuple)) and len(v) == 2:
+            return {"dist": "uniform", "min": v[0], "max": v[1]}
+        return v
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> WorkloadConfig:
-        for key in ("prompt_len", "output_len"):
-            lo, hi = getattr(self, key)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{key} must satisfy 1 <= lo <= hi, got [{lo}, {hi}]")
+    def _check(self) -> LengthConfig:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
         return self
+
+
+class TenantConfig(_Strict):
+    name: str = Field(min_length=1)
+    """Tenant (client) name attached to its requests."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of the requests sent by this tenant."""
+
+
+class PriorityClassConfig(_Strict):
+    priority: int = 0
+    """Priority value (smaller is more important)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of the requests in this class."""
+
+
+class SharedPrefixConfig(_Strict):
+    count: int = Field(default=4, ge=1)
+    """Distinct shared system prompts."""
+    length: int = Field(default=256, ge=1)
+    """Tokens in each shared prompt (prepended to the request's own prompt)."""
+    fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Share of the requests that start with one of them."""
+
+
+class TraceConfig(_Strict):
+    format: Literal["azure", "mooncake", "vidur"]
+    """azure: Azure LLM inference 2023 CSV; mooncake: FAST'25 JSONL (hash_ids become shared
+    prefixes); vidur: length pairs without timestamps (arrivals generated)."""
+    path: str
+    """Trace file; relative paths are resolved against the config file, then the repository."""
+    time_scale: float = Field(default=1.0, gt=0)
+    """Multiplies every arrival time (0.5 replays twice as fast)."""
+    start: int = Field(default=0, ge=0)
+    """Skip this many requests at the start of the trace."""
+    max_prompt_len: int | None = Field(default=None, ge=1)
+    """Clip prompts to this many tokens (None: keep, then too-long requests are rejected)."""
+
+
+class SLOConfig(_Strict):
+    ttft_s: float | None = Field(default=None, gt=0)
+    """Time-to-first-token target (seconds)."""
+    tpot_s: float | None = Field(default=None, gt=0)
+    """Time-per-output-token target (seconds, mean over the request's decode)."""
+    e2e_s: float | None = Field(default=None, gt=0)
+    """End-to-end latency target (seconds)."""
+    attainment: float = Field(default=0.9, gt=0, le=1)
+    """Share of requests that must meet every target for a rate to count as sustained."""
+
+
+class WorkloadConfig(_Strict):
+    kind: Literal["poisson", "gamma", "fixed", "trace"] = "poisson"
+    """Arrival process of a synthetic workload, or ``trace`` to replay ``trace``."""
+    rate: float = Field(default=4.0, gt=0)
+    """Mean arrivals per second (synthetic, and vidur traces)."""
+    burstiness: float = Field(default=1.0, gt=0)
+    """Coefficient of variation of gamma inter-arrival times (1 = Poisson, > 1 burstier)."""
+    num_requests: int = Field(default=200, ge=1)
+    """Requests to generate, or the most to take from a trace."""
+    prompt_len: LengthConfig = Field(default_factory=lambda: LengthConfig(min=32, max=512))
+    """Prompt-length distribution (synthetic)."""
+    output_len: LengthConfig = Field(default_factory=lambda: LengthConfig(min=16, max=256))
+    """Output-length distribution (synthetic, and every request's max_tokens)."""
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    """Tenants with weights; requests are assigned at random by weight."""
+    priorities: list[PriorityClassConfig] = Field(default_factory=list)
+    """Priority classes with weights."""
+    shared_prefix: SharedPrefixConfig | None = None
+    """Shared system prompts (synthetic)."""
+    trace: TraceConfig | None = None
+    """The trace to replay when kind is ``trace``."""
+    slo: SLOConfig = Field(default_factory=SLOConfig)
+    """Service-level objectives used by goodput, attainment and rate sweeps."""
+    seed: int = 0
+    """Seed: the same config always gives the same requests."""
+
+    @model_validator(mode="after")
+    def _check_trace(self) -> WorkloadConfig:
+        if self.kind == "trace" and self.trace is None:
+            raise ValueError("kind 'trace' needs a trace section (format, path)")
+        if self.kind != "trace" and self.trace is not None:
+            raise ValueError(f"a trace section needs kind 'trace', not {self.kind!r}")
+        return self
+
+
+class ProfileConfig(_Strict):
+    name: str = Field(min_length=1)
+    """Label of this policy profile in tables, JSON and plots."""
+    policy: str = "fcfs"
+    """scheduler.policy for this profile."""
+    plugins: list[PluginConfig] = Field(default_factory=list)
+    """Plugins switched on in addition to the config's own."""
+
+
+class CompareConfig(_Strict):
+    profiles: list[ProfileConfig] = Field(default_factory=list, min_length=1)
+    """The policy profiles ``schedkit compare`` runs on the same workload."""
 
 
 class Config(_Strict):
@@ -151,6 +262,8 @@ class Config(_Strict):
     """Extra plugins to switch on (installed is not enabled)."""
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     """The workload that ``schedkit run`` drives through the engine."""
+    compare: CompareConfig | None = None
+    """Policy profiles for ``schedkit compare`` (default: just this config's policy)."""
 
     @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:

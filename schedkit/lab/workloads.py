@@ -1,33 +1,234 @@
-"""Seeded synthetic workloads (the policy lab grows this module)."""
+"""Workloads: seeded synthetic generators and replay of public request traces.
+
+Everything here is deterministic given the workload config (its ``seed`` included):
+the same YAML always yields the same requests, token for token.
+
+Traces (copies with their licenses under ``data/``):
+- ``azure``: Azure LLM inference trace 2023 (code / conversation), CSV
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``; prompt contents are synthetic.
+- ``mooncake``: Mooncake FAST'25 JSONL; each ``hash_id`` becomes one fixed 512-token block,
+  so requests that share hash ids share a real token prefix (and prefix-cache hits).
+- ``vidur``: arxiv-summarization length pairs; arrivals are generated (Poisson, ``rate``).
+"""
 
 from __future__ import annotations
 
+import bisect
+import csv
+import itertools
+import json
+import math
 import random
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
-from schedkit.config import WorkloadConfig
+from schedkit.config import LengthConfig, TraceConfig, WorkloadConfig
+from schedkit.errors import ConfigError
+
+MOONCAKE_BLOCK = 512
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(slots=True, frozen=True)
 class WorkloadRequest:
     request_id: str
     arrival_time: float
+    """Seconds after the start of the workload."""
     prompt_token_ids: list[int]
     max_tokens: int
+    tenant: str = "default"
+    priority: int = 0
 
 
-def generate(cfg: WorkloadConfig, vocab_size: int = 32000) -> list[WorkloadRequest]:
-    """Requests with Poisson (or evenly spaced, ``fixed``) arrivals and uniform lengths.
+def generate(cfg: WorkloadConfig, vocab_size: int = 32000,
+             base_dir: str | Path | None = None) -> list[WorkloadRequest]:
+    """The workload's requests, sorted by arrival time.
 
-    Token ids avoid 0..2 (often special tokens). The same config always gives the same
-    requests.
+    Raises:
+        ConfigError: A trace file is missing or has the wrong columns.
     """
+    if cfg.kind == "trace":
+        assert cfg.trace is not None
+        return _from_trace(cfg, cfg.trace, vocab_size, base_dir)
+    return _synthetic(cfg, vocab_size)
+
+
+# ---------------------------------------------------------------------------- synthetic
+class LengthSampler:
+    """Draws lengths from a :class:`LengthConfig` with a given RNG."""
+
+    def __init__(self, cfg: LengthConfig) -> None:
+        self.cfg = cfg
+        self._cum: list[float] = []
+        if cfg.dist == "zipf":
+            acc = 0.0
+            for k in range(1, cfg.max - cfg.min + 2):
+                acc += k ** -cfg.a
+                self._cum.append(acc)
+
+    def __call__(self, rng: random.Random) -> int:
+        c = self.cfg
+        if c.dist == "fixed":
+            return c.min
+        if c.dist == "uniform":
+            return rng.randint(c.min, c.max)
+        if c.dist == "zipf":
+            i = bisect.bisect_left(self._cum, rng.random() * self._cum[-1])
+            return c.min + min(i, len(self._cum) - 1)
+        value = round(rng.lognormvariate(math.log(c.median), c.sigma))
+        return min(max(value, c.min), c.max)
+
+
+def _interarrival(cfg: WorkloadConfig, rng: random.Random) -> float:
+    if cfg.kind == "poisson":
+        return rng.expovariate(cfg.rate)
+    if cfg.kind == "gamma":
+        shape = 1.0 / cfg.burstiness ** 2
+        return rng.gammavariate(shape, 1.0 / (cfg.rate * shape))
+    return 1.0 / cfg.rate
+
+
+def _weighted_picker(rng: random.Random, items: list, weights: list[float]):
+    cum = list(itertools.accumulate(weights))
+    return lambda: items[bisect.bisect_left(cum, rng.random() * cum[-1])]
+
+
+def _synthetic(cfg: WorkloadConfig, vocab_size: int) -> list[WorkloadRequest]:
     rng = random.Random(cfg.seed)
+    prompt_len, output_len = LengthSampler(cfg.prompt_len), LengthSampler(cfg.output_len)
+    tenant = (_weighted_picker(rng, [t.name for t in cfg.tenants], [t.weight for t in cfg.tenants])
+              if cfg.tenants else (lambda: "default"))
+    priority = (_weighted_picker(rng, [p.priority for p in cfg.priorities],
+                                 [p.weight for p in cfg.priorities])
+                if cfg.priorities else (lambda: 0))
+    sp = cfg.shared_prefix
+    prefixes = ([token_run(-(cfg.seed << 8) - j - 1, sp.length, vocab_size) for j in range(sp.count)]
+                if sp is not None else [])
     t = 0.0
     reqs = []
     for i in range(cfg.num_requests):
-        t += rng.expovariate(cfg.rate) if cfg.kind == "poisson" else 1.0 / cfg.rate
-        prompt_len = rng.randint(*cfg.prompt_len)
-        prompt = [rng.randrange(3, vocab_size) for _ in range(prompt_len)]
-        reqs.append(WorkloadRequest(f"req-{i}", t, prompt, rng.randint(*cfg.output_len)))
+        t += _interarrival(cfg, rng)
+        prompt = token_run((cfg.seed << 24) + i, prompt_len(rng), vocab_size)
+        if sp is not None and rng.random() < sp.fraction:
+            prompt = prefixes[rng.randrange(sp.count)] + prompt
+        reqs.append(WorkloadRequest(f"req-{i}", t, prompt, output_len(rng), tenant(), priority()))
+    return reqs
+
+
+# ---------------------------------------------------------------------------- traces
+def resolve_path(path: str, base_dir: str | Path | None) -> Path:
+    """Find a trace file: as given, next to the config file, then in the repository."""
+    p = Path(path)
+    candidates = [p] if p.is_absolute() else [
+        *([Path(base_dir) / p] if base_dir is not None else []), Path.cwd() / p, REPO_ROOT / p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ConfigError(f"workload.trace.path = {path!r}: file not found (looked in: "
+                      f"{', '.join(str(c) for c in candidates)})")
+
+
+def _require_columns(path: Path, found: list[str] | None, needed: tuple[str, ...]) -> None:
+    missing = [c for c in needed if c not in (found or [])]
+    if missing:
+        raise ConfigError(f"{path}: missing columns {missing} (found {found}); expected "
+                          f"{', '.join(needed)}")
+
+
+def _azure_seconds(stamp: str) -> float:
+    """'2023-11-16 18:17:03.9799600' (7 fractional digits) -> POSIX seconds."""
+    whole, _, frac = stamp.partition(".")
+    return datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp() + float(f"0.{frac or 0}")
+
+
+def _read_azure(path: Path) -> list[tuple[float, int, int]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        _require_columns(path, reader.fieldnames, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+        rows = [(_azure_seconds(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+                for r in reader]
+    t0 = rows[0][0] if rows else 0.0
+    return [(t - t0, p, o) for t, p, o in rows]
+
+
+def _read_vidur(path: Path) -> list[tuple[int, int]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        _require_columns(path, reader.fieldnames, ("num_prefill_tokens", "num_decode_tokens"))
+        return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in reader]
+
+
+def _read_mooncake(path: Path, start: int, limit: int) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f):
+            if n < start:
+                continue
+            if len(rows) >= limit:
+                break
+            try:
+                row = json.loads(line)
+                rows.append({k: row[k] for k in ("timestamp", "input_length", "output_length", "hash_ids")})
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(f"{path}:{n + 1}: not a Mooncake trace line "
+                                  f"(timestamp, input_length, output_length, hash_ids): {e}") from e
+    return rows
+
+
+def token_run(key: int, n: int, vocab_size: int) -> list[int]:
+    """``n`` token ids determined by ``key`` (ids 0..2 are left out as special tokens).
+
+    Prompt contents do not matter to a scheduler beyond which prompts share prefixes,
+    so a cheap arithmetic sequence per key stands in for random text; distinct keys
+    start at distinct points, so unrelated prompts share no block.
+    """
+    m = vocab_size - 3
+    base = (key * 2654435761) % m
+    step = 7919 % m or 1
+    return [(base + step * i) % m + 3 for i in range(n)]
+
+
+def _block_tokens(hash_id: int, seed: int, vocab_size: int) -> list[int]:
+    """The fixed 512 tokens that stand for one Mooncake hash id."""
+    return token_run(hash_id * 1000003 + seed, MOONCAKE_BLOCK, vocab_size)
+
+
+def _from_trace(cfg: WorkloadConfig, tc: TraceConfig, vocab_size: int,
+                base_dir: str | Path | None) -> list[WorkloadRequest]:
+    path = resolve_path(tc.path, base_dir)
+    rng = random.Random(cfg.seed)
+    tenant = (_weighted_picker(rng, [t.name for t in cfg.tenants], [t.weight for t in cfg.tenants])
+              if cfg.tenants else (lambda: "default"))
+    priority = (_weighted_picker(rng, [p.priority for p in cfg.priorities],
+                                 [p.weight for p in cfg.priorities])
+                if cfg.priorities else (lambda: 0))
+    limit = cfg.num_requests
+    rows: list[tuple[float, list[int], int]] = []
+    if tc.format == "mooncake":
+        blocks: dict[int, list[int]] = {}
+        for r in _read_mooncake(path, tc.start, limit):
+            prompt: list[int] = []
+            for h in r["hash_ids"]:
+                if h not in blocks:
+                    blocks[h] = _block_tokens(h, cfg.seed, vocab_size)
+                prompt += blocks[h]
+            rows.append((r["timestamp"] / 1000.0, prompt[: r["input_length"]], r["output_length"]))
+    else:
+        if tc.format == "azure":
+            timed = _read_azure(path)[tc.start: tc.start + limit]
+        else:
+            t, timed = 0.0, []
+            for p, o in _read_vidur(path)[tc.start: tc.start + limit]:
+                t += rng.expovariate(cfg.rate)
+                timed.append((t, p, o))
+        for i, (t, p, o) in enumerate(timed):
+            rows.append((t, token_run((cfg.seed << 24) + tc.start + i, max(p, 1), vocab_size), o))
+    t0 = rows[0][0] if rows else 0.0
+    reqs = []
+    for i, (t, prompt, out) in enumerate(rows):
+        if tc.max_prompt_len is not None:
+            prompt = prompt[: tc.max_prompt_len]
+        reqs.append(WorkloadRequest(f"req-{i}", (t - t0) * tc.time_scale, prompt, max(out, 1),
+                                    tenant(), priority()))
     return reqs

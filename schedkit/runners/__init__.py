@@ -9,6 +9,7 @@ from schedkit.errors import ConfigError
 
 RUNNERS: dict[str, tuple[str, str]] = {
     "fake": ("schedkit.runners.fake", "FakeRunner"),
+    "simulated": ("schedkit.runners.simulated", "SimulatedRunner"),
     "paged": ("schedkit.runners.paged.model_runner", "PagedModelRunner"),
 }
 

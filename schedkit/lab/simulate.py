@@ -66,9 +66,8 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
                 if times is not None and o.new_token_ids:
                     times.extend([now] * len(o.new_token_ids))
                 if o.finish_reason is not None:
-                    req = live.pop(o.request_id, None)
-                    if req is not None:
-                        done.append(req)
+                    if o.request_id in live:
+                        done.append(live.pop(o.request_id))
                     if o.error is not None:
                         failed[o.request_id] = o.error
     metrics = [request_metrics(r, token_times[r.request_id], start) for r in done]

@@ -19,9 +19,11 @@ import itertools
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from schedkit.config import LengthConfig, TraceConfig, WorkloadConfig
 from schedkit.errors import ConfigError
@@ -129,8 +131,8 @@ def resolve_path(path: str, base_dir: str | Path | None) -> Path:
                       f"{', '.join(str(c) for c in candidates)})")
 
 
-def _require_columns(path: Path, found: list[str] | None, needed: tuple[str, ...]) -> None:
-    missing = [c for c in needed if c not in (found or [])]
+def _require_columns(path: Path, found: Sequence[str] | None, needed: tuple[str, ...]) -> None:
+    missing = [c for c in needed if c not in (found or ())]
     if missing:
         raise ConfigError(f"{path}: missing columns {missing} (found {found}); expected "
                           f"{', '.join(needed)}")
@@ -159,8 +161,8 @@ def _read_vidur(path: Path) -> list[tuple[int, int]]:
         return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in reader]
 
 
-def _read_mooncake(path: Path, start: int, limit: int) -> list[dict]:
-    rows = []
+def _read_mooncake(path: Path, start: int, limit: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     with open(path) as f:
         for n, line in enumerate(f):
             if n < start:

@@ -102,7 +102,8 @@ class FakeRunner:
             sampled.append(out)
         self._last_sampled = [r for r, s in zip(req_ids, sampled, strict=True) if s]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, step_duration=self.step_time_s)
+                                 sampled_token_ids=sampled,
+                                 step_duration=self.step_time_s if req_ids else 0.0)
 
     def _verify(self, st: _ReqState, drafts: list[int] | tuple[()]) -> list[int]:
         base = len(st.tokens) - st.num_prompt_tokens

@@ -94,5 +94,7 @@ class SimulatedRunner(FakeRunner):
             before[new.req_id] = new.num_computed_tokens
         self.last_features = step_features(scheduler_output, before)
         out = FakeRunner.execute(self, scheduler_output)
-        out.step_duration = self.cost_model.step_time(self.last_features)
+        # A step that computes nothing (it only tells workers about finished requests)
+        # launches no model work: it takes no time.
+        out.step_duration = self.cost_model.step_time(self.last_features) if out.req_ids else 0.0
         return out

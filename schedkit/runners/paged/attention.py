@@ -1,0 +1,131 @@
+"""Paged attention: the store-KV step and one varlen attention entry point.
+
+A step's batch is packed: ``T`` query tokens of ``B`` sequences back to back, sequence
+``i`` owning rows ``query_start_loc[i]:query_start_loc[i + 1]``. Its ``seq_lens[i]``
+counts every token whose KV the step may read, context (earlier chunks and prefix-cache
+hits) plus this step's tokens, so query ``j`` of that sequence sits at position
+``seq_lens[i] - q_len + j`` and attends causally to keys ``0..`` that position. Prefill
+chunks and decodes mix freely in one batch.
+
+The KV cache of a layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and
+the same for V; token ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
+
+:func:`paged_attention` runs the Triton kernel on CUDA and :func:`paged_attention_ref`,
+a plain PyTorch reference, elsewhere; the reference is also the kernels' test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Packed-batch description shared by every layer of one forward pass.
+
+    The tensors live on the model's device; the ``*_np`` arrays are host copies the
+    CPU reference uses to avoid reading device memory.
+    """
+
+    slot_mapping: torch.Tensor
+    """[T] int64: cache slot written by each query token."""
+    query_start_loc: torch.Tensor
+    """[B + 1] int32: row offsets of each sequence's queries."""
+    seq_lens: torch.Tensor
+    """[B] int32: context plus this step's tokens, per sequence."""
+    block_table: torch.Tensor
+    """[B, max_blocks] int32: block ids per sequence (unused entries 0)."""
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+    num_splits: int = 1
+    """Split-context segments of the Triton kernel (1: off)."""
+    backend: str = "auto"
+    """``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA, else torch)."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_np)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys and values ([T, kv_heads, head_dim]) into their slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of the packed queries ``q`` ([T, heads, head_dim]) over the paged cache,
+    by ``meta.backend``.
+
+    Returns:
+        [T, heads, head_dim], the dtype of ``q``.
+    """
+    backend = meta.backend
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from schedkit.runners.paged.triton_attention import unified_attention
+
+        return unified_attention(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [..., kv_heads, R, D] (R query rows per KV head), k/v [..., kv_heads, L, D], mask
+    (True = attend) broadcast to [..., kv_heads, R, L]; softmax in float32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float())
+
+
+def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[..., nb] block ids -> [..., kv_heads, nb * bs, head_dim]."""
+    x = cache[blocks]  # [..., nb, bs, kvh, D]
+    return x.flatten(-4, -3).transpose(-3, -2)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The PyTorch reference: one batched pass over all one-token queries (decodes),
+    then one pass per longer query chunk."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
+    q_lens = np.diff(qsl)
+    decodes = np.flatnonzero(q_lens == 1)
+    if len(decodes):
+        rows = torch.from_numpy(qsl[decodes].astype(np.int64)).to(q.device)
+        lens = seq_lens[decodes]
+        num_blocks = -(-int(lens.max()) // block_size)
+        sel = torch.from_numpy(decodes).to(q.device)
+        blocks = meta.block_table[sel, :num_blocks].long()
+        k, v = _gather_kv(k_cache, blocks), _gather_kv(v_cache, blocks)  # [n, kvh, L, D]
+        qd = q[rows].view(-1, num_kv_heads, group, head_dim)
+        key_pos = torch.arange(num_blocks * block_size, device=q.device)
+        mask = key_pos < torch.from_numpy(lens.astype(np.int64)).to(q.device)[:, None]
+        o = _attend(qd, k, v, mask[:, None, None, :], scale)  # [n, kvh, G, D]
+        out[rows] = o.reshape(-1, num_heads, head_dim).to(q.dtype)
+    for i in np.flatnonzero(q_lens > 1):
+        start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        q_len = end - start
+        num_blocks = -(-seq_len // block_size)
+        blocks = meta.block_table[i, :num_blocks].long()
+        k, v = _gather_kv(k_cache, blocks), _gather_kv(v_cache, blocks)  # [kvh, L, D]
+        # rows of one KV head ordered (group member, token)
+        qp = q[start:end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        key_pos = torch.arange(num_blocks * block_size, device=q.device)
+        mask = (key_pos[None, :] <= q_pos[:, None]).repeat(group, 1)
+        o = _attend(qp.reshape(num_kv_heads, group * q_len, head_dim), k, v, mask, scale)
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[start:end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out

@@ -1,0 +1,160 @@
+"""Find a model folder (a built-in name or a local path) and load it into a CausalLM.
+
+Checkpoints are transformers folders: ``config.json`` plus ``*.safetensors``. Their
+separate q/k/v and gate/up weights are copied into the fused projections. Every problem
+(no folder, no weights, an unsupported architecture, a missing or misshapen weight) is a
+:class:`ConfigError` raised before serving starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from schedkit.errors import ConfigError
+from schedkit.runners.paged.models import CausalLM, ModelArgs, model_args_from_hf
+from schedkit.runners.paged.models.llama import RotaryEmbedding
+
+
+def cache_dir() -> Path:
+    """Where converted and built-in models live: ``$SCHEDKIT_CACHE_DIR`` or
+    ``$XDG_CACHE_HOME/schedkit`` (default ``~/.cache/schedkit``)."""
+    env = os.environ.get("SCHEDKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schedkit"
+
+
+def _tiny(family: str) -> Callable[[Path, int], None]:
+    def build(path: Path, seed: int) -> None:
+        from schedkit.runners.paged.builder import build_random_model, tiny_config
+
+        cfg = tiny_config(family, vocab_size=32000, hidden_size=256, intermediate_size=768,
+                          num_layers=4, num_heads=8, num_kv_heads=2, max_position_embeddings=4096)
+        build_random_model(path, cfg, seed=seed)
+    return build
+
+
+def _smollm2(path: Path, seed: int) -> None:
+    from schedkit.runners.paged.convert_gguf import convert_smollm2
+
+    convert_smollm2(path)
+
+
+BUILTIN_MODELS: dict[str, tuple[Callable[[Path, int], None], bool]] = {
+    "tiny-llama": (_tiny("llama"), True),
+    "tiny-qwen2": (_tiny("qwen2"), True),
+    "smollm2-135m-instruct": (_smollm2, False),
+}
+"""name -> (builder writing the folder, whether the model seed is part of its identity)."""
+
+
+def resolve_model_path(name: str, seed: int = 0) -> Path:
+    """The folder of ``name``: a built-in model (built or converted into the cache on
+    first use) or a local transformers folder.
+
+    Raises:
+        ConfigError: Not a built-in name and not a usable folder.
+    """
+    if name in BUILTIN_MODELS:
+        build, seeded = BUILTIN_MODELS[name]
+        path = cache_dir() / "models" / (f"{name}-seed{seed}" if seeded else name)
+        if not (path / "config.json").is_file():
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            build(tmp, seed)
+            shutil.rmtree(path, ignore_errors=True)  # a half-written folder of a killed run
+            tmp.replace(path)
+        return path
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"model.name = {name!r}: neither a built-in model "
+                          f"({', '.join(BUILTIN_MODELS)}) nor an existing folder")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.name = {name!r}: the folder has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"model.name = {name!r}: the folder has no *.safetensors weights "
+                          "(other weight formats are not supported)")
+    return path
+
+
+def read_model_args(path: Path) -> ModelArgs:
+    """Parse ``path/config.json`` (ConfigError if unreadable or unsupported)."""
+    source = str(path / "config.json")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{source}: cannot read: {e}") from e
+    return model_args_from_hf(cfg, source)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
+
+
+def _shard_of(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
+    """(fused parameter, row offset, rows) for a q/k/v or gate/up weight, else None."""
+    m = _LAYER.match(name)
+    if m is None:
+        return None
+    layer, block, proj, kind = m.groups()
+    if block == "self_attn":
+        offset, rows = {"q": (0, args.q_size), "k": (args.q_size, args.kv_size),
+                        "v": (args.q_size + args.kv_size, args.kv_size)}[proj]
+        return f"model.layers.{layer}.self_attn.qkv_proj.{kind}", offset, rows
+    offset = 0 if proj == "gate" else args.intermediate_size
+    return f"model.layers.{layer}.mlp.gate_up_proj.{kind}", offset, args.intermediate_size
+
+
+def _copy_into(params: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor, args: ModelArgs,
+               source: str) -> tuple[str, int] | None:
+    """Copy one checkpoint tensor into its (slice of a) parameter; returns what it filled."""
+    shard = _shard_of(name, args)
+    if shard is not None:
+        target, offset, rows = shard
+        dest = params[target].narrow(0, offset, rows) if target in params else None
+    else:
+        target, offset = name, 0
+        dest = params.get(name)
+    if dest is None:
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+            return None
+        raise ConfigError(f"{source}: unexpected weight {name!r} (unsupported model variant?)")
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ConfigError(f"{source}: weight {name!r} has shape {tuple(tensor.shape)}, the config "
+                          f"implies {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return target, offset
+
+
+def load_model(path: Path, args: ModelArgs, *, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> CausalLM:
+    """Build a :class:`CausalLM` on ``device`` and fill it from ``path/*.safetensors``."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = CausalLM(args, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary_emb = RotaryEmbedding(args, max_positions).to(device)
+    params = dict(model.named_parameters())
+    offsets = {"qkv_proj": (0, args.q_size, args.q_size + args.kv_size),
+               "gate_up_proj": (0, args.intermediate_size)}
+    expected = {(n, off) for n in params
+                for off in offsets.get(n.split(".")[-2], (0,))}
+    filled: set[tuple[str, int]] = set()
+    with torch.no_grad():
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    got = _copy_into(params, name, f.get_tensor(name), args, str(file))
+                    if got is not None:
+                        filled.add(got)
+    missing = sorted({n for n, _ in expected - filled})
+    if missing:
+        raise ConfigError(f"{path}: checkpoint lacks weights for {missing[:6]}"
+                          f"{' ...' if len(missing) > 6 else ''}")
+    return model.eval()

@@ -1,0 +1,274 @@
+"""PagedModelRunner: executes scheduler steps on a real Llama / Qwen2-family model.
+
+Runs in the engine-core process. Each :meth:`PagedModelRunner.execute` updates the
+per-request state from the SchedulerOutput (new, running, resumed, preempted and
+finished requests), packs the step's tokens, runs one forward pass over the paged KV
+cache (a captured CUDA graph for decode-only batches on CUDA), samples, and copies the
+sampled ids to the host once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from schedkit.errors import ConfigError
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ConfigError("runner.kind = 'paged' needs PyTorch: pip install 'schedkit[paged]'") from e
+
+from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.core.request import SamplingParams
+from schedkit.runners.paged.attention import AttentionMetadata
+from schedkit.runners.paged.input_batch import InputBatch, StepInputs
+from schedkit.runners.paged.kv_cache import (
+    KVCacheAllocationError,
+    allocate_kv_cache,
+    num_blocks_from_free_memory,
+)
+from schedkit.runners.paged.loader import load_model, read_model_args, resolve_model_path
+from schedkit.runners.paged.models import CausalLM, ModelArgs
+from schedkit.runners.paged.sampler import Sampler, SamplingBatch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class RunnerOptions:
+    """Settings of a PagedModelRunner (normally taken from the config)."""
+
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"
+    use_cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = 256
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class _Parked:
+    """What a preempted request keeps until it resumes (its KV and row are gone)."""
+
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
+class PagedModelRunner:
+    """Args:
+        model: The loaded model, on its device.
+        options: Runner settings.
+        model_path: The folder the model came from (for tokenizers and messages).
+    """
+
+    def __init__(self, model: CausalLM, options: RunnerOptions,
+                 model_path: Path | None = None) -> None:
+        self.model = model
+        self.args: ModelArgs = model.args
+        self.options = options
+        self.model_path = model_path
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.input_batch: InputBatch | None = None
+        self.sampler = Sampler(self.device, options.seed)
+        self.graphs: Any = None
+        self._parked: dict[str, _Parked] = {}
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any) -> PagedModelRunner:
+        """Load the model named by ``config.model`` onto ``config.runner.device``.
+
+        Raises:
+            ConfigError: Missing or unsupported model, or a config the model cannot serve.
+        """
+        rc, sc = config.runner, config.scheduler
+        if rc.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("runner.device = 'cuda' but no CUDA device is available")
+        if rc.attention_backend == "triton" and rc.device == "cpu":
+            raise ConfigError("runner.attention_backend = 'triton' needs runner.device = 'cuda'")
+        if rc.num_threads is not None and rc.device == "cpu":
+            torch.set_num_threads(rc.num_threads)
+        path = resolve_model_path(config.model.name, config.model.seed)
+        args = read_model_args(path)
+        check_fits(config, args)
+        model = load_model(path, args, dtype=DTYPES[config.model.dtype],
+                           device=torch.device(rc.device), max_positions=sc.max_model_len + 32)
+        options = RunnerOptions(
+            max_model_len=sc.max_model_len, max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_num_seqs=sc.max_num_seqs, attention_backend=rc.attention_backend,
+            use_cuda_graphs=not rc.enforce_eager and rc.attention_backend != "torch",
+            cuda_graph_max_batch_size=min(rc.cuda_graph_max_batch_size, sc.max_num_seqs),
+            gpu_memory_utilization=rc.gpu_memory_utilization, seed=rc.seed)
+        return cls(model, options, path)
+
+    def initialize(self, num_blocks: int, block_size: int) -> int:
+        """Allocate the KV cache (on CUDA: what fits in memory, at most ``num_blocks``)
+        and capture decode CUDA graphs; returns the usable number of blocks.
+
+        Raises:
+            KVCacheAllocationError: The cache does not fit.
+        """
+        opts = self.options
+        if self.device.type == "cuda":
+            peak = self._profile_peak_memory(block_size)
+            fit = num_blocks_from_free_memory(self.args, block_size, self.dtype, self.device,
+                                              opts.gpu_memory_utilization, peak)
+            min_blocks = -(-opts.max_model_len // block_size) + 1
+            if fit < min_blocks:
+                raise KVCacheAllocationError(
+                    f"only {fit} KV blocks fit in runner.gpu_memory_utilization="
+                    f"{opts.gpu_memory_utilization} of GPU memory; one max_model_len="
+                    f"{opts.max_model_len} sequence needs {min_blocks}")
+            num_blocks = min(num_blocks, fit)
+        self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.dtype, self.device)
+        self.input_batch = InputBatch(opts.max_model_len, block_size, max(opts.max_num_seqs, 8))
+        if self.device.type == "cuda" and opts.use_cuda_graphs:
+            from schedkit.runners.paged.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, opts.cuda_graph_max_batch_size,
+                                       self.input_batch.max_blocks, self.args.num_kv_heads, block_size)
+            self.graphs.capture()
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self, block_size: int) -> int:
+        """Peak bytes of a forward + sampling pass over a full token budget (weights included)."""
+        opts = self.options
+        n = min(opts.max_num_batched_tokens, opts.max_model_len)
+        caches = allocate_kv_cache(self.args, -(-n // block_size) + 1, block_size, self.dtype, self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ib = InputBatch(opts.max_model_len, block_size, 1)
+        ib.add("profile", [0] * n, n, list(range(1, len(caches[0][0]))), 0, SamplingParams())
+        inputs = ib.prepare({"profile": n}, {})
+        input_ids, positions, meta = self._device_inputs(inputs)
+        hidden = self.model(input_ids, positions, caches, meta)
+        num_rows = min(opts.max_num_seqs, n)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        self.sampler(logits, SamplingBatch.build([SamplingParams(top_k=5, top_p=0.9)] * num_rows,
+                                                 [0] * num_rows, self.args.vocab_size, self.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden, logits
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; returns the sampled tokens of every scheduled request."""
+        t0 = time.perf_counter()
+        self._update_states(scheduler_output)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], {}, [], step_duration=time.perf_counter() - t0)
+        ib = self.input_batch
+        assert ib is not None, "initialize() was not called"
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        inputs = ib.prepare(scheduler_output.num_scheduled_tokens, drafts)
+        hidden = self._forward(inputs)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if len(inputs.logits_indices):
+            idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[idx])
+            params = [ib.states[rid].sampling_params
+                      for rid, (a, b) in zip(req_ids, inputs.sample_slices, strict=True)
+                      for _ in range(a, b)]
+            batch = SamplingBatch.build(params, inputs.sample_positions, self.args.vocab_size,
+                                        self.device)
+            tokens = self.sampler(logits, batch).tolist()  # the step's one device-to-host copy
+            for i, (rid, (a, b)) in enumerate(zip(req_ids, inputs.sample_slices, strict=True)):
+                if a < b:
+                    sampled[i] = _accept(tokens[a:b], drafts.get(rid, ()))
+                    ib.append_tokens(rid, sampled[i])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - t0)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        assert ib is not None, "initialize() was not called"
+        for rid in so.finished_req_ids:
+            ib.remove(rid)
+            self._parked.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            st = ib.remove(rid)
+            if st is not None:
+                self._parked[rid] = _Parked(st.num_prompt_tokens, st.sampling_params)
+        for new in so.scheduled_new_reqs:
+            ib.add(new.req_id, new.prompt_token_ids, len(new.prompt_token_ids), new.block_ids,
+                   new.num_computed_tokens, new.sampling_params)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                parked = self._parked.pop(rid, None)
+                assert parked is not None, f"{rid}: resumed but never preempted while known"
+                ib.add(rid, cached.resumed_token_ids[rid], parked.num_prompt_tokens, blocks or [],
+                       cached.num_computed_tokens[i], parked.params)
+                continue
+            st = ib.states[rid]
+            if blocks:
+                ib.append_blocks(rid, blocks)
+            st.num_computed_tokens = cached.num_computed_tokens[i]
+            known = st.num_prompt_tokens + cached.num_output_tokens[i]
+            assert known <= st.num_tokens, f"{rid}: scheduler knows tokens the runner never sampled"
+            st.num_tokens = known
+
+    def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+
+        def put(a: Any) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=put(inputs.slot_mapping), query_start_loc=put(inputs.query_start_loc),
+            seq_lens=put(inputs.seq_lens), block_table=put(inputs.block_table),
+            max_query_len=inputs.max_query_len, max_seq_len=int(inputs.seq_lens.max()),
+            query_start_loc_np=inputs.query_start_loc, seq_lens_np=inputs.seq_lens,
+            backend=self.options.attention_backend)
+        if dev.type == "cuda":
+            from schedkit.runners.paged.triton_attention import choose_num_splits, num_sms
+
+            meta.num_splits = choose_num_splits(meta.num_seqs, self.args.num_kv_heads,
+                                                meta.max_query_len, num_sms(dev.index or 0))
+        return put(inputs.input_ids), put(inputs.positions), meta
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        input_ids, positions, meta = self._device_inputs(inputs)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
+        """No drafter yet: never proposes (drafts scheduled by others are still verified)."""
+        return {}
+
+
+def _accept(targets: list[int], drafts: Any) -> list[int]:
+    """Target tokens up to and including the first that disagrees with its draft."""
+    for j, d in enumerate(drafts):
+        if targets[j] != d:
+            return targets[:j + 1]
+    return targets
+
+
+def check_fits(config: Any, args: ModelArgs) -> None:
+    """Raise ConfigError where the config asks for more than the model offers."""
+    sc, rc = config.scheduler, config.runner
+    if sc.max_model_len > args.max_position_embeddings:
+        raise ConfigError(f"scheduler.max_model_len = {sc.max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({args.max_position_embeddings})")
+    if rc.vocab_size > args.vocab_size:
+        raise ConfigError(f"runner.vocab_size = {rc.vocab_size} exceeds the model's vocabulary "
+                          f"({args.vocab_size}); it bounds generated workload token ids, so set "
+                          f"it to at most {args.vocab_size}")
+    if rc.eos_token_id is not None and rc.eos_token_id >= args.vocab_size:
+        raise ConfigError(f"runner.eos_token_id = {rc.eos_token_id} is outside the model's "
+                          f"vocabulary ({args.vocab_size})")

@@ -1,0 +1,106 @@
+"""Sampling: greedy, temperature, top-k and top-p, with per-request seeds.
+
+Random rows use the exponential race (``argmax(probs / Exp(1))`` is a draw from
+``probs``), so a whole batch samples with one argmax. A row with a seed draws its noise
+from a generator seeded by ``(seed, position of the sampled token)``: the same request
+samples the same tokens whatever else is in the batch, and after preemption and
+recomputation too. Tokens stay on the device; the runner copies them to the host once
+per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from schedkit.core.request import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+def step_seed(seed: int, position: int) -> int:
+    """Generator seed of the token sampled at ``position`` of a request seeded ``seed``."""
+    return (seed * _MIX + position) & _MASK63
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings of one step (one row per sampled position)."""
+
+    temperature: torch.Tensor | None
+    """[N] float32; 0 means greedy (None when every row is greedy)."""
+    top_k: torch.Tensor | None
+    """[N] int64; the vocabulary size where top-k is off."""
+    top_p: torch.Tensor | None
+    """[N] float32; 1 where top-p is off."""
+    seeds: list[int | None]
+    """Per-row generator seed (already mixed with the position) or None."""
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int,
+              device: torch.device) -> SamplingBatch:
+        """One row per (params, position of the token to sample)."""
+        temps = [float(p.temperature) for p in params]
+        if not any(temps):  # all greedy: nothing to copy to the device
+            return cls(None, None, None, [None] * len(temps), True, False, False)
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_p = [float(p.top_p) for p in params]
+        seeds = [None if p.seed is None or p.temperature == 0 else step_seed(p.seed, pos)
+                 for p, pos in zip(params, positions, strict=True)]
+        return cls(temperature=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
+                   top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
+                   top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
+                   seeds=seeds, all_greedy=all(t == 0 for t in temps),
+                   any_top_k=any(k < vocab_size for k in top_k), any_top_p=any(p < 1 for p in top_p))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) what lies outside each row's top-k and top-p sets."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class Sampler:
+    """Args:
+        device: Where logits live.
+        seed: Seed of the generator shared by rows without their own seed.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._row_generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[N, vocab] float32 logits -> [N] int64 token ids (on the device)."""
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        assert batch.temperature is not None
+        temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+        logits = logits / temperature[:, None]
+        if batch.any_top_k or batch.any_top_p:
+            logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
+                                       batch.top_p if batch.any_top_p else None)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in enumerate(batch.seeds):
+            if seed is not None:
+                self._row_generator.manual_seed(seed)
+                noise[row].exponential_(generator=self._row_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(batch.temperature > 0, sampled, greedy)

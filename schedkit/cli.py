@@ -13,15 +13,16 @@ from schedkit.errors import ConfigError, PluginError, SchedkitError
 
 
 def _run(args: argparse.Namespace) -> int:
-    from schedkit.core.client import LLM
+    from schedkit.core.client import LLM, load_tokenizer
     from schedkit.core.request import SamplingParams
     from schedkit.lab.metrics import metrics_from_output, summarize
     from schedkit.lab.workloads import generate
 
     config = load_config(args.config)  # a bad file stops here, before any process starts
-    workload = generate(config.workload, config.runner.vocab_size)
+    tokenizer = load_tokenizer(config) if config.workload.prompts else None
+    workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
     wall0 = time.perf_counter()
-    with LLM(config) as llm:
+    with LLM(config, tokenizer=tokenizer) as llm:
         outs = llm.generate(
             [w.prompt_token_ids for w in workload],
             [SamplingParams(max_tokens=w.max_tokens, eos_token_id=config.runner.eos_token_id)
@@ -34,8 +35,14 @@ def _run(args: argparse.Namespace) -> int:
     start = min(m.arrival_time for m in metrics) if metrics else 0.0
     summary = summarize(metrics, config.workload.slo, finish - start)
     _print_summary(config, summary, wall, stats["num_steps"])
-    for o in outs[: args.samples]:
+    texts = config.workload.prompts
+    for i, o in enumerate(outs[: args.samples]):
         toks = o.output_token_ids
+        if tokenizer is not None:
+            answer = tokenizer.decode(toks, skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False).strip()
+            print(f"\n>>> {texts[i % len(texts)]}\n{answer}")
+            continue
         print(f"  {o.request_id}: {len(o.prompt_token_ids)} prompt tokens -> "
               f"{toks[:8]}{'...' if len(toks) > 8 else ''} ({len(toks)} tokens, {o.finish_reason})")
     failed = [o for o in outs if o.error is not None]

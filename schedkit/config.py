@@ -223,6 +223,9 @@ class WorkloadConfig(_Strict):
     """The trace to replay when kind is ``trace``."""
     slo: SLOConfig = Field(default_factory=SLOConfig)
     """Service-level objectives used by goodput, attainment and rate sweeps."""
+    prompts: list[str] = Field(default_factory=list)
+    """Text prompts (synthetic kinds), cycled over num_requests; they need a model with a
+    tokenizer and are sent through its chat template when it has one."""
     seed: int = 0
     """Seed: the same config always gives the same requests."""
 

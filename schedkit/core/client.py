@@ -44,7 +44,7 @@ from schedkit.core.messages import (
     engine_decoder,
 )
 from schedkit.core.request import SamplingParams
-from schedkit.errors import EngineDeadError, RequestError, SchedkitError
+from schedkit.errors import ConfigError, EngineDeadError, RequestError, SchedkitError
 
 DEAD_AFTER_S = 3.0
 """No message (not even a heartbeat) for this long means the engine is gone."""
@@ -246,6 +246,29 @@ def _prompt_ids(prompt: str | Sequence[int], tokenizer: Any) -> list[int]:
     return list(prompt)
 
 
+def load_tokenizer(config: Config) -> Any:
+    """The model's tokenizer (transformers), or None for runners without a real model.
+
+    Raises:
+        ConfigError: The tokenizer cannot be loaded.
+    """
+    if config.model.tokenizer is None and config.runner.kind != "paged":
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ConfigError("text needs the tokenizer library: pip install 'schedkit[demo]'") from e
+    path = config.model.tokenizer
+    if path is None:
+        from schedkit.runners.paged.loader import resolve_model_path
+
+        path = str(resolve_model_path(config.model.name, config.model.seed))
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
 def _resolve(config: Config | str | os.PathLike[str]) -> Config:
     return config if isinstance(config, Config) else load_config(config)
 
@@ -258,9 +281,10 @@ class LLM:
         transport: ``"ipc"`` (default) or ``"tcp"`` (loopback).
     """
 
-    def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> None:
+    def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc",
+                 tokenizer: Any = None) -> None:
         self.config = _resolve(config)
-        self.tokenizer: Any = None
+        self.tokenizer: Any = tokenizer
         self.engine = EngineProcess(self.config, transport=transport)
         try:
             self.client = EngineClient(self.engine.input_addr, self.engine.output_addr, engine=self.engine)

@@ -44,16 +44,36 @@ class WorkloadRequest:
 
 
 def generate(cfg: WorkloadConfig, vocab_size: int = 32000,
-             base_dir: str | Path | None = None) -> list[WorkloadRequest]:
+             base_dir: str | Path | None = None, tokenizer: Any = None) -> list[WorkloadRequest]:
     """The workload's requests, sorted by arrival time.
 
     Raises:
-        ConfigError: A trace file is missing or has the wrong columns.
+        ConfigError: A trace file is missing or has the wrong columns, or text prompts
+            were given without a tokenizer.
     """
     if cfg.kind == "trace":
         assert cfg.trace is not None
         return _from_trace(cfg, cfg.trace, vocab_size, base_dir)
-    return _synthetic(cfg, vocab_size)
+    reqs = _synthetic(cfg, vocab_size)
+    if cfg.prompts:
+        if tokenizer is None:
+            raise ConfigError("workload.prompts are text: they need a model with a tokenizer "
+                              "(runner.kind paged, or model.tokenizer)")
+        encoded = [encode_prompt(tokenizer, p) for p in cfg.prompts]
+        reqs = [WorkloadRequest(r.request_id, r.arrival_time, encoded[i % len(encoded)], r.max_tokens,
+                                r.tenant, r.priority) for i, r in enumerate(reqs)]
+    return reqs
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a user message, through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # some versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer.encode(text))
 
 
 # ---------------------------------------------------------------------------- synthetic

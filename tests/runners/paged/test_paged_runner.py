@@ -1,0 +1,99 @@
+"""The runner behind the real scheduler beyond greedy equality: seeded sampling, draft
+verification, the built-in model, measured step time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.runners.paged.testing import (  # noqa: E402
+    greedy_request,
+    paged_config,
+    random_prompts,
+    run_engine,
+)
+
+SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.9)
+
+
+def _sampled_tokens(path: Any, seed: int, *, crowd: int, num_blocks: int) -> tuple[list[int], int]:
+    engine = EngineCore(paged_config(path, block_size=8, num_blocks=num_blocks, max_num_seqs=6,
+                                     max_num_batched_tokens=48))
+    prompts = random_prompts([30] + [40] * crowd, 512, seed=3)
+    reqs = [greedy_request("x", prompts[0], 16, seed=seed, **SAMPLED)]
+    reqs += [greedy_request(f"o{i}", p, 16, **SAMPLED) for i, p in enumerate(prompts[1:])]
+    out = run_engine(engine, reqs)
+    return out["x"], engine.stats()["num_preemptions"]
+
+
+def test_seeded_sampling_ignores_batch_and_preemption(model_dir: Any) -> None:
+    path = model_dir("llama")
+    alone, _ = _sampled_tokens(path, seed=7, crowd=0, num_blocks=200)
+    crowded, num_preempted = _sampled_tokens(path, seed=7, crowd=5, num_blocks=20)
+    assert num_preempted > 0
+    assert crowded == alone
+    other, _ = _sampled_tokens(path, seed=8, crowd=0, num_blocks=200)
+    assert other != alone
+
+
+def test_top_k_one_is_greedy(model_dir: Any) -> None:
+    path = model_dir("qwen2")
+    prompts = random_prompts([12, 25], 512, seed=4)
+    greedy = run_engine(EngineCore(paged_config(path)),
+                        [greedy_request(str(i), p, 10) for i, p in enumerate(prompts)])
+    top1 = run_engine(EngineCore(paged_config(path)),
+                      [greedy_request(str(i), p, 10, temperature=1.3, top_k=1)
+                       for i, p in enumerate(prompts)])
+    assert top1 == greedy
+
+
+def test_drafts_are_verified_like_greedy(model_dir: Any) -> None:
+    """With speculative decoding on, drafts (right, wrong and placeholder) never change
+    greedy output, and right drafts save steps."""
+    path = model_dir("llama")
+    prompts = random_prompts([9, 30, 18], 512, seed=5)
+    plain = EngineCore(paged_config(path))
+    expected = run_engine(plain, [greedy_request(str(i), p, 16) for i, p in enumerate(prompts)])
+
+    engine = EngineCore(paged_config(path, scheduler={"num_speculative_tokens": 3}))
+    runner = engine.runner
+
+    def propose(k: int) -> dict[str, list[int]]:
+        drafts = {}
+        for rid, st in runner.input_batch.states.items():
+            done = st.num_tokens - st.num_prompt_tokens
+            d = expected[rid][done:done + k]
+            if done % 3 == 2 and d:
+                d[-1] = (d[-1] + 1) % 512  # a wrong draft every third step
+            drafts[rid] = d
+        return drafts
+
+    runner.propose_draft_token_ids = propose
+    got = run_engine(engine, [greedy_request(str(i), p, 16) for i, p in enumerate(prompts)])
+    assert got == expected
+    assert engine.num_steps < plain.num_steps
+
+
+def test_builtin_tiny_llama_runs_from_the_default_config(tmp_path: Any, monkeypatch: Any) -> None:
+    from schedkit.config import config_from_dict
+
+    monkeypatch.setenv("SCHEDKIT_CACHE_DIR", str(tmp_path))
+    cfg = config_from_dict({"runner": {"kind": "paged"}, "cache": {"num_blocks": 64}})
+    engine = EngineCore(cfg)
+    assert not hasattr(engine.runner, "step_time_s")  # wall-clock engine
+    out = run_engine(engine, [greedy_request("r", [1, 2, 3, 4, 5], 4)])
+    assert len(out["r"]) == 4 and all(0 <= t < 32000 for t in out["r"])
+    assert (tmp_path / "models" / "tiny-llama-seed0" / "model.safetensors").is_file()
+
+
+def test_step_duration_is_measured(model_dir: Any) -> None:
+    engine = EngineCore(paged_config(model_dir("llama")))
+    engine.add_request(greedy_request("r", [1, 2, 3], 2))
+    so = engine.scheduler.schedule()
+    out = engine.runner.execute(so)
+    assert out.step_duration is not None and out.step_duration > 0
+    assert out.sampled_token_ids[0] and out.req_ids == ["r"]

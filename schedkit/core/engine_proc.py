@@ -291,10 +291,21 @@ class EngineCoreProc:
             self.output_queue.put((client, OutputBatch(outputs=group)))
 
 
-def _exit_when_parent_goes(stdin: Any) -> None:
-    """The parent keeps our stdin open; EOF means it closed it or died: leave at once."""
+def _remove_ipc_files(*addrs: str) -> None:
+    for addr in addrs:
+        if addr.startswith("ipc://"):
+            try:
+                os.unlink(addr[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+
+
+def _exit_when_parent_goes(stdin: Any, addrs: tuple[str, ...]) -> None:
+    """The parent keeps our stdin open; EOF means it closed it or died: leave at once,
+    taking our socket files with us."""
     while stdin.read(4096):
         pass
+    _remove_ipc_files(*addrs)
     os._exit(0)
 
 
@@ -312,16 +323,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    addrs = (args.input, args.output)
+
+    def on_sigterm(*_: Any) -> None:
+        _remove_ipc_files(*addrs)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         config = Config.model_validate(json.loads(sys.stdin.readline()))
         proc = EngineCoreProc(config, args.input, args.output)
     except Exception as e:
         print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
         return
-    threading.Thread(target=_exit_when_parent_goes, args=(sys.stdin,), daemon=True).start()
+    threading.Thread(target=_exit_when_parent_goes, args=(sys.stdin, addrs), daemon=True).start()
     print(f"ready {os.getpid()}", flush=True)
-    proc.run_busy_loop()
+    try:
+        proc.run_busy_loop()
+    finally:
+        _remove_ipc_files(*addrs)
 
 
 if __name__ == "__main__":

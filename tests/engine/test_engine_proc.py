@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import subprocess
 import threading
 import time
@@ -211,3 +212,26 @@ def test_bad_yaml_stops_before_any_process(tmp_path, monkeypatch, text, needle):
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=needle):
         LLM(cfg)
+
+
+def test_engine_exits_and_cleans_up_when_its_parent_dies(tmp_path):
+    """A client process killed without shutdown: the engine notices, exits, removes sockets."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from schedkit.config import Config\n"
+        "from schedkit.core.client import EngineProcess\n"
+        "e = EngineProcess(Config())\n"
+        "print(e.pid, e.input_addr, e.output_addr, flush=True)\n"
+        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pid, *addrs = parent.stdout.readline().split()
+    paths = [a.removeprefix("ipc://") for a in addrs]
+    assert all(os.path.exists(p) for p in paths)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert not any(os.path.exists(p) for p in paths)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import subprocess
+import sys
 import threading
 import time
 

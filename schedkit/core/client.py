@@ -238,12 +238,16 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def _prompt_ids(prompt: str | Sequence[int], tokenizer: Any) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("text prompts need a model with a tokenizer; pass token ids instead")
-        return list(tokenizer.encode(prompt))
-    return list(prompt)
+def _prompt_ids(prompt: str | Sequence[int], owner: Any) -> list[int]:
+    """Token ids of a prompt; text goes through the owner's tokenizer (loaded on first use)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if owner.tokenizer is None:
+        owner.tokenizer = load_tokenizer(owner.config)
+        if owner.tokenizer is None:
+            raise RequestError("text prompts need a model with a tokenizer (runner.kind paged, "
+                               "or model.tokenizer); pass token ids instead")
+    return list(owner.tokenizer.encode(prompt))
 
 
 def load_tokenizer(config: Config) -> Any:
@@ -274,15 +278,15 @@ def _resolve(config: Config | str | os.PathLike[str]) -> Config:
 
 
 class LLM:
-    """Offline batch generation through an engine process started from a config.
-
-    Args:
-        config: A Config or the path of a YAML file.
-        transport: ``"ipc"`` (default) or ``"tcp"`` (loopback).
-    """
+    """Offline batch generation through an engine process started from a config."""
 
     def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc",
                  tokenizer: Any = None) -> None:
+        """Args:
+            config: A Config or the path of a YAML file.
+            transport: ``"ipc"`` (default) or ``"tcp"`` (loopback).
+            tokenizer: For text prompts; by default the model's own, loaded on first use.
+        """
         self.config = _resolve(config)
         self.tokenizer: Any = tokenizer
         self.engine = EngineProcess(self.config, transport=transport)
@@ -313,7 +317,7 @@ class LLM:
         order, wire = [], []
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{self.client.client_index}-{next(self._ids)}"
-            ids = _prompt_ids(prompt, self.tokenizer)
+            ids = _prompt_ids(prompt, self)
             order.append(rid)
             results[rid] = RequestOutput(rid, ids)
             wire.append(wire_request(rid, ids, sp, priority=priorities[i] if priorities else 0,
@@ -444,7 +448,7 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         rid = request_id or f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        ids = _prompt_ids(prompt, self.tokenizer)
+        ids = _prompt_ids(prompt, self)
         q: asyncio.Queue[WireOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         finished = False

@@ -10,7 +10,7 @@ from schedkit.core.queues import FCFSQueue
 
 
 class InlineFCFSHooks:
-    def create_waiting_queue(self, *, scheduler_config, kv_cache_manager):
+    def create_waiting_queue(self, *, scheduler_config, kv_cache_manager, clock):
         return FCFSQueue()
 
     def select_preemption_victim(self, *, running, request):

@@ -9,7 +9,7 @@ whole lists, never per token or per block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -30,7 +30,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec(firstresult=True)
 def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
-                                  kv_cache_manager: KVCacheManager) -> RequestQueue | None:
+                                  kv_cache_manager: KVCacheManager,
+                                  clock: Callable[[], float]) -> RequestQueue | None:
     """Create the waiting queue, which fixes the order in which requests are admitted.
 
     Stops at first non-None result. Called in the engine-core process, once, when the
@@ -41,6 +42,8 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
         kv_cache_manager: The scheduler's KV cache manager, for queues that rank by
             prefix-cache hits (``get_computed_blocks(request)`` has no side effects).
             Do not allocate or free through it.
+        clock: The scheduler clock (seconds; virtual in the simulator), for queues whose
+            order changes with waiting time.
 
     Returns:
         An object with the :class:`schedkit.core.queues.RequestQueue` methods (``add``,

@@ -95,6 +95,9 @@ class EngineCore:
             RequestError: Invalid request (checked at once, even for a future arrival).
         """
         if arrival_offset is None or self.start_time + arrival_offset <= self.now():
+            # The engine owns the clock (virtual with the fake runner and the simulator):
+            # a request arrives when the engine receives it.
+            request.arrival_time = self.now()
             self.scheduler.add_request(request)
             return
         if request.request_id in self.scheduler.requests or any(

@@ -7,7 +7,7 @@ tests and the overhead benchmark may pass any other implementation.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ class SchedulerHooks(Protocol):
     """One method per policy decision; keyword arguments only."""
 
     def create_waiting_queue(self, *, scheduler_config: SchedulerConfig,
-                             kv_cache_manager: KVCacheManager) -> RequestQueue: ...
+                             kv_cache_manager: KVCacheManager,
+                             clock: Callable[[], float]) -> RequestQueue: ...
 
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request: ...
 

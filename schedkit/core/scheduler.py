@@ -13,6 +13,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from schedkit.config import CacheConfig, SchedulerConfig
 from schedkit.core.hooks import AdmissionDecision, SchedulerHooks
@@ -52,6 +53,8 @@ class StepState:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     popped: list[Request] = field(default_factory=list)
+    returned: list[Request] = field(default_factory=list)
+    """Skipped requests already put back in the queue at the end of the waiting phase."""
     rejected: list[Request] = field(default_factory=list)
     has_running_prefill: bool = False
 
@@ -92,12 +95,14 @@ class Scheduler:
         self.connector.bind_kv_cache_manager(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config,
-                                                  kv_cache_manager=self.kv_cache_manager)
+                                                  kv_cache_manager=self.kv_cache_manager,
+                                                  clock=clock)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[tuple[Request, EngineCoreOutput]] = []
         self._pending_finished: list[Request] = []
+        self._deferred_errors: list[PluginError] = []
         self.current_step = 0
         self.num_preemptions_total = 0
 
@@ -131,9 +136,9 @@ class Scheduler:
                 extend = functools.partial(extend, cache_salt=request.cache_salt)
             request.set_block_hasher(extend, self.block_size)
         self.requests[rid] = request
+        request.record_event(EventType.QUEUED, self.clock())  # before add: queues may read it
         self.waiting.add(request)
         self.connector.on_new_request(request)
-        request.record_event(EventType.QUEUED, self.clock())
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
         """Finish requests from outside (abort, stop string). Unknown or finished ids are ignored.
@@ -217,7 +222,7 @@ class Scheduler:
             if not st.preempted:
                 self._schedule_waiting(st)
             output = build_scheduler_output(self, st)
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+            output.kv_connector_metadata = self._connector_call("build_connector_meta", output)
         except BaseException:
             self._rollback(st)
             raise
@@ -275,7 +280,7 @@ class Scheduler:
         preempted. Returns the new blocks (or None) and the corrected scan index."""
         running = self.running
         while True:
-            if self.connector.has_pending_block_frees():
+            if self._connector_call("has_pending_block_frees"):
                 return None, idx
             victim = self.hooks.select_preemption_victim(running=running, request=req)
             vidx = len(running) - 1 if running[-1] is victim else running.index(victim)
@@ -330,7 +335,7 @@ class Scheduler:
             did_lookup = req.num_computed_tokens == 0
             if did_lookup:
                 hit_blocks, num_local = kv.get_computed_blocks(req)
-                num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                num_ext, load_async = self._connector_call("get_num_new_matched_tokens", req, num_local)
                 if load_async:
                     raise PluginError(
                         f"KV connector {type(self.connector).__name__} asked for an asynchronous "
@@ -354,7 +359,7 @@ class Scheduler:
                 apply_watermark=bool(running))
             if new_blocks is None:
                 break
-            self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_ext)
+            self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id), num_ext)
             if did_lookup and not req.skip_reading_prefix_cache:
                 kv.record_prefix_cache_hits(req.num_tokens, num_local, req.num_preemptions > 0)
             self._admit(waiting.pop(), n, computed, st, now)
@@ -362,6 +367,7 @@ class Scheduler:
                 st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
         if skipped:
             waiting.prepend_requests(skipped)
+            st.returned = skipped
 
     def _num_tokens_to_admit(self, req: Request, computed: int, st: StepState) -> int:
         """Tokens for a waiting request this step; 0 means stop admitting (head-of-line)."""
@@ -398,6 +404,8 @@ class Scheduler:
         admitted = {id(r) for r in st.new_reqs} | {id(r) for r in st.resumed_reqs}
         if admitted:
             self.running = [r for r in self.running if id(r) not in admitted]
+        if st.returned:  # they go back with the others, in their original order
+            self.waiting.remove_requests(st.returned)
         for req in reversed(st.popped):
             if id(req) in admitted:
                 self.kv_cache_manager.free(req)
@@ -504,6 +512,9 @@ class Scheduler:
             self._notify_finished(stopped, now)
             self.hooks.on_step_end(scheduler_output=scheduler_output, outputs=outputs,
                                    stats=stats, now=now)
+            if self._deferred_errors:
+                err, self._deferred_errors = self._deferred_errors[0], []
+                raise err
         except PluginError as e:
             e.outputs = outputs  # type: ignore[attr-defined]  # the step itself succeeded
             raise
@@ -536,13 +547,31 @@ class Scheduler:
 
     def _free_request(self, req: Request, now: float) -> dict | None:
         rid = req.request_id
-        delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
+        try:
+            delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
+        except Exception as e:  # free normally; report once the step's state is complete
+            self._deferred_errors.append(self._connector_error("request_finished", e, req))
+            delay, params = False, None
         self.finished_req_ids.add(rid)
         req.record_event(EventType.FINISHED, now)
         if not delay:
             self.kv_cache_manager.free(req)
             del self.requests[rid]
         return params
+
+    def _connector_call(self, method: str, *args: Any) -> Any:
+        """Call a scheduler-side connector method; its exceptions become PluginErrors."""
+        try:
+            return getattr(self.connector, method)(*args)
+        except Exception as e:
+            req = args[0] if args and isinstance(args[0], Request) else None
+            raise self._connector_error(method, e, req) from e
+
+    def _connector_error(self, method: str, e: Exception, req: Request | None) -> PluginError:
+        name = type(self.connector).__name__
+        return PluginError(f"KV connector {name!r} raised in {method}: {type(e).__name__}: {e}",
+                           plugin=name, hook=f"KVConnector.{method}",
+                           request_id=req.request_id if req is not None else None)
 
     def _release_held_requests(self, request_ids: Iterable[str]) -> None:
         """Free finished requests whose blocks the connector held until sent."""

@@ -11,7 +11,7 @@ found from the traceback. The plugin set is read once, when the facade is built.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pluggy
@@ -91,10 +91,11 @@ class HookFacade:
 
     # -- hooks ---------------------------------------------------------------------------
     def create_waiting_queue(self, *, scheduler_config: SchedulerConfig,
-                             kv_cache_manager: KVCacheManager) -> RequestQueue:
+                             kv_cache_manager: KVCacheManager,
+                             clock: Callable[[], float]) -> RequestQueue:
         name = "schedkit_create_waiting_queue"
         queue, plugin = self._call(name, {"scheduler_config": scheduler_config,
-                                          "kv_cache_manager": kv_cache_manager}, True)
+                                          "kv_cache_manager": kv_cache_manager, "clock": clock}, True)
         missing = [m for m in _QUEUE_METHODS if not hasattr(queue, m)]
         if queue is None or missing:
             raise self._bad_answer(name, plugin, queue, f"not a waiting queue (missing {missing})")

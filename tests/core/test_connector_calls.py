@@ -90,3 +90,43 @@ def test_async_loads_are_refused_clearly():
     assert e.value.plugin == "StoreConnector"
     assert_scheduler_consistent(sched)
     assert [r.request_id for r in sched.waiting] == ["a"]
+
+
+class DeferB:
+    @hookimpl
+    def schedkit_admit_request(self, request):
+        from schedkit.core.hooks import AdmissionDecision
+
+        return AdmissionDecision.DEFER if request.request_id == "b" else None
+
+
+class FlakyMetaConnector(KVConnectorBase):
+    def __init__(self, role, config):
+        super().__init__(role, config)
+        self.fail = True
+
+    def build_connector_meta(self, scheduler_output):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("metadata store unavailable")
+        return None
+
+
+class FlakyPlugin:
+    @hookimpl
+    def schedkit_create_kv_connector(self, role, config):
+        return FlakyMetaConnector(role, config)
+
+
+def test_connector_error_rolls_back_the_step_without_duplicating_deferred_requests():
+    sched = make_scheduler(plugins=[DeferB(), FlakyPlugin()])
+    for rid in ("a", "b", "c"):
+        sched.add_request(make_request(rid, [1, 2, 3], max_tokens=2))
+    with pytest.raises(PluginError, match="build_connector_meta") as e:
+        sched.schedule()
+    assert e.value.plugin == "FlakyMetaConnector" and e.value.hook == "KVConnector.build_connector_meta"
+    assert_scheduler_consistent(sched)
+    assert [r.request_id for r in sched.waiting] == ["a", "b", "c"]
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["a", "c"]
+    assert out.scheduled_new_reqs[0].req_id == "a"

@@ -171,8 +171,8 @@ def test_unknown_plugin_name_is_a_config_error(spf_site):
     with pytest.raises(ConfigError, match="'no-such-plugin' is not installed") as exc:
         get_plugin_manager(config)
     assert "spf" in str(exc.value)  # the message lists what is installed
-    with pytest.raises(ConfigError, match="'sjf'"):
-        get_plugin_manager(config_from_dict({"scheduler": {"policy": "sjf"}}))
+    with pytest.raises(ConfigError, match="'lottery'"):
+        get_plugin_manager(config_from_dict({"scheduler": {"policy": "lottery"}}))
 
 
 def test_example_package_tests_pass_against_the_installed_package(spf_site):

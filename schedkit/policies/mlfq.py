@@ -1,0 +1,185 @@
+"""Multi-level feedback queue with skip-join (FastServe, Wu et al. 2023)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+
+from schedkit.core.outputs import EngineCoreOutputs
+from schedkit.core.request import Request
+from schedkit.hookspecs import hookimpl
+from schedkit.policies.common import check_int, check_number
+
+__all__ = ["MultiLevelFeedbackQueue", "LevelQueue"]
+
+
+class LevelQueue:
+    """One FIFO per level; ``peek``/``pop`` serve the highest (lowest-numbered) non-empty
+    level. A request is queued at its current level; a preempted one goes to the head of
+    that level, as FCFS does."""
+
+    def __init__(self, policy: MultiLevelFeedbackQueue) -> None:
+        self._policy = policy
+        self._levels: list[deque[Request]] = [deque() for _ in range(policy.num_levels)]
+        self._len = 0
+
+    def _top(self) -> deque[Request]:
+        for q in self._levels:
+            if q:
+                return q
+        raise IndexError("peek from an empty queue")
+
+    def add(self, request: Request) -> None:
+        self._levels[self._policy.admit_level(request)].append(request)
+        self._len += 1
+
+    def peek(self) -> Request:
+        return self._top()[0]
+
+    def pop(self) -> Request:
+        req = self._top().popleft()
+        self._len -= 1
+        return req
+
+    def prepend_request(self, request: Request) -> None:
+        self._levels[self._policy.level_of(request)].appendleft(request)
+        self._len += 1
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for req in reversed(list(requests)):
+            self.prepend_request(req)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        for i, q in enumerate(self._levels):
+            if any(id(r) in drop for r in q):
+                kept = deque(r for r in q if id(r) not in drop)
+                self._len -= len(q) - len(kept)
+                self._levels[i] = kept
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        return (r for q in self._levels for r in q)
+
+
+class MultiLevelFeedbackQueue:
+    """FastServe's skip-join multi-level feedback queue, counted in output tokens.
+
+    Level ``i`` (0 is served first) has a quantum of ``base_quantum * quantum_growth**i``
+    output tokens. Skip-join: a new request joins the highest level whose quantum covers
+    its prefill, counted as ``ceil(num_prompt_tokens / prefill_tokens_per_step)`` decode
+    steps, so a long prompt skips the top levels instead of being demoted through them.
+    A request that has generated its level's quantum of output tokens since joining the
+    level is demoted one level (accounting in ``schedkit_on_step_end``); the last level
+    keeps it. The waiting queue serves the highest non-empty level, FCFS within a level.
+    The preemption victim is the running request in the lowest level, ties to the latest
+    admitted.
+
+    schedkit preempts only when KV blocks run out and never to admit a waiting request,
+    so unlike FastServe a running long job is not paused when a short one arrives.
+    Demotion therefore acts through (1) the waiting order of preempted requests, which
+    re-enter at their demoted level behind newer short requests, and (2) the victim
+    choice, which evicts the most-demoted (longest-running) job first. Compose with
+    ``aging`` (AgingWrapper) for FastServe's starvation promotion.
+
+    Defining property: a job that has produced many tokens sinks to low levels, so short
+    jobs arriving later overtake it whenever it has to wait again (after a preemption),
+    and it is the one preempted when memory runs out.
+
+    Hooks: ``schedkit_create_waiting_queue`` (a :class:`LevelQueue`),
+    ``schedkit_select_preemption_victim``, ``schedkit_on_step_end`` (demotion),
+    ``schedkit_on_request_finished`` (cleanup). One plugin object serves one scheduler.
+
+    Args:
+        num_levels: Number of levels (>= 1, default 4).
+        base_quantum: Output tokens of level 0's quantum (>= 1, default 16).
+        quantum_growth: Ratio between consecutive quanta (>= 1, default 2.0).
+        prefill_tokens_per_step: Prompt tokens that cost about one decode step, for
+            skip-join (>= 1, default 256).
+
+    Raises:
+        ValueError: A setting is out of range; the message names it and its value.
+    """
+
+    def __init__(self, num_levels: int = 4, base_quantum: int = 16, quantum_growth: float = 2.0,
+                 prefill_tokens_per_step: int = 256) -> None:
+        self.num_levels = check_int("num_levels", num_levels, minimum=1)
+        self.base_quantum = check_int("base_quantum", base_quantum, minimum=1)
+        self.quantum_growth = check_number("quantum_growth", quantum_growth, minimum=1.0)
+        self.prefill_tokens_per_step = check_int("prefill_tokens_per_step",
+                                                 prefill_tokens_per_step, minimum=1)
+        self.quanta = [max(1, round(self.base_quantum * self.quantum_growth ** i))
+                       for i in range(self.num_levels)]
+        """Output tokens a request may generate at each level before it is demoted."""
+        self._level: dict[str, int] = {}
+        self._used: dict[str, int] = {}
+        self._reqs: dict[str, Request] = {}
+        self._finished: list[Request] = []
+
+    def skip_join_level(self, num_prompt_tokens: int) -> int:
+        """The highest level whose quantum covers the prompt's prefill steps."""
+        steps = math.ceil(num_prompt_tokens / self.prefill_tokens_per_step)
+        for i, q in enumerate(self.quanta):
+            if steps <= q:
+                return i
+        return self.num_levels - 1
+
+    def admit_level(self, request: Request) -> int:
+        """Level of a request entering the queue: skip-join for one never seen."""
+        rid = request.request_id
+        if self._reqs.get(rid) is not request:
+            self._reqs[rid] = request
+            self._level[rid] = self.skip_join_level(request.num_prompt_tokens)
+            self._used[rid] = 0
+        return self._level[rid]
+
+    def level_of(self, request: Request) -> int:
+        """The request's current level (skip-join level if it has not been queued)."""
+        return self.admit_level(request)
+
+    @hookimpl
+    def schedkit_create_waiting_queue(self) -> LevelQueue:
+        self._level, self._used, self._reqs, self._finished = {}, {}, {}, []
+        return LevelQueue(self)
+
+    @hookimpl
+    def schedkit_select_preemption_victim(self, running: Sequence[Request]) -> Request:
+        victim, worst = running[-1], -1
+        for req in reversed(running):  # latest admitted first, so ties go to it
+            lvl = self.level_of(req)
+            if lvl > worst:
+                victim, worst = req, lvl
+        return victim
+
+    @hookimpl
+    def schedkit_on_step_end(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        level, used, last = self._level, self._used, self.num_levels - 1
+        for group in outputs.values():
+            for out in group.outputs:
+                rid = out.request_id
+                if not out.new_token_ids or rid not in level:
+                    continue
+                u = used[rid] + len(out.new_token_ids)
+                lvl = level[rid]
+                while lvl < last and u >= self.quanta[lvl]:
+                    u -= self.quanta[lvl]
+                    lvl += 1
+                level[rid], used[rid] = lvl, u
+        for req in self._finished:
+            rid = req.request_id
+            if self._reqs.get(rid) is req:
+                del self._reqs[rid], self._level[rid], self._used[rid]
+        self._finished.clear()
+
+    @hookimpl
+    def schedkit_on_request_finished(self, request: Request) -> None:
+        self._finished.append(request)

@@ -101,7 +101,7 @@ def relative_error(records: Sequence[StepRecord], coefficients: dict[str, float]
     """Mean |predicted - measured| / measured over the records."""
     from schedkit.runners.simulated import CostModel
 
-    model = CostModel(**coefficients)
+    model = CostModel(*(coefficients[k] for k in FEATURES))
     errs = [abs(model.step_time(f) - d) / d for f, d in records if d > 0]
     return sum(errs) / len(errs) if errs else float("nan")
 

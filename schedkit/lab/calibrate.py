@@ -101,7 +101,10 @@ def relative_error(records: Sequence[StepRecord], coefficients: dict[str, float]
     """Mean |predicted - measured| / measured over the records."""
     from schedkit.runners.simulated import CostModel
 
-    model = CostModel(*(coefficients[k] for k in FEATURES))
+    c = coefficients
+    model = CostModel(base_s=c["base_s"], per_token_s=c["per_token_s"], per_request_s=c["per_request_s"],
+                      per_context_token_s=c["per_context_token_s"],
+                      per_prefill_attention_s=c["per_prefill_attention_s"])
     errs = [abs(model.step_time(f) - d) / d for f, d in records if d > 0]
     return sum(errs) / len(errs) if errs else float("nan")
 

@@ -260,15 +260,21 @@ class EngineCoreProc:
 
     def _dispatch(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         live, final_only = self._live, self._final_only
+        only_ends = len(final_only) == len(live)  # an offline batch: only finishes go out
         for client, group in outputs.items():
-            send = []
-            for o in group.outputs:
-                if o.finish_reason is None:
-                    if not final_only or o.request_id not in final_only:
-                        send.append(o)
-                    continue
-                self._finalize(o, live.pop(o.request_id, None))
-                send.append(o)
+            if only_ends:
+                send = [o for o in group.outputs if o.finish_reason is not None]
+                for o in send:
+                    self._finalize(o, live.pop(o.request_id, None))
+            else:
+                send = []
+                for o in group.outputs:
+                    if o.finish_reason is None:
+                        if not final_only or o.request_id not in final_only:
+                            send.append(o)
+                        continue
+                    self._finalize(o, live.pop(o.request_id, None))
+                    send.append(o)
             if send:
                 self.output_queue.put((client, OutputBatch(outputs=send)))
 

@@ -8,6 +8,7 @@ come first again *in the order given*. Iteration is in serving order and does no
 
 from __future__ import annotations
 
+import abc
 import heapq
 import itertools
 from collections import deque
@@ -31,6 +32,46 @@ class RequestQueue(Protocol):
     def __len__(self) -> int: ...
     def __bool__(self) -> bool: ...
     def __iter__(self) -> Iterator[Request]: ...
+
+
+class BaseRequestQueue(abc.ABC):
+    """A RequestQueue from its single-request operations: subclasses implement ``add``,
+    ``peek``, ``pop``, ``prepend_request``, ``remove_requests``, ``__len__`` and
+    ``__iter__``; the list forms and ``__bool__`` follow from them."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def add(self, request: Request) -> None: ...
+
+    @abc.abstractmethod
+    def peek(self) -> Request: ...
+
+    @abc.abstractmethod
+    def pop(self) -> Request: ...
+
+    @abc.abstractmethod
+    def prepend_request(self, request: Request) -> None: ...
+
+    @abc.abstractmethod
+    def remove_requests(self, requests: Iterable[Request]) -> None: ...
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        """Put ``requests`` back so that they come first again in the order given."""
+        for req in reversed(list(requests)):
+            self.prepend_request(req)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
 
 
 class FCFSQueue:
@@ -74,7 +115,7 @@ class FCFSQueue:
         return iter(self._q)
 
 
-class KeyedQueue:
+class KeyedQueue(BaseRequestQueue):
     """A binary min-heap on ``key(request)``; ``prepend`` means re-insert by key.
 
     Ties beyond the key are broken by insertion order, so the queue is deterministic.
@@ -97,14 +138,8 @@ class KeyedQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2]
 
-    prepend_request = add
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for r in requests:
-            self.add(r)
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
+    def prepend_request(self, request: Request) -> None:
+        self.add(request)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
@@ -114,9 +149,6 @@ class KeyedQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
         return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))

@@ -116,14 +116,20 @@ def _weighted_picker(rng: random.Random, items: list, weights: list[float]):
     return lambda: items[bisect.bisect_left(cum, rng.random() * cum[-1])]
 
 
-def _synthetic(cfg: WorkloadConfig, vocab_size: int) -> list[WorkloadRequest]:
-    rng = random.Random(cfg.seed)
-    prompt_len, output_len = LengthSampler(cfg.prompt_len), LengthSampler(cfg.output_len)
+def _class_pickers(cfg: WorkloadConfig, rng: random.Random) -> tuple[Any, Any]:
+    """Callables drawing each request's tenant and priority class by weight."""
     tenant = (_weighted_picker(rng, [t.name for t in cfg.tenants], [t.weight for t in cfg.tenants])
               if cfg.tenants else (lambda: "default"))
     priority = (_weighted_picker(rng, [p.priority for p in cfg.priorities],
                                  [p.weight for p in cfg.priorities])
                 if cfg.priorities else (lambda: 0))
+    return tenant, priority
+
+
+def _synthetic(cfg: WorkloadConfig, vocab_size: int) -> list[WorkloadRequest]:
+    rng = random.Random(cfg.seed)
+    prompt_len, output_len = LengthSampler(cfg.prompt_len), LengthSampler(cfg.output_len)
+    tenant, priority = _class_pickers(cfg, rng)
     sp = cfg.shared_prefix
     prefixes = ([token_run(-(cfg.seed << 8) - j - 1, sp.length, vocab_size) for j in range(sp.count)]
                 if sp is not None else [])
@@ -220,11 +226,7 @@ def _from_trace(cfg: WorkloadConfig, tc: TraceConfig, vocab_size: int,
                 base_dir: str | Path | None) -> list[WorkloadRequest]:
     path = resolve_path(tc.path, base_dir)
     rng = random.Random(cfg.seed)
-    tenant = (_weighted_picker(rng, [t.name for t in cfg.tenants], [t.weight for t in cfg.tenants])
-              if cfg.tenants else (lambda: "default"))
-    priority = (_weighted_picker(rng, [p.priority for p in cfg.priorities],
-                                 [p.weight for p in cfg.priorities])
-                if cfg.priorities else (lambda: 0))
+    tenant, priority = _class_pickers(cfg, rng)
     limit = cfg.num_requests
     rows: list[tuple[float, list[int], int]] = []
     if tc.format == "mooncake":

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from schedkit.core.queues import RequestQueue
+from schedkit.core.queues import BaseRequestQueue, RequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import AgeIndex, PolicyClock, check_number
@@ -14,7 +14,7 @@ from schedkit.policies.common import AgeIndex, PolicyClock, check_number
 __all__ = ["AgingWrapper", "MaxWaitQueue"]
 
 
-class MaxWaitQueue:
+class MaxWaitQueue(BaseRequestQueue):
     """Wraps another waiting queue: a request whose current wait exceeds ``max_wait_s``
     is served before everything else (oldest wait first), otherwise the inner order.
 
@@ -89,9 +89,6 @@ class MaxWaitQueue:
         for req in requests:
             self._ages.push(req)
         self._changed()
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         requests = list(requests)

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import EventType, Request
 
 _QUEUED = EventType.QUEUED
@@ -119,7 +120,7 @@ def check_positive_map(name: str, value: Any, key_type: type) -> dict[Any, float
 
 
 # ---------------------------------------------------------------------- queues
-class LazyKeyedQueue:
+class LazyKeyedQueue(BaseRequestQueue):
     """A min-heap on ``key(request)`` whose key is computed at the first read after an
     insert, not at the insert itself.
 
@@ -160,11 +161,8 @@ class LazyKeyedQueue:
         self._live[id(request)] = seq
         self._pending.append((seq, request))
 
-    prepend_request = add
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for req in requests:
-            self.add(req)
+    def prepend_request(self, request: Request) -> None:
+        self.add(request)
 
     def peek(self) -> Request:
         return self._top()[2]
@@ -174,9 +172,6 @@ class LazyKeyedQueue:
         heapq.heappop(self._heap)
         del self._live[id(req)]
         return req
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         for req in requests:
@@ -190,8 +185,6 @@ class LazyKeyedQueue:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __bool__(self) -> bool:
-        return bool(self._live)
 
     def __iter__(self) -> Iterator[Request]:
         live = self._live

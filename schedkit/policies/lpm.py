@@ -7,6 +7,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
+from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.kv_cache_manager import KVCacheManager
@@ -15,7 +16,7 @@ from schedkit.policies.common import AgeIndex, PolicyClock, check_int, check_num
 __all__ = ["LongestPrefixMatch", "LPMQueue"]
 
 
-class LPMQueue:
+class LPMQueue(BaseRequestQueue):
     """Waiting requests as a ranked head followed by a FIFO tail.
 
     At the first read of each step the queue re-ranks: overdue requests first (oldest
@@ -86,13 +87,6 @@ class LPMQueue:
         self._seq.setdefault(id(request), next(self._counter))
         self._head.appendleft(request)
         self._ages.push(request)
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for req in reversed(list(requests)):
-            self.prepend_request(req)
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r): r for r in requests}

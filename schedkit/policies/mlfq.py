@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from schedkit.core.outputs import EngineCoreOutputs
+from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import check_int, check_number
@@ -14,7 +15,7 @@ from schedkit.policies.common import check_int, check_number
 __all__ = ["MultiLevelFeedbackQueue", "LevelQueue"]
 
 
-class LevelQueue:
+class LevelQueue(BaseRequestQueue):
     """One FIFO per level; ``peek``/``pop`` serve the highest (lowest-numbered) non-empty
     level. A request is queued at its current level; a preempted one goes to the head of
     that level, as FCFS does."""
@@ -46,13 +47,6 @@ class LevelQueue:
         self._levels[self._policy.level_of(request)].appendleft(request)
         self._len += 1
 
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for req in reversed(list(requests)):
-            self.prepend_request(req)
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
-
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         for i, q in enumerate(self._levels):
@@ -64,8 +58,6 @@ class LevelQueue:
     def __len__(self) -> int:
         return self._len
 
-    def __bool__(self) -> bool:
-        return self._len > 0
 
     def __iter__(self) -> Iterator[Request]:
         return (r for q in self._levels for r in q)

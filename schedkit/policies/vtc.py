@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 
 from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput
+from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import check_number, check_positive_map
@@ -13,7 +14,7 @@ from schedkit.policies.common import check_number, check_positive_map
 __all__ = ["VirtualTokenCounter", "VTCQueue"]
 
 
-class VTCQueue:
+class VTCQueue(BaseRequestQueue):
     """Per-tenant FIFOs; the head of the backlogged tenant with the smallest counter
     goes first (ties: the earlier enqueued head).
 
@@ -157,13 +158,6 @@ class VTCQueue:
         self._queues.setdefault(request.tenant, deque()).appendleft(request)
         self._len += 1
 
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for req in reversed(list(requests)):
-            self.prepend_request(req)
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
-
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         for tenant in [t for t, q in self._queues.items() if any(id(r) in drop for r in q)]:
@@ -177,8 +171,6 @@ class VTCQueue:
     def __len__(self) -> int:
         return self._len
 
-    def __bool__(self) -> bool:
-        return self._len > 0
 
     def __iter__(self) -> Iterator[Request]:
         """Serving order if no step ended meanwhile: each pick adds its prompt debt."""

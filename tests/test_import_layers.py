@@ -1,6 +1,7 @@
 """The import direction of DESIGN.md: a lower layer never imports a higher one.
 
     cli, engine wiring ...... anything
+    lab/ .................... everything but cli (it runs whole engines)
     plugins/ ................ hookspecs, policies, core, kv, config, errors
     policies/, runners/ ..... hookspecs, core, kv, config, errors
     core/ ................... kv, config, errors (hooks only through core/hooks.py's Protocol)
@@ -25,7 +26,8 @@ ALLOWED = {
     "schedkit.plugins": {"hookspecs", "policies", "core", "kv", "config", "errors", "plugins", "runners"},
     "schedkit.policies": {"hookspecs", "core", "kv", "config", "errors", "policies"},
     "schedkit.runners": {"hookspecs", "core", "kv", "config", "errors", "runners"},
-    "schedkit.lab": {"core", "kv", "config", "errors", "lab"},
+    # the lab drives whole engines (workloads, simulator calibration, comparisons)
+    "schedkit.lab": {"core", "kv", "config", "errors", "lab", "runners", "plugins", "hookspecs"},
     "schedkit.core": {"kv", "config", "errors", "core"},
     "schedkit.kv": {"config", "errors", "kv"},
     "schedkit.config": {"errors"},

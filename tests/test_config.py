@@ -52,3 +52,13 @@ def test_defaults_are_frozen():
     cfg = Config()
     with pytest.raises(ValidationError):
         cfg.scheduler.max_num_seqs = 3  # type: ignore[misc]
+
+
+def test_every_shipped_config_is_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.rglob("*.yaml"))
+    assert len(files) >= 4
+    for f in files:
+        load_config(f)

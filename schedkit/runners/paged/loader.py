@@ -41,6 +41,16 @@ def _tiny(family: str) -> Callable[[Path, int], None]:
     return build
 
 
+def _qwen05b_shape(path: Path, seed: int) -> None:
+    """Random weights in the shape of Qwen2.5-0.5B (the peer benchmark's model)."""
+    from schedkit.runners.paged.builder import build_random_model, tiny_config
+
+    cfg = tiny_config("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=32768,
+                      rope_theta=1000000.0, tie_word_embeddings=True)
+    build_random_model(path, cfg, seed=seed)
+
+
 def _smollm2(path: Path, seed: int) -> None:
     from schedkit.runners.paged.convert_gguf import convert_smollm2
 
@@ -51,6 +61,7 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[Path, int], None], bool]] = {
     "tiny-llama": (_tiny("llama"), True),
     "tiny-qwen2": (_tiny("qwen2"), True),
     "smollm2-135m-instruct": (_smollm2, False),
+    "qwen2.5-0.5b-shape": (_qwen05b_shape, True),
 }
 """name -> (builder writing the folder, whether the model seed is part of its identity)."""
 

@@ -5,8 +5,8 @@
 # GPU machine lacks; keep .whl out of git), then run this with .whl carried, e.g.
 #   run(command="bash scripts/gpu_paged_checks.sh", carry=[".whl"], timeout_s=540)
 # Steps (each time-boxed): versions, GPU tests, kernel speed, schedkit vs the peer on the
-# peer's workload (qwen0.5b shape, bf16, 256 requests), decode step at batch 256 x 1024,
-# simulator calibration and validation against the real runner.
+# peer's workload (qwen0.5b shape, bf16, 256 requests), decode step at batch 256 x 1024.
+# The simulator's calibration is scripts/gpu_lab_calibration.sh (a second call).
 set -uo pipefail
 OUT=${OUT:-/tmp/paged-gpu-out}
 mkdir -p "$OUT"
@@ -52,11 +52,3 @@ else
   echo "peer bench not found (shared/bench)" | tee "$OUT/bench_peer.txt"
 fi
 
-echo "== simulator calibration (issue 4): fit a profile to measured steps, then replay on both"
-timeout 200 python3 scripts/fit_cost_model.py configs/calibration/h200-qwen0.5b.yaml \
-  --name h200-qwen2.5-0.5b -o "$OUT/h200-qwen2.5-0.5b.json" > "$OUT/calibration.txt" 2>&1
-tail -2 "$OUT/calibration.txt"
-timeout 200 python3 scripts/validate_simulator.py configs/calibration/h200-qwen0.5b.yaml \
-  --profile "$OUT/h200-qwen2.5-0.5b.json" --policy fcfs --policy sjf \
-  -o "$OUT/sim_validation.json" > "$OUT/sim_validation.txt" 2>&1
-tail -9 "$OUT/sim_validation.txt"

@@ -43,11 +43,27 @@ class SchedkitPluginManager(pluggy.PluginManager):
         return opts
 
 
+BUNDLED_PLUGINS: Mapping[str, str] = {
+    "sjf": "schedkit.policies.sjf:ShortestJobFirst",
+    "edf": "schedkit.policies.edf:EarliestDeadlineFirst",
+    "vtc": "schedkit.policies.vtc:VirtualTokenCounter",
+    "mlfq": "schedkit.policies.mlfq:MultiLevelFeedbackQueue",
+    "lpm": "schedkit.policies.lpm:LongestPrefixMatch",
+    "least-computed": "schedkit.policies.victims:LeastComputedFirst",
+    "aging": "schedkit.policies.aging:AgingWrapper",
+}
+"""schedkit's own research policies: declared as entry points in pyproject.toml, and
+known here too so that a source tree that was never pip-installed (a GPU box running
+from PYTHONPATH) finds them."""
+
+
 def discover_plugins() -> dict[str, EntryPoint]:
-    """Installed plugins by entry-point name (empty if SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD=1)."""
-    if os.environ.get("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD") == "1":
-        return {}
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    """Plugins by entry-point name: schedkit's bundled research policies plus the
+    installed ones (third-party autoload is off with SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD=1)."""
+    found = {n: EntryPoint(name=n, value=v, group=ENTRY_POINT_GROUP) for n, v in BUNDLED_PLUGINS.items()}
+    if os.environ.get("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD") != "1":
+        found.update((ep.name, ep) for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return found
 
 
 def _instantiate(name: str, obj: Any, settings: Mapping[str, Any]) -> Any:

@@ -30,7 +30,7 @@ from schedkit.config import config_from_dict, load_config
 from schedkit.core.queues import FCFSQueue
 from schedkit.core.scheduler import Scheduler
 from schedkit.plugins.facade import HookFacade
-from schedkit.plugins.manager import discover_plugins, get_plugin_manager
+from schedkit.plugins.manager import BUNDLED_PLUGINS, discover_plugins, get_plugin_manager
 from schedkit.plugins.testing import make_request, make_scheduler
 from schedkit.runners.fake import FakeRunner
 
@@ -242,7 +242,8 @@ def fake_installed(monkeypatch):
 
 
 def test_fake_installed_plugins_are_not_enabled(fake_installed):
-    assert sorted(discover_plugins()) == ["broken", "budget", "finish-log", "tracer"]
+    third_party = set(discover_plugins()) - set(BUNDLED_PLUGINS)
+    assert sorted(third_party) == ["broken", "budget", "finish-log", "tracer"]
     fake_installed.calls.clear()
     pm = get_plugin_manager(config_from_dict({}))
     assert [name for name, _ in pm.list_name_plugin()] == ["defaults", "fcfs"]
@@ -307,7 +308,7 @@ def test_unknown_or_builtin_names_are_config_errors(fake_installed):
 
 def test_autoload_switch_hides_installed_plugins(fake_installed, monkeypatch):
     monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
-    assert discover_plugins() == {}
+    assert set(discover_plugins()) == set(BUNDLED_PLUGINS)  # schedkit's own stay available
     with pytest.raises(ConfigError, match="'tracer' is not installed"):
         get_plugin_manager(config_from_dict({"plugins": [{"name": "tracer"}]}))
 

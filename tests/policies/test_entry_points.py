@@ -120,3 +120,11 @@ def test_pyproject_declares_these_entry_points():
     if not declared:
         pytest.skip("pyproject.toml has no [project.entry-points.schedkit] group yet")
     assert {n: declared.get(n) for n in ENTRY_POINTS} == ENTRY_POINTS
+
+
+def test_bundled_policies_match_pyproject_and_load_without_install(monkeypatch):
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["schedkit"]
+    assert dict(manager.BUNDLED_PLUGINS) == declared == ENTRY_POINTS
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", "1")  # as in a bare source tree
+    assert set(ENTRY_POINTS) <= set(manager.discover_plugins())
+    get_plugin_manager(config_from_dict({"scheduler": {"policy": "sjf"}}))

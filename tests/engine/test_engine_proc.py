@@ -12,6 +12,7 @@ import time
 import pytest
 import zmq
 
+from schedkit import hookimpl
 from schedkit.config import config_from_dict
 from schedkit.core.client import LLM, EngineClient, EngineProcess, wire_request
 from schedkit.core.engine_core import EngineCore
@@ -27,8 +28,19 @@ def prompts_and_params(n=24):
     return prompts, params
 
 
-def run_in_process(config, prompts, params, priorities):
-    engine = EngineCore(config)
+class ChunkWatcher:
+    """Records every step's scheduled token counts (to show chunked prefill happened)."""
+
+    def __init__(self):
+        self.steps = []
+
+    @hookimpl
+    def schedkit_on_step_end(self, scheduler_output):
+        self.steps.append(dict(scheduler_output.num_scheduled_tokens))
+
+
+def run_in_process(config, prompts, params, priorities, watcher=None):
+    engine = EngineCore(config, extra_plugins=[watcher] if watcher else ())
     reqs = []
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         req = Request(f"0-{i}", p, sp, arrival_time=engine.now(), priority=priorities[i])
@@ -44,7 +56,8 @@ def test_process_gives_same_outputs_as_in_process(small_config, policy):
     config = small_config(policy)
     prompts, params = prompts_and_params()
     priorities = [i % 3 for i in range(len(prompts))]
-    expected = run_in_process(config, prompts, params, priorities)
+    watcher = ChunkWatcher()
+    expected = run_in_process(config, prompts, params, priorities, watcher)
     with LLM(config) as llm:
         outs = llm.generate(prompts, params, priorities=priorities, use_tqdm=False)
     assert [o.request_id for o in outs] == [r.request_id for r in expected]
@@ -54,6 +67,9 @@ def test_process_gives_same_outputs_as_in_process(small_config, policy):
         assert o.metrics.num_preemptions == r.num_preemptions
         assert o.metrics.num_cached_tokens == r.num_cached_tokens
     assert sum(r.num_preemptions for r in expected) > 0, "the workload must preempt"
+    chunks = {rid for step in watcher.steps for rid, n in step.items() if n == 16}
+    long_prompts = {f"0-{i}" for i, p in enumerate(prompts) if len(p) > 16}
+    assert chunks & long_prompts, "the workload must chunk long prefills (threshold 16)"
     assert any(r.num_cached_tokens > 0 for r in expected), "the workload must hit the prefix cache"
 
 

@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
-import select
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from schedkit.config import Config, load_config
+from schedkit.core.engine_proc import START_TIMEOUT_S, EngineProcess
 from schedkit.core.messages import (
     AbortRequests,
     AddRequests,
@@ -48,76 +42,6 @@ from schedkit.errors import ConfigError, EngineDeadError, RequestError, Schedkit
 
 DEAD_AFTER_S = 3.0
 """No message (not even a heartbeat) for this long means the engine is gone."""
-START_TIMEOUT_S = 120.0
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EngineProcess:
-    """Starts (and owns) one engine-core process for a validated config.
-
-    The config and its plugins are checked in this process first, so a bad YAML or a
-    plugin that is not installed stops the launch before any process starts.
-    """
-
-    def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING") -> None:
-        from schedkit.plugins.manager import get_plugin_manager
-        from schedkit.runners import runner_class
-
-        get_plugin_manager(config)  # raises ConfigError / PluginError before spawning
-        runner_class(config.runner.kind)
-        self._paths: list[Path] = []
-        if transport == "ipc":
-            base = Path(tempfile.gettempdir()) / f"schedkit-{uuid.uuid4().hex[:12]}"
-            self._paths = [Path(f"{base}-in.sock"), Path(f"{base}-out.sock")]
-            self.input_addr, self.output_addr = (f"ipc://{p}" for p in self._paths)
-        elif transport == "tcp":
-            self.input_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
-            self.output_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
-        else:
-            raise SchedkitError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        # A fresh interpreter (not multiprocessing): no re-import of the caller's __main__,
-        # so scripts need no ``if __name__ == "__main__"`` guard.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "schedkit.core.engine_proc", "--input", self.input_addr,
-             "--output", self.output_addr, "--log-level", log_level],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(config.model_dump(mode="json")) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
-        line = self.proc.stdout.readline().strip() if ready else ""
-        if not line.startswith("ready"):
-            self.shutdown()
-            detail = line.removeprefix("error ") or f"no answer (exit code {self.proc.returncode})"
-            raise EngineDeadError(f"the engine process failed to start: {detail}")
-        self.pid = self.proc.pid
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.poll()
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the process (SIGTERM, then SIGKILL), reap it and remove the socket files."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
-        for p in self._paths:
-            p.unlink(missing_ok=True)
 
 
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,

@@ -16,12 +16,20 @@ Each socket is used by one thread only (ZMQ sockets are not thread-safe).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
+import select
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -46,7 +54,7 @@ from schedkit.core.messages import (
 )
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import EventType, Request, SamplingParams
-from schedkit.errors import SchedkitError
+from schedkit.errors import EngineDeadError, SchedkitError
 
 log = logging.getLogger("schedkit.engine")
 
@@ -297,6 +305,78 @@ class EngineCoreProc:
             self.output_queue.put((client, OutputBatch(outputs=group)))
 
 
+START_TIMEOUT_S = 120.0
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """Starts (and owns) one engine-core process for a validated config.
+
+    The config and its plugins are checked in this process first, so a bad YAML or a
+    plugin that is not installed stops the launch before any process starts.
+    """
+
+    def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING") -> None:
+        from schedkit.plugins.manager import get_plugin_manager
+        from schedkit.runners import runner_class
+
+        get_plugin_manager(config)  # raises ConfigError / PluginError before spawning
+        runner_class(config.runner.kind)
+        self._paths: list[Path] = []
+        if transport == "ipc":
+            base = Path(tempfile.gettempdir()) / f"schedkit-{uuid.uuid4().hex[:12]}"
+            self._paths = [Path(f"{base}-in.sock"), Path(f"{base}-out.sock")]
+            self.input_addr, self.output_addr = (f"ipc://{p}" for p in self._paths)
+        elif transport == "tcp":
+            self.input_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
+            self.output_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
+        else:
+            raise SchedkitError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        # A fresh interpreter (not multiprocessing): no re-import of the caller's __main__,
+        # so scripts need no ``if __name__ == "__main__"`` guard.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "schedkit.core.engine_proc", "--input", self.input_addr,
+             "--output", self.output_addr, "--log-level", log_level],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(config.model_dump(mode="json")) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline().strip() if ready else ""
+        if not line.startswith("ready"):
+            self.shutdown()
+            detail = line.removeprefix("error ") or f"no answer (exit code {self.proc.returncode})"
+            raise EngineDeadError(f"the engine process failed to start: {detail}")
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL), reap it and remove the socket files."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        for p in self._paths:
+            p.unlink(missing_ok=True)
+
+
 def _remove_ipc_files(*addrs: str) -> None:
     for addr in addrs:
         if addr.startswith("ipc://"):
@@ -320,8 +400,6 @@ def main(argv: list[str] | None = None) -> None:
     as ``python -m schedkit.core.engine_proc --input ADDR --output ADDR``. The config comes
     as one JSON line on stdin; one line on stdout answers ``ready PID`` or ``error MSG``."""
     import argparse
-    import json
-    import sys
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--input", required=True)

@@ -17,17 +17,13 @@ from typing import Any
 
 from schedkit.config import CacheConfig, SchedulerConfig
 from schedkit.core.hooks import AdmissionDecision, SchedulerHooks
+from schedkit.core.output_processor import OutputProcessorMixin, connector_error
 from schedkit.core.outputs import (
     EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
     SchedulerOutput,
-    SchedulerStats,
-    SpecDecodingStats,
 )
 from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestStatus
 from schedkit.core.scheduler_output import build_scheduler_output
-from schedkit.core.stop import check_stop
 from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
@@ -59,7 +55,7 @@ class StepState:
     has_running_prefill: bool = False
 
 
-class Scheduler:
+class Scheduler(OutputProcessorMixin):
     """Owns the requests, the waiting queue, the running list and the KV cache manager.
 
     Args:
@@ -442,153 +438,11 @@ class Scheduler:
         # lose this step's output (its admissions must reach the runner).
         self._pending_finished.extend(rejected)
 
-    # ------------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
-        """Apply one step's sampled tokens. Returns the outputs grouped by client index."""
-        sampled = runner_output.sampled_token_ids
-        index = runner_output.req_id_to_index
-        requests = self.requests
-        spec_sched = scheduler_output.scheduled_spec_decode_tokens
-        spec_stats = SpecDecodingStats() if spec_sched and self.log_stats else None
-        max_model_len = self.max_model_len
-        by_client: dict[int, list[EngineCoreOutput]] = {}
-        stopped: list[Request] = []
-        for req, out in self._pending_outputs:
-            by_client.setdefault(req.client_index, []).append(out)
-        self._pending_outputs = []
-        for rid in scheduler_output.num_scheduled_tokens:
-            maybe = requests.get(rid)
-            if maybe is None or maybe.status is not _RUNNING:
-                continue  # finished or preempted while the step ran: its output is void
-            req = maybe
-            i = index.get(rid)
-            gen = sampled[i] if i is not None else None
-            if not gen:
-                continue  # a prefill chunk that sampled nothing
-            if spec_sched:
-                drafts = spec_sched.get(rid)
-                if drafts:
-                    self._apply_spec_result(req, drafts, len(gen), spec_stats)
-            had_outputs = bool(req.output_token_ids)
-            if len(gen) == 1:
-                req.append_output_token_ids(gen[0])
-                is_stopped = check_stop(req, max_model_len)
-                new_ids = gen
-            else:
-                new_ids, is_stopped = self._append_tokens(req, gen)
-            if not had_outputs:
-                req.record_event(EventType.FIRST_TOKEN, self.clock())
-            if is_stopped:
-                stopped.append(req)
-                out = EngineCoreOutput(rid, new_ids, FINISH_REASONS[req.status], req.stop_reason,
-                                       req.num_cached_tokens)
-            else:
-                out = EngineCoreOutput(rid, new_ids, None, None, req.num_cached_tokens)
-            lst = by_client.get(req.client_index)
-            if lst is None:
-                by_client[req.client_index] = lst = []
-            lst.append(out)
-        now = self.clock()
-        if stopped:
-            gone = {id(r) for r in stopped}
-            self.running = [r for r in self.running if id(r) not in gone]
-            for req in stopped:
-                params = self._free_request(req, now)
-                if params is not None:
-                    self._attach_transfer_params(by_client, req, params)
-        kv_out = runner_output.kv_connector_output
-        self.connector.update_connector_output(kv_out)
-        if kv_out is not None and kv_out.finished_sending:
-            self._release_held_requests(kv_out.finished_sending)
-        outputs = {c: EngineCoreOutputs(outputs=o) for c, o in by_client.items()}
-        stats = self._make_stats(spec_stats) if self.log_stats else None
-        if stats is not None:
-            outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
-        if self._pending_finished:
-            stopped = self._pending_finished + stopped
-            self._pending_finished = []
-        try:
-            self._notify_finished(stopped, now)
-            self.hooks.on_step_end(scheduler_output=scheduler_output, outputs=outputs,
-                                   stats=stats, now=now)
-            if self._deferred_errors:
-                err, self._deferred_errors = self._deferred_errors[0], []
-                raise err
-        except PluginError as e:
-            e.outputs = outputs  # type: ignore[attr-defined]  # the step itself succeeded
-            raise
-        return outputs
-
-    def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
-                           spec_stats: SpecDecodingStats | None) -> None:
-        num_accepted = num_gen - 1
-        num_rejected = len(drafts) - num_accepted
-        if num_rejected > 0 and req.num_computed_tokens > 0:
-            req.num_computed_tokens -= num_rejected
-        if spec_stats is not None and drafts[0] != -1:
-            spec_stats.observe(len(drafts), num_accepted)
-
-    def _append_tokens(self, req: Request, gen: list[int]) -> tuple[list[int], bool]:
-        max_model_len = self.max_model_len
-        for j, tok in enumerate(gen):
-            req.append_output_token_ids(tok)
-            if check_stop(req, max_model_len):
-                return gen[: j + 1], True
-        return gen, False
-
-    @staticmethod
-    def _attach_transfer_params(by_client: dict[int, list[EngineCoreOutput]], req: Request,
-                                params: dict) -> None:
-        for out in reversed(by_client[req.client_index]):
-            if out.request_id == req.request_id:
-                out.kv_transfer_params = params
-                return
-
-    def _free_request(self, req: Request, now: float) -> dict | None:
-        rid = req.request_id
-        try:
-            delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
-        except Exception as e:  # free normally; report once the step's state is complete
-            self._deferred_errors.append(self._connector_error("request_finished", e, req))
-            delay, params = False, None
-        self.finished_req_ids.add(rid)
-        req.record_event(EventType.FINISHED, now)
-        if not delay:
-            self.kv_cache_manager.free(req)
-            del self.requests[rid]
-        return params
-
     def _connector_call(self, method: str, *args: Any) -> Any:
         """Call a scheduler-side connector method; its exceptions become PluginErrors."""
         try:
             return getattr(self.connector, method)(*args)
         except Exception as e:
             req = args[0] if args and isinstance(args[0], Request) else None
-            raise self._connector_error(method, e, req) from e
+            raise connector_error(self.connector, method, e, req) from e
 
-    def _connector_error(self, method: str, e: Exception, req: Request | None) -> PluginError:
-        name = type(self.connector).__name__
-        return PluginError(f"KV connector {name!r} raised in {method}: {type(e).__name__}: {e}",
-                           plugin=name, hook=f"KVConnector.{method}",
-                           request_id=req.request_id if req is not None else None)
-
-    def _release_held_requests(self, request_ids: Iterable[str]) -> None:
-        """Free finished requests whose blocks the connector held until sent."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None and req.is_finished:
-                self.kv_cache_manager.free(req)
-                del self.requests[rid]
-
-    def _notify_finished(self, reqs: list[Request], now: float) -> None:
-        for req in reqs:
-            self.hooks.on_request_finished(request=req, now=now)
-
-    def _make_stats(self, spec_stats: SpecDecodingStats | None) -> SchedulerStats:
-        return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_preempted_reqs=self.num_preemptions_total,
-            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
-            spec_decoding_stats=spec_stats if spec_stats and spec_stats.num_drafts else None)

@@ -23,6 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
+from schedkit.runners.ngram import propose_ngram
 from schedkit.runners.paged.attention import AttentionMetadata
 from schedkit.runners.paged.input_batch import InputBatch, StepInputs
 from schedkit.runners.paged.kv_cache import (
@@ -247,8 +248,18 @@ class PagedModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
-        """No drafter yet: never proposes (drafts scheduled by others are still verified)."""
-        return {}
+        """N-gram drafts (:func:`schedkit.runners.ngram.propose_ngram`) continuing every
+        known request's tokens; the scheduler drops those of requests still prefilling."""
+        ib = self.input_batch
+        if ib is None or num_spec_tokens <= 0:
+            return {}
+        drafts = {}
+        for rid, st in ib.states.items():
+            known = ib.token_ids[st.row, max(st.num_tokens - 1024, 0):st.num_tokens].tolist()
+            proposal = propose_ngram(known, num_spec_tokens)
+            if proposal:
+                drafts[rid] = proposal
+        return drafts
 
 
 def _accept(targets: list[int], drafts: Any) -> list[int]:

@@ -97,3 +97,26 @@ def test_step_duration_is_measured(model_dir: Any) -> None:
     out = engine.runner.execute(so)
     assert out.step_duration is not None and out.step_duration > 0
     assert out.sampled_token_ids[0] and out.req_ids == ["r"]
+
+
+def test_ngram_drafts_keep_greedy_output_and_save_steps(model_dir: Any) -> None:
+    """The runner's own n-gram drafter: on repetitive prompts it proposes, greedy output
+    stays the same, and accepted drafts save steps."""
+    path = model_dir("llama")
+    prompts = [[5, 6, 7, 8] * 6, [9, 10] * 10, random_prompts([20], 512, seed=6)[0]]
+    reqs = lambda: [greedy_request(str(i), p, 24) for i, p in enumerate(prompts)]  # noqa: E731
+    plain = EngineCore(paged_config(path))
+    expected = run_engine(plain, reqs())
+    engine = EngineCore(paged_config(path, scheduler={"num_speculative_tokens": 3}))
+    proposed = []
+    inner = engine.runner.propose_draft_token_ids
+
+    def spy(k: int) -> dict[str, list[int]]:
+        drafts = inner(k)
+        proposed.append(sum(len(d) for d in drafts.values()))
+        return drafts
+
+    engine.runner.propose_draft_token_ids = spy
+    assert run_engine(engine, reqs()) == expected
+    assert sum(proposed) > 0
+    assert engine.num_steps < plain.num_steps

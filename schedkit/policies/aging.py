@@ -126,19 +126,17 @@ class AgingWrapper:
     running slots and KV blocks, and requests overdue together are served in wait order:
     the bound is ``max_wait_s`` plus the time to serve those.
 
-    The guard reads the scheduler's clock when ``clock`` is given (code only), else the
-    latest ``now`` seen by this plugin's hooks (exact for the engine, whose clock moves
-    before ``update_from_output``; see :mod:`schedkit.policies.common`).
+    The guard reads ``clock`` when given in code, else the scheduler's clock handed to
+    ``schedkit_create_waiting_queue``.
 
-    Hooks: ``schedkit_create_waiting_queue`` (``wrapper=True``),
-    ``schedkit_admit_request`` and ``schedkit_on_step_end`` (read ``now``; return None;
-    the latter also makes the queue ask the inner queue for its head again).
+    Hooks: ``schedkit_create_waiting_queue`` (``wrapper=True``) and
+    ``schedkit_on_step_end`` (makes the queue ask the inner queue for its head again).
 
     Args:
         max_wait_s: The longest wait, in seconds, before a request jumps the queue
             (> 0, default 30.0).
         clock: The scheduler's clock, a callable returning seconds (code only; default
-            None, the observed clock).
+            None, the scheduler's clock).
 
     Raises:
         ValueError: A setting is out of range; the message names it and its value.
@@ -150,19 +148,15 @@ class AgingWrapper:
         self.queue: MaxWaitQueue | None = None
 
     @hookimpl(wrapper=True)
-    def schedkit_create_waiting_queue(self) -> Generator[None, Any, Any]:
+    def schedkit_create_waiting_queue(self, clock: Callable[[], float]) -> Generator[None, Any, Any]:
         inner = yield
         if inner is None:
             return None
+        self.clock.bind(clock)
         self.queue = MaxWaitQueue(inner, self.clock, self.max_wait_s)
         return self.queue
 
     @hookimpl
-    def schedkit_admit_request(self, now: float) -> None:
-        self.clock.observe(now)
-
-    @hookimpl
-    def schedkit_on_step_end(self, now: float) -> None:
-        self.clock.observe(now)
+    def schedkit_on_step_end(self) -> None:
         if self.queue is not None:
             self.queue.invalidate()  # inner queues may re-rank between steps (vtc, lpm)

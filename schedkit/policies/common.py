@@ -1,14 +1,11 @@
 """Pieces the research policies share: a clock for queues, wait times, setting checks,
 a lazily keyed heap and an index of waiting requests by age.
 
-Why a clock of their own: hooks receive ``now``, but a waiting queue does not.
-``schedkit_create_waiting_queue`` gets no clock and the scheduler calls ``peek``/``pop``
-without one, so a queue whose order depends on time reads a :class:`PolicyClock`: the
-scheduler's clock when the plugin was given it (``clock=`` in code), otherwise the latest
-time the plugin has seen (the ``now`` of its hooks and the enqueue times of requests).
-The engine advances its clock before ``update_from_output``, so the ``now`` of
-``schedkit_on_step_end`` equals the clock of the next ``schedule()``; the observed clock
-then lags only when a caller moves the clock between steps.
+Why a clock of their own: the scheduler calls ``peek``/``pop`` without a time, so a
+queue whose order depends on time reads a :class:`PolicyClock`: a clock given in code
+(``clock=``), else the scheduler's clock that ``schedkit_create_waiting_queue`` hands over
+(:meth:`PolicyClock.bind`), else, for a queue built outside a scheduler, the latest time
+it has seen (enqueue times of requests).
 
 Wait times are read from request events, which the scheduler stamps with its own clock
 (``arrival_time`` is the client's and may be on another clock). Everything here runs in
@@ -47,6 +44,12 @@ class PolicyClock:
             raise ValueError(f"clock must be a callable returning seconds or None, got {source!r}")
         self._source = source
         self._latest = -math.inf
+
+    def bind(self, source: Callable[[], float]) -> None:
+        """Use the scheduler's clock (handed to ``schedkit_create_waiting_queue``) unless
+        a clock was given in code."""
+        if self._source is None:
+            self._source = source
 
     def observe(self, t: float) -> None:
         """Record a time seen in a hook or a request event (ignored with a source)."""

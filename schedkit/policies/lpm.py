@@ -133,20 +133,18 @@ class LongestPrefixMatch:
     throughput over FCFS; the guard bounds how long a non-matching request can be passed
     over: it is admitted at the first step after ``max_wait_s`` once it reaches the head.
 
-    The guard reads the scheduler's clock when ``clock`` is given (code only), else the
-    latest ``now`` seen by this plugin's hooks (exact for the engine, whose clock moves
-    before ``update_from_output``; see :mod:`schedkit.policies.common`).
+    The guard reads ``clock`` when given in code, else the scheduler's clock handed to
+    ``schedkit_create_waiting_queue``.
 
     Hooks: ``schedkit_create_waiting_queue`` (an :class:`LPMQueue`),
-    ``schedkit_on_step_end`` (starts a new ranking round, reads ``now``),
-    ``schedkit_admit_request`` (reads ``now``; always None),
+    ``schedkit_on_step_end`` (starts a new ranking round),
     ``schedkit_on_request_finished`` (cleanup). One plugin object serves one scheduler.
 
     Args:
         max_rank: Most waiting requests ranked per step (>= 1, default 128).
         max_wait_s: Starvation guard in seconds (> 0; default 10.0; ``.inf`` turns it off).
         clock: The scheduler's clock, a callable returning seconds (code only; default
-            None, the observed clock).
+            None, the scheduler's clock).
 
     Raises:
         ValueError: A setting is out of range; the message names it and its value.
@@ -161,18 +159,15 @@ class LongestPrefixMatch:
         self.queue: LPMQueue | None = None
 
     @hookimpl
-    def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager) -> LPMQueue:
+    def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager,
+                                      clock: Callable[[], float]) -> LPMQueue:
         self.step = 0
+        self.clock.bind(clock)
         self.queue = LPMQueue(self, kv_cache_manager, self.clock)
         return self.queue
 
     @hookimpl
-    def schedkit_admit_request(self, now: float) -> None:
-        self.clock.observe(now)
-
-    @hookimpl
-    def schedkit_on_step_end(self, now: float) -> None:
-        self.clock.observe(now)
+    def schedkit_on_step_end(self) -> None:
         self.step += 1
 
     @hookimpl

@@ -109,7 +109,7 @@ def test_the_head_is_asked_again_after_a_step_even_if_the_clock_stood_still():
     clock = VirtualClock(5.0)
     wrapper = AgingWrapper(max_wait_s=MAX_WAIT, clock=clock)
     inner = FlippingQueue()
-    gen = wrapper.schedkit_create_waiting_queue()
+    gen = wrapper.schedkit_create_waiting_queue(clock=clock)
     next(gen)
     with pytest.raises(StopIteration) as stop:
         gen.send(inner)
@@ -119,7 +119,7 @@ def test_the_head_is_asked_again_after_a_step_even_if_the_clock_stood_still():
     queue.add(b)
     assert queue.peek() is a
     inner.flip()
-    wrapper.schedkit_on_step_end(now=5.0)
+    wrapper.schedkit_on_step_end()
     assert queue.peek() is b and queue.pop() is b and list(queue) == [a]
 
 

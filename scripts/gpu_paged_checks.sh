@@ -10,17 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/paged-gpu-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export SCHEDKIT_CACHE_DIR=/tmp/schedkit-cache
-unset TRITON_INTERPRET
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-} > "$OUT/versions.txt" 2>&1
-cat "$OUT/versions.txt"
+source "$(dirname "$0")/gpu_common.sh"
 
 echo "== GPU tests"
 timeout 240 python3 -m pytest tests/gpu/test_paged_gpu.py -m gpu -q -rfEs -s -p no:cacheprovider \

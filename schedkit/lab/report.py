@@ -78,6 +78,20 @@ def _plt() -> Any:
     return plt
 
 
+def _label(ax: Any, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_cdfs(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path) -> bool:
     """TTFT and TPOT CDFs per profile, side by side. False if matplotlib is missing."""
     plt = _plt()
@@ -90,14 +104,8 @@ def plot_cdfs(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path) ->
             if xs:
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
         ax.set_xscale("log")
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+        _label(ax, label, "fraction of requests")
+    return _save(plt, fig, path)
 
 
 def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path) -> bool:
@@ -114,14 +122,8 @@ def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str 
             times.sort()
             ax.plot(times, range(1, len(times) + 1), label=tenant)
         ax.set_title(name)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("output tokens served")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+        _label(ax, "time (s)", "output tokens served")
+    return _save(plt, fig, path)
 
 
 def plot_latency_vs_load(sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
@@ -137,13 +139,6 @@ def plot_latency_vs_load(sweep: Mapping[str, Sequence[tuple[float, Mapping[str, 
         axes[0].plot(xs, [s["ttft_s"]["p99"] for _, s in points], marker="x", ls="--", label=f"{name} p99")
         axes[1].plot(xs, [s["slo_attainment"] for _, s in points], marker="o", label=name)
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("TTFT (s)")
-    axes[1].set_ylabel("SLO attainment")
-    for ax in axes:
-        ax.set_xlabel(knob)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    _label(axes[0], knob, "TTFT (s)")
+    _label(axes[1], knob, "SLO attainment")
+    return _save(plt, fig, path)

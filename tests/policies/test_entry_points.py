@@ -31,15 +31,7 @@ from schedkit.policies.mlfq import LevelQueue
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "policies.md"
-ENTRY_POINTS = {
-    "sjf": "schedkit.policies.sjf:ShortestJobFirst",
-    "edf": "schedkit.policies.edf:EarliestDeadlineFirst",
-    "vtc": "schedkit.policies.vtc:VirtualTokenCounter",
-    "mlfq": "schedkit.policies.mlfq:MultiLevelFeedbackQueue",
-    "lpm": "schedkit.policies.lpm:LongestPrefixMatch",
-    "least-computed": "schedkit.policies.victims:LeastComputedFirst",
-    "aging": "schedkit.policies.aging:AgingWrapper",
-}
+ENTRY_POINTS = dict(manager.BUNDLED_PLUGINS)  # pyproject.toml must declare the same (below)
 CODE_ONLY = {"clock"}  # constructor arguments that are not YAML settings
 
 

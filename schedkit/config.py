@@ -187,6 +187,8 @@ class TraceConfig(_Strict):
     """Skip this many requests at the start of the trace."""
     max_prompt_len: int | None = Field(default=None, ge=1)
     """Clip prompts to this many tokens (None: keep, then too-long requests are rejected)."""
+    max_output_len: int | None = Field(default=None, ge=1)
+    """Clip each request's output length (its max_tokens) to this many tokens."""
 
 
 class SLOConfig(_Strict):

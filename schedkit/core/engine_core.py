@@ -66,6 +66,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
                                    clock=self.now)
         self.num_steps = 0
+        self.last_step_s = 0.0
+        """Engine-clock seconds the last executed step took, scheduling and output
+        processing included (wall time with a real runner; what calibration fits)."""
         self._consecutive_step_failures = 0
 
     @staticmethod
@@ -162,6 +165,7 @@ class EngineCore:
                 req.request_id, [], FinishReason.ERROR, None, error=str(err)))
         if not sched.has_requests():
             return outputs
+        t0 = self.now()
         try:
             scheduler_output = sched.schedule()
         except PluginError as e:
@@ -183,6 +187,7 @@ class EngineCore:
         if sched.num_spec_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
         self.num_steps += 1
+        self.last_step_s = self.now() - t0
         return _merge(outputs, step_outputs)
 
     def _on_plugin_error(self, e: PluginError) -> dict[int, EngineCoreOutputs]:

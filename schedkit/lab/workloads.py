@@ -253,6 +253,8 @@ def _from_trace(cfg: WorkloadConfig, tc: TraceConfig, vocab_size: int,
     for i, (t, prompt, out) in enumerate(rows):
         if tc.max_prompt_len is not None:
             prompt = prompt[: tc.max_prompt_len]
+        if tc.max_output_len is not None:
+            out = min(out, tc.max_output_len)
         reqs.append(WorkloadRequest(f"req-{i}", (t - t0) * tc.time_scale, prompt, max(out, 1),
                                     tenant(), priority()))
     return reqs

@@ -6,7 +6,7 @@
 - bf16 teacher-forced top-1 agreement with transformers;
 - KV cache sized from free memory, and a clear error when it cannot fit.
 
-Run: ``python -m pytest tests/gpu/test_paged_gpu.py -m gpu -q`` (see scripts/gpu_paged_checks.sh).
+Run: ``python -m pytest tests/gpu/test_paged_gpu.py -m gpu -q`` (scripts/gpu_checks.sh runs it on the H200).
 """
 
 from __future__ import annotations

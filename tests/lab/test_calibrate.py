@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.lab.calibrate import fit, record_steps, relative_error
+from schedkit.lab.calibrate import (
+    fit,
+    fit_linear,
+    grid_phases,
+    record_steps,
+    relative_error,
+    write_profile,
+)
 from schedkit.runners.simulated import CostModel, SimulatedRunner
 
 TRUE = dict(base_s=2e-3, per_token_s=4e-6, per_request_s=3e-5, per_context_token_s=5e-9,
-            per_prefill_attention_s=2e-11)
+            per_prefill_attention_s=2e-11, per_prefill_step_s=1e-3)
 
 
 def test_fit_recovers_a_known_cost_model_from_recorded_steps():
@@ -20,16 +27,53 @@ def test_fit_recovers_a_known_cost_model_from_recorded_steps():
         "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "max_model_len": 8192},
         "workload": {"num_requests": 300, "rate": 40, "prompt_len": {"dist": "lognormal", "median": 400,
                      "sigma": 1.0, "min": 8, "max": 4000}, "output_len": [4, 200]}})
-    records = record_steps(config, runner=SimulatedRunner(cost_model=CostModel(**TRUE)))
+    records = record_steps(config, runner=SimulatedRunner(cost_model=CostModel(**TRUE)),
+                           phases=grid_phases(config, output_len=8))
     assert len(records) > 100
-    coef = fit(records)
+    assert {int(f[1]) for f, _ in records if not f[4]} >= {1, 4, 16, 64}  # decode batches of the grid
+    model = fit(records)
     for k, v in TRUE.items():
-        assert coef[k] == pytest.approx(v, rel=1e-3)
-    assert relative_error(records, coef) < 1e-6
+        assert getattr(model, k) == pytest.approx(v, rel=1e-3)
+    assert all(abs(t) < 1e-9 for _, t in model.decode_batch_residual_s)
+    assert relative_error(records, model) < 1e-6
 
 
 def test_fit_drops_negative_coefficients():
-    records = [((t, 1.0, t, 0.0), 1e-3 + 1e-6 * t) for t in (1, 10, 100, 1000, 50, 500)]
-    coef = fit(records)
+    records = [((t, 1.0, t, 0.0, 0.0), 1e-3 + 1e-6 * t) for t in (1, 10, 100, 1000, 50, 500, 20)]
+    coef = fit_linear(records)
     assert all(v >= 0 for v in coef.values())
-    assert relative_error(records, coef) < 0.01
+    assert relative_error(records, CostModel.from_coefficients(coef)) < 0.01
+
+
+def test_decode_residual_table_captures_what_the_line_cannot(tmp_path):
+    # decode steps: 1 ms + 0.1 ms per request, except batch 3, which costs 2 ms extra
+    # (as a CPU matmul can); prefill steps are linear
+    def decode(b: int) -> float:
+        return 1e-3 + 1e-4 * b + (2e-3 if b == 3 else 0.0)
+
+    records = [((b, b, 100.0 * b, 0.0, 0.0), decode(b)) for b in (1, 2, 3, 4, 8) for _ in range(5)]
+    records += [((t, 1.0, t, t * t / 2, 1.0), 2e-3 + 1e-5 * t) for t in (64, 128, 512, 1024)]
+    model = fit(records)
+    assert dict(model.decode_batch_residual_s).keys() == {1, 2, 3, 4, 8}
+    for b in (1, 2, 3, 4, 8):
+        assert model.step_time((b, b, 100.0 * b, 0.0, 0.0)) == pytest.approx(decode(b), rel=0.05)
+    # between listed sizes the residual is interpolated; beyond them it stays at the end value
+    r = dict(model.decode_batch_residual_s)
+    assert model.decode_residual(6) == pytest.approx((r[4] + r[8]) / 2)
+    assert model.decode_residual(64) == r[8]
+    write_profile(tmp_path / "p.json", "p", model, "test", len(records), relative_error(records, model))
+    loaded = CostModel.load(str(tmp_path / "p.json"))
+    assert loaded.decode_batch_residual_s == model.decode_batch_residual_s
+    assert loaded.step_time(records[10][0]) == model.step_time(records[10][0])
+
+
+def test_grid_phases_cover_batches_and_prompts_within_the_cache():
+    config = config_from_dict({
+        "runner": {"kind": "simulated"}, "cache": {"num_blocks": 1400, "block_size": 16},
+        "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 48, "max_model_len": 2048}})
+    phases = grid_phases(config, output_len=16)
+    shapes = {(len(ph[0].prompt_token_ids), len(ph)) for ph in phases}
+    # 22400 KV slots: 48 x (1024 + 32) does not fit in 80%, 16 x (1024 + 32) does
+    assert shapes == {(p, b) for p in (32, 256, 1024) for b in (1, 4, 16, 48)} - {(1024, 48)}
+    prompts = [tuple(r.prompt_token_ids[:16]) for ph in phases for r in ph]
+    assert len(set(prompts)) == len(prompts)  # no prefix-cache hits between grid requests

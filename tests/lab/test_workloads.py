@@ -62,6 +62,9 @@ def test_azure_replay_times_lengths_and_scaling():
     assert reqs[1].arrival_time == pytest.approx(4.314579) and reqs[1].max_tokens == 109
     fast = generate(wl(**{**base, "trace": {**base["trace"], "time_scale": 0.5}}))
     assert fast[1].arrival_time == pytest.approx(reqs[1].arrival_time / 2)
+    clipped = generate(wl(**{**base, "trace": {**base["trace"], "max_prompt_len": 380, "max_output_len": 50}}))
+    assert [len(r.prompt_token_ids) for r in clipped[:2]] == [374, 380]
+    assert [r.max_tokens for r in clipped[:2]] == [44, 50]
 
 
 def test_mooncake_hash_ids_become_shared_prefixes():

@@ -99,6 +99,21 @@ def hf_next_tokens(hf_model: Any, sequences: Sequence[Sequence[int]]) -> tuple[l
     return tokens, margins
 
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
+BYTE_LM = REPO_ROOT / "tests" / "fixtures" / "byte-lm"
+"""A small trained byte-level Qwen2 model (scripts/train_byte_lm.py): confident
+predictions, unlike random weights, for bf16 agreement checks."""
+
+
+def held_out_text_sequences(count: int, length: int) -> list[list[int]]:
+    """``count`` byte sequences of ``length`` from docs/*.md (text the byte model did
+    not train on), taken at evenly spaced offsets."""
+    data = b"".join(p.read_bytes() for p in sorted((REPO_ROOT / "docs").glob("*.md")))
+    assert len(data) >= count * length, "not enough held-out text in docs/"
+    stride = len(data) // count
+    return [list(data[i * stride: i * stride + length]) for i in range(count)]
+
+
 def top1_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]],
                    margins: Sequence[Sequence[float]] | None = None, min_margin: float = 0.0) -> float:
     """Fraction of positions where ``a`` and ``b`` agree (only positions whose margin

@@ -71,6 +71,9 @@ class CacheConfig(_Strict):
     """Block-hash algorithm for prefix caching."""
     watermark: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Fraction of blocks kept free when admitting waiting requests while others run."""
+    kv_load_failure_policy: Literal["recompute", "fail"] = "fail"
+    """When a KV connector reports a failed asynchronous load: start the request over
+    (recompute) or finish it with an error (fail)."""
 
 
 class SchedulerConfig(_Strict):

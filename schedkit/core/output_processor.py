@@ -23,6 +23,7 @@ from schedkit.core.stop import check_stop
 from schedkit.errors import PluginError
 
 if TYPE_CHECKING:
+    from schedkit.config import CacheConfig
     from schedkit.core.hooks import SchedulerHooks
     from schedkit.core.queues import RequestQueue
     from schedkit.kv.connector import KVConnectorBase
@@ -57,6 +58,13 @@ class OutputProcessorMixin:
     _pending_finished: list[Request]
     _deferred_errors: list[PluginError]
     finished_req_ids: set[str]
+    finished_recving_ids: set[str]
+    failed_recving_ids: set[str]
+    _held_for_load: set[str]
+    kv_holding: RequestQueue
+    cache_config: CacheConfig
+
+    finish_requests: Callable[..., list[Request]]
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
@@ -69,6 +77,9 @@ class OutputProcessorMixin:
         max_model_len = self.max_model_len
         by_client: dict[int, list[EngineCoreOutput]] = {}
         stopped: list[Request] = []
+        kv_out = runner_output.kv_connector_output
+        if kv_out is not None and kv_out.failed_recving:
+            self._on_failed_loads(kv_out.failed_recving)
         for req, out in self._pending_outputs:
             by_client.setdefault(req.client_index, []).append(out)
         self._pending_outputs = []
@@ -112,8 +123,9 @@ class OutputProcessorMixin:
                 params = self._free_request(req, now)
                 if params is not None:
                     self._attach_transfer_params(by_client, req, params)
-        kv_out = runner_output.kv_connector_output
         self.connector.update_connector_output(kv_out)
+        if kv_out is not None and kv_out.finished_recving:
+            self._on_finished_loads(kv_out.finished_recving)
         if kv_out is not None and kv_out.finished_sending:
             self._release_held_requests(kv_out.finished_sending)
         outputs = {c: EngineCoreOutputs(outputs=o) for c, o in by_client.items()}
@@ -161,6 +173,49 @@ class OutputProcessorMixin:
                 return
 
 
+    def _on_failed_loads(self, request_ids: Iterable[str]) -> None:
+        """Whole asynchronous loads failed: the requests start over (their blocks are
+        dropped at promotion) or finish with an error, per kv_load_failure_policy."""
+        failed = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._release_load_blocks(req)  # aborted while loading
+                continue
+            self.finished_recving_ids.add(rid)  # the worker is done with its blocks
+            if self.cache_config.kv_load_failure_policy == "recompute":
+                self.failed_recving_ids.add(rid)
+                req.num_computed_tokens = 0
+            else:
+                failed.append(req)
+        for req in self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR):
+            req.stop_reason = "kv_load_failed"
+            self._pending_outputs.append((req, EngineCoreOutput(
+                req.request_id, [], FINISH_REASONS[req.status], None,
+                error=f"request {req.request_id!r}: the KV connector failed to load its KV cache")))
+
+    def _on_finished_loads(self, request_ids: Iterable[str]) -> None:
+        """Loads the worker finished: loading requests become admissible; aborted ones
+        that kept their blocks for the load are freed now."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_ids.add(rid)
+            else:
+                self._release_load_blocks(req)
+
+    def _release_load_blocks(self, req: Request) -> None:
+        """Free a request aborted while loading, now that its load has ended."""
+        rid = req.request_id
+        if rid in self._held_for_load:
+            self._held_for_load.discard(rid)
+            self.kv_cache_manager.free(req)
+            del self.requests[rid]
+
     def _release_held_requests(self, request_ids: Iterable[str]) -> None:
         """Free finished requests whose blocks the connector held until sent."""
         for rid in request_ids:
@@ -171,13 +226,15 @@ class OutputProcessorMixin:
 
     def _make_stats(self, spec_stats: SpecDecodingStats | None) -> SchedulerStats:
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting) + len(self.kv_holding),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preempted_reqs=self.num_preemptions_total,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             spec_decoding_stats=spec_stats if spec_stats and spec_stats.num_drafts else None)
 
-    def _free_request(self, req: Request, now: float) -> dict | None:
+    def _free_request(self, req: Request, now: float, hold_blocks: bool = False) -> dict | None:
+        """Tell the connector, then free the blocks unless it (or ``hold_blocks``: a load
+        still writing into them) keeps them until the worker reports the transfer done."""
         rid = req.request_id
         try:
             delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
@@ -186,7 +243,7 @@ class OutputProcessorMixin:
             delay, params = False, None
         self.finished_req_ids.add(rid)
         req.record_event(EventType.FINISHED, now)
-        if not delay:
+        if not (delay or hold_blocks):
             self.kv_cache_manager.free(req)
             del self.requests[rid]
         return params

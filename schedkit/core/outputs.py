@@ -68,6 +68,11 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     """Finished requests whose blocks the connector held (delay_free) and now releases."""
     finished_recving: set[str] = field(default_factory=set)
+    """Requests whose asynchronous KV load completed (they become admissible)."""
+    failed_recving: set[str] = field(default_factory=set)
+    """Requests whose asynchronous KV load failed as a whole; the worker is done with
+    their blocks. ``cache.kv_load_failure_policy`` decides: start over or finish with
+    an error."""
 
 
 @dataclass(slots=True)

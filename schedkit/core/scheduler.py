@@ -22,6 +22,7 @@ from schedkit.core.outputs import (
     EngineCoreOutput,
     SchedulerOutput,
 )
+from schedkit.core.queues import FCFSQueue, RequestQueue
 from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestStatus
 from schedkit.core.scheduler_output import build_scheduler_output
 from schedkit.errors import PluginError, RequestError
@@ -31,6 +32,7 @@ from schedkit.kv.kv_cache_manager import KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
+_LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 _ADMIT = AdmissionDecision.ADMIT
 _DEFER = AdmissionDecision.DEFER
 
@@ -51,6 +53,8 @@ class StepState:
     popped: list[Request] = field(default_factory=list)
     returned: list[Request] = field(default_factory=list)
     """Skipped requests already put back in the queue at the end of the waiting phase."""
+    loads_started: list[Request] = field(default_factory=list)
+    """Requests whose asynchronous KV load began this step (they hold blocks now)."""
     rejected: list[Request] = field(default_factory=list)
     has_running_prefill: bool = False
 
@@ -93,7 +97,16 @@ class Scheduler(OutputProcessorMixin):
         self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config,
                                                   kv_cache_manager=self.kv_cache_manager,
                                                   clock=clock)
+        self.kv_holding: RequestQueue = FCFSQueue()
+        """Waiting requests that hold KV blocks (an asynchronous load in progress or
+        done), in the order their loads started; served before ``waiting``."""
         self.running: list[Request] = []
+        self.finished_recving_ids: set[str] = set()
+        """Requests whose asynchronous load the worker reported complete."""
+        self.failed_recving_ids: set[str] = set()
+        """Requests whose asynchronous load failed: they start over at promotion."""
+        self._held_for_load: set[str] = set()
+        """Finished (aborted) requests whose blocks a load still in progress writes into."""
         self.finished_req_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[tuple[Request, EngineCoreOutput]] = []
@@ -155,13 +168,24 @@ class Scheduler(OutputProcessorMixin):
         gone = {id(r) for r in reqs}
         if any(r.status is _RUNNING for r in reqs):
             self.running = [r for r in self.running if id(r) not in gone]
-        waiting = [r for r in reqs if r.status is not _RUNNING]
-        if waiting:
-            self.waiting.remove_requests(waiting)
+        queued = [r for r in reqs if r.status is not _RUNNING]
+        if queued:
+            self.waiting.remove_requests(queued)
+            self.kv_holding.remove_requests(queued)
         now = self.clock()
         for req in reqs:
+            hold = False
+            if req.status is _LOADING:
+                # The worker may still be writing into its blocks: keep them until it
+                # reports the load finished.
+                rid = req.request_id
+                hold = rid not in self.finished_recving_ids
+                if hold:
+                    self._held_for_load.add(rid)
+                self.finished_recving_ids.discard(rid)
+                self.failed_recving_ids.discard(rid)
             req.status = finished_status
-            self._free_request(req, now)
+            self._free_request(req, now, hold_blocks=hold)
         try:
             self._notify_finished(reqs, now)
         except PluginError as e:
@@ -178,10 +202,11 @@ class Scheduler(OutputProcessorMixin):
 
     def get_num_unfinished_requests(self) -> int:
         """Requests running or waiting (finished ones held by a connector excluded)."""
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.kv_holding)
 
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        """(running, waiting); waiting includes requests holding loaded KV blocks."""
+        return len(self.running), len(self.waiting) + len(self.kv_holding)
 
     def get_kv_cache_usage(self) -> float:
         return self.kv_cache_manager.usage
@@ -209,7 +234,7 @@ class Scheduler(OutputProcessorMixin):
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions if nobody was preempted."""
         self.current_step += 1
-        num_reqs = len(self.running) + len(self.waiting)
+        num_reqs = len(self.running) + len(self.waiting) + len(self.kv_holding)
         threshold = self.scheduler_config.long_prefill_token_threshold if num_reqs > 1 else 0
         st = StepState(budget=0, threshold=threshold)
         try:
@@ -316,41 +341,58 @@ class Scheduler(OutputProcessorMixin):
         self.num_preemptions_total += 1
 
     def _schedule_waiting(self, st: StepState) -> None:
-        waiting, running = self.waiting, self.running
+        """Admit waiting requests: those holding KV blocks (``kv_holding``) first, then
+        ``waiting``, each in its policy's order, until the budget, ``max_num_seqs`` or
+        the KV cache runs out. A connector may start an asynchronous load instead: the
+        request gets blocks for the loaded tokens, consumes no budget and waits in
+        ``kv_holding`` until the worker reports the load finished."""
+        waiting, kv_holding, running = self.waiting, self.kv_holding, self.running
         kv = self.kv_cache_manager
         skipped: list[Request] = []
+        kv_skipped: list[Request] = []
         now = self.clock()
-        while st.budget > 0 and waiting and len(running) < self.max_num_seqs:
-            req = waiting.peek()
+        while st.budget > 0 and len(running) < self.max_num_seqs:
+            queue = kv_holding if kv_holding else waiting
+            if not queue:
+                break
+            req = queue.peek()
+            if req.status is _LOADING:
+                if req.request_id not in self.finished_recving_ids:
+                    st.popped.append(queue.pop())
+                    kv_skipped.append(req)
+                    continue
+                self._promote_loaded(req)
             decision = self.hooks.admit_request(
                 request=req, num_running=len(running), kv_cache_usage=kv.usage, now=now)
             if decision is not _ADMIT:
-                st.popped.append(waiting.pop())
-                (skipped if decision is _DEFER else st.rejected).append(req)
+                st.popped.append(queue.pop())
+                if decision is not _DEFER:
+                    st.rejected.append(req)
+                else:
+                    (kv_skipped if self._holds_blocks(req) else skipped).append(req)
                 continue
-            did_lookup = req.num_computed_tokens == 0
+            did_lookup = req.num_computed_tokens == 0 and not self._holds_blocks(req)
+            load_async = False
             if did_lookup:
                 hit_blocks, num_local = kv.get_computed_blocks(req)
                 num_ext, load_async = self._connector_call("get_num_new_matched_tokens", req, num_local)
-                if load_async:
-                    raise PluginError(
-                        f"KV connector {type(self.connector).__name__} asked for an asynchronous "
-                        "load; this scheduler supports synchronous connector loads only",
-                        plugin=type(self.connector).__name__,
-                        hook="schedkit_create_kv_connector")
                 if num_ext is None:
-                    st.popped.append(waiting.pop())
+                    st.popped.append(queue.pop())
                     skipped.append(req)
                     continue
                 computed = num_local + num_ext
             else:
                 hit_blocks, num_local, num_ext = [], 0, 0
                 computed = req.num_computed_tokens
-            n = self._num_tokens_to_admit(req, computed, st)
-            if n == 0:
-                break
+            if load_async:
+                n, reserved = 0, self._blocks_reserved_for_prefills()
+            else:
+                n, reserved = self._num_tokens_to_admit(req, computed, st), 0
+                if n == 0:
+                    break
             new_blocks = kv.allocate_slots(
                 req, n, num_local, hit_blocks, num_external_computed_tokens=num_ext,
+                delay_cache_blocks=load_async, reserved_blocks=reserved,
                 full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
                 apply_watermark=bool(running))
             if new_blocks is None:
@@ -358,12 +400,51 @@ class Scheduler(OutputProcessorMixin):
             self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id), num_ext)
             if did_lookup and not req.skip_reading_prefix_cache:
                 kv.record_prefix_cache_hits(req.num_tokens, num_local, req.num_preemptions > 0)
-            self._admit(waiting.pop(), n, computed, st, now)
+            if load_async:
+                st.popped.append(queue.pop())
+                st.loads_started.append(req)
+                req.status = _LOADING
+                req.num_computed_tokens = computed
+                kv_skipped.append(req)
+                continue
+            self._admit(queue.pop(), n, computed, st, now)
             if n > 1 and req.num_tokens - computed == 1:
                 st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
+        if kv_skipped:
+            kv_holding.prepend_requests(kv_skipped)
         if skipped:
             waiting.prepend_requests(skipped)
-            st.returned = skipped
+        st.returned = kv_skipped + skipped
+
+    def _promote_loaded(self, req: Request) -> None:
+        """An asynchronous load finished: cache the loaded blocks (or, if the load
+        failed, drop them so the request starts over) and make the request admissible.
+        The last prompt token is always recomputed, for its logits."""
+        rid = req.request_id
+        self.finished_recving_ids.discard(rid)
+        if rid in self.failed_recving_ids:
+            self.failed_recving_ids.discard(rid)
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
+        else:
+            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_tokens:
+                req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else _WAITING
+
+    def _blocks_reserved_for_prefills(self) -> int:
+        """Free blocks a new asynchronous load must leave for the loads and prefills
+        already under way to reach their full sequence (plus one speculative step)."""
+        bs, k = self.block_size, self.num_spec_tokens
+        extra = 1 + k if k else 0
+        kv = self.kv_cache_manager
+        reserved = -(-extra // bs) if k else 0
+        in_flight = [r for r in self.kv_holding if r.status is _LOADING]
+        in_flight += [r for r in self.running if r.is_prefill_chunk]
+        for req in in_flight:
+            full = min(req.num_tokens, self.max_model_len) + extra
+            reserved += max(-(-full // bs) - len(kv.get_block_ids(req.request_id)), 0)
+        return reserved
 
     def _num_tokens_to_admit(self, req: Request, computed: int, st: StepState) -> int:
         """Tokens for a waiting request this step; 0 means stop admitting (head-of-line)."""
@@ -396,14 +477,17 @@ class Scheduler(OutputProcessorMixin):
         st.budget -= n
 
     def _rollback(self, st: StepState) -> None:
-        """Undo this step's admissions after a hook raised, so no request is half-admitted."""
-        admitted = {id(r) for r in st.new_reqs} | {id(r) for r in st.resumed_reqs}
-        if admitted:
-            self.running = [r for r in self.running if id(r) not in admitted]
+        """Undo this step's admissions and load starts after a hook raised, so no
+        request is half-admitted."""
+        undone = {id(r) for r in st.new_reqs} | {id(r) for r in st.resumed_reqs}
+        if undone:
+            self.running = [r for r in self.running if id(r) not in undone]
+        undone |= {id(r) for r in st.loads_started}
         if st.returned:  # they go back with the others, in their original order
+            self.kv_holding.remove_requests(st.returned)
             self.waiting.remove_requests(st.returned)
         for req in reversed(st.popped):
-            if id(req) in admitted:
+            if id(req) in undone:
                 self.kv_cache_manager.free(req)
                 req.status = _WAITING if req.num_preemptions == 0 else RequestStatus.PREEMPTED
                 req.num_computed_tokens = 0
@@ -411,9 +495,21 @@ class Scheduler(OutputProcessorMixin):
                     req.num_cached_tokens = -1
                 if req.events and req.events[-1][0] is EventType.SCHEDULED:
                     req.events.pop()
-            self.waiting.prepend_request(req)
+            self._enqueue(req, front=True)
         for req in st.running_reqs:
             req.spec_token_ids = []
+
+    def _holds_blocks(self, req: Request) -> bool:
+        return self.kv_cache_manager.get_num_blocks(req.request_id) > 0
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Into ``kv_holding`` if the request holds KV blocks (an asynchronous load, or
+        loaded tokens not yet admitted), else into ``waiting``."""
+        queue = self.kv_holding if self._holds_blocks(req) else self.waiting
+        if front:
+            queue.prepend_request(req)
+        else:
+            queue.add(req)
 
     def _update_after_schedule(self, st: StepState) -> None:
         requests = self.requests

@@ -127,6 +127,11 @@ class KVCacheManager:
         state = self._reqs.get(request_id)
         return list(state.block_ids) if state is not None else []
 
+    def get_num_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table (0 for an unknown request)."""
+        state = self._reqs.get(request_id)
+        return len(state.block_ids) if state is not None else 0
+
     def get_num_cached_blocks(self, request_id: str) -> int:
         """Number of leading blocks of the request registered in the prefix cache."""
         state = self._reqs.get(request_id)

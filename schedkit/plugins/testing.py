@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -37,6 +37,7 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
                    num_speculative_tokens: int = 0, plugins: Iterable[Any] = (),
                    plugin_settings: Mapping[str, Mapping[str, Any]] | None = None,
                    scheduler_reserve_full_isl: bool = True, watermark: float = 0.0,
+                   kv_load_failure_policy: Literal["recompute", "fail"] = "fail",
                    clock: Callable[[], float] = time.monotonic,
                    log_stats: bool = True) -> Scheduler:
     """A Scheduler with vLLM's test-harness defaults and the real plugin manager.
@@ -50,7 +51,8 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
         scheduler_reserve_full_isl=scheduler_reserve_full_isl)
     cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                            enable_prefix_caching=enable_prefix_caching, watermark=watermark)
+                            enable_prefix_caching=enable_prefix_caching, watermark=watermark,
+                            kv_load_failure_policy=kv_load_failure_policy)
     pm = get_plugin_manager(scheduler_config=sched_cfg, plugin_settings=plugin_settings,
                             extra_plugins=plugins)
     return Scheduler(sched_cfg, cache_cfg, HookFacade(pm), clock=clock, log_stats=log_stats)
@@ -100,10 +102,10 @@ def runner_output(scheduler_output: SchedulerOutput,
 def assert_scheduler_consistent(sched: Scheduler) -> None:
     """Assert the scheduler's invariants; call between steps in plugin tests.
 
-    Every known request is in exactly one place (running, waiting, or finished and held
-    by a connector); statuses match places; running fits max_num_seqs; each block's
-    reference count equals the number of block tables holding it; free + used blocks
-    add up to the pool.
+    Every known request is in exactly one place (running, waiting, holding KV blocks in
+    ``kv_holding``, or finished and held by a connector or a load); statuses match
+    places; running fits max_num_seqs; each block's reference count equals the number
+    of block tables holding it; free + used blocks add up to the pool.
     """
     from collections import Counter
 
@@ -111,9 +113,20 @@ def assert_scheduler_consistent(sched: Scheduler) -> None:
 
     running_ids = [r.request_id for r in sched.running]
     waiting_ids = [r.request_id for r in sched.waiting]
+    holding = list(sched.kv_holding)
+    holding_ids = [r.request_id for r in holding]
     assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
     assert len(set(waiting_ids)) == len(waiting_ids), "a request is twice in waiting"
+    assert len(set(holding_ids)) == len(holding_ids), "a request is twice in kv_holding"
     assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+    assert not set(holding_ids) & (set(running_ids) | set(waiting_ids)), "a kv_holding request is elsewhere too"
+    for req in holding:  # (a promoted request whose failed load left nothing may stay)
+        assert req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS or sched.kv_cache_manager.get_num_blocks(
+            req.request_id), f"{req.request_id} is loading without KV blocks"
+    for req in sched.waiting:
+        assert not sched.kv_cache_manager.get_num_blocks(req.request_id), (
+            f"{req.request_id} holds KV blocks but is in waiting")
+    waiting_ids += holding_ids
     assert len(running_ids) <= sched.max_num_seqs
     for rid, req in sched.requests.items():
         if req.is_finished:

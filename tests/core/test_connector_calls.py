@@ -82,16 +82,6 @@ def test_sync_external_hits_and_delayed_free():
     assert not sched.has_requests()
 
 
-def test_async_loads_are_refused_clearly():
-    sched = make_scheduler(plugins=[Plugin(load_async=True)])
-    sched.add_request(make_request("a", [1] * 40))
-    with pytest.raises(PluginError, match="asynchronous") as e:
-        sched.schedule()
-    assert e.value.plugin == "StoreConnector"
-    assert_scheduler_consistent(sched)
-    assert [r.request_id for r in sched.waiting] == ["a"]
-
-
 class DeferB:
     @hookimpl
     def schedkit_admit_request(self, request):

@@ -6,8 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from schedkit import hookimpl
+from schedkit.core.outputs import KVConnectorOutput
 from schedkit.core.request import RequestStatus
 from schedkit.errors import RequestError
+from schedkit.kv.connector import KVConnectorBase
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
     make_request,
@@ -16,6 +19,50 @@ from schedkit.plugins.testing import (
 from schedkit.runners.fake import FakeRunner
 
 EOS = 2
+
+
+class AsyncLoads(KVConnectorBase):
+    """Loads the rest of the prompt of the "remote" requests asynchronously, once; each
+    load ends (or fails) a drawn number of steps after it starts."""
+
+    def __init__(self, role, config, loads):
+        super().__init__(role, config)
+        self.loads = loads  # rid -> (delay in steps, fails)
+        self.loaded: set[str] = set()
+        self.started: dict[str, int] = {}
+        self.step = 0
+
+    def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
+        rid = request.request_id
+        if rid not in self.loads or rid in self.loaded:
+            return 0, False
+        n = request.num_prompt_tokens - num_local_hit_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens:
+            self.loaded.add(request.request_id)
+            self.started[request.request_id] = self.step
+
+    def transfers_done(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        for rid, start in list(self.started.items()):
+            delay, fails = self.loads[rid]
+            if self.step - start >= delay:
+                del self.started[rid]
+                (out.failed_recving if fails else out.finished_recving).add(rid)
+        return out
+
+
+class AsyncLoadsPlugin:
+    def __init__(self, loads):
+        self.loads = loads
+        self.connector = None
+
+    @hookimpl
+    def schedkit_create_kv_connector(self, role, config):
+        self.connector = AsyncLoads(role, config, self.loads)
+        return self.connector
 
 
 @st.composite
@@ -36,8 +83,10 @@ def traces(draw):
         long_prefill_token_threshold=min(draw(st.sampled_from([0, 0, 3, 8])), max_model_len),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
+        kv_load_failure_policy=draw(st.sampled_from(["recompute", "fail"])),
     )
     limit = min(capacity, max_model_len)
+    k = cfg["num_speculative_tokens"]
     reqs = []
     for i in range(draw(st.integers(1, 14))):
         # prompt + max_tokens always fits the cache and max_model_len, so nothing stalls
@@ -51,12 +100,17 @@ def traces(draw):
             eos_at=draw(st.one_of(st.none(), st.integers(0, max_tokens))),
             abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
             stop=draw(st.sampled_from([(), (5,)])),
+            # an asynchronous load must fit beside the one speculative step it reserves
+            # (spec 2.5 step 10), or it can never start (as in vLLM)
+            load=draw(st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 4), st.booleans())))
+            if -(-prompt_len // block_size) + -(-(1 + k) // block_size) <= num_blocks - 1 else None,
         ))
     return cfg, reqs
 
 
 def run_trace(cfg, reqs, max_steps=3000):
-    sched = make_scheduler(**cfg)
+    plugin = AsyncLoadsPlugin({r["id"]: r["load"] for r in reqs if r.get("load") is not None})
+    sched = make_scheduler(plugins=[plugin], **cfg)
     k = cfg["num_speculative_tokens"]
     eos_at = {r["id"]: r["eos_at"] for r in reqs}
     runner = FakeRunner(vocab_size=50, eos_token_id=EOS, output_len=eos_at.get)
@@ -76,6 +130,7 @@ def run_trace(cfg, reqs, max_steps=3000):
                 finished[r["id"]] = "abort"
         if step > last_arrival and not sched.has_requests():
             break
+        plugin.connector.step = step
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= cfg["max_num_batched_tokens"]
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
@@ -83,6 +138,7 @@ def run_trace(cfg, reqs, max_steps=3000):
         assert set(out.scheduled_spec_decode_tokens) <= set(out.num_scheduled_tokens)
         assert_scheduler_consistent(sched)
         result = runner.execute(out)
+        result.kv_connector_output = plugin.connector.transfers_done()
         outs = sched.update_from_output(out, result)
         for group in outs.values():
             for o in group.outputs:
@@ -119,6 +175,9 @@ def test_random_traces_keep_invariants(trace):
                     or req.num_tokens >= cfg["max_model_len"])
         elif finished[rid] == "stop":
             assert req.output_token_ids[-1] in (EOS, 5)
+        elif finished[rid] == "error":
+            load = next(r["load"] for r in reqs if r["id"] == rid)
+            assert load is not None and load[1] and cfg["kv_load_failure_policy"] == "fail"
         else:
             assert finished[rid] == "abort"
         assert req.num_output_tokens <= req.max_tokens

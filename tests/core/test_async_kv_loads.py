@@ -1,0 +1,296 @@
+"""Asynchronous KV loads through a connector (spec 5.4, scenarios S33, S36, S37, S70-S75).
+
+The connector here behaves like vLLM's NixlConnector on the decode side of disaggregated
+prefill: a request whose id starts with "remote" loads its whole prompt asynchronously,
+once; every other request loads nothing. Harness H4: 64-token budget, block size 16,
+prefix caching on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schedkit import hookimpl
+from schedkit.core.outputs import KVConnectorOutput
+from schedkit.core.request import RequestStatus
+from schedkit.errors import PluginError
+from schedkit.kv.connector import KVConnectorBase
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_request,
+    make_scheduler,
+    runner_output,
+)
+
+LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
+EOS = 50256
+
+
+class RemotePrefill(KVConnectorBase):
+    def __init__(self, role, config):
+        super().__init__(role, config)
+        self.loaded: set[str] = set()
+        self.queries = 0
+        self.allocs: list[tuple[str, int, int]] = []
+
+    def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
+        self.queries += 1
+        rid = request.request_id
+        if not rid.startswith("remote") or rid in self.loaded:
+            return 0, False
+        n = request.num_prompt_tokens - num_local_hit_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocs.append((request.request_id, len(block_ids), num_external_tokens))
+        if num_external_tokens:
+            self.loaded.add(request.request_id)
+
+
+class Plugin:
+    connector: RemotePrefill
+
+    @hookimpl
+    def schedkit_create_kv_connector(self, role, config):
+        self.connector = RemotePrefill(role, config)
+        return self.connector
+
+
+def h4(**kw):
+    plugin = Plugin()
+    kw = {"max_num_batched_tokens": 64, "enable_prefix_caching": True, **kw}
+    return make_scheduler(plugins=[plugin], **kw), plugin
+
+
+def prompt(k, n, common=0):
+    return [1] * common + [i * k for i in range(n - common)]
+
+
+def step(sched, sampled=None, recv=(), failed=(), sending=()):
+    out = sched.schedule()
+    ro = runner_output(out, sampled or {})
+    ro.kv_connector_output = KVConnectorOutput(finished_sending=set(sending), finished_recving=set(recv),
+                                                failed_recving=set(failed))
+    outs = sched.update_from_output(out, ro)
+    assert_scheduler_consistent(sched)
+    return out, [o for group in outs.values() for o in group.outputs]
+
+
+def num_waiting(sched):
+    return len(sched.waiting) + len(sched.kv_holding)
+
+
+@pytest.mark.parametrize("num_tokens, blocks, hashed", [(40, 3, 2), (32, 2, 2)])  # S70, S71
+def test_remote_prefill_lifecycle(num_tokens, blocks, hashed):
+    sched, _ = h4()
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("remote-1", prompt(1, num_tokens)))
+    out, outs = step(sched)
+    req = sched.requests["remote-1"]
+    assert out.total_num_scheduled_tokens == 0 and not outs
+    assert [r.request_id for r in sched.kv_holding] == ["remote-1"] and not sched.waiting
+    assert req.status is LOADING and req.num_computed_tokens == num_tokens
+    assert len(kv.get_block_ids("remote-1")) == blocks and kv.get_num_cached_blocks("remote-1") == 0
+    assert len(kv.block_pool.cached_block_map) == 0  # nothing is cached before the load lands
+    step(sched)  # still loading
+    assert req.status is LOADING
+    step(sched, recv={"remote-1"})
+    assert "remote-1" in sched.finished_recving_ids
+    out, _ = step(sched, {"remote-1": [0]})
+    assert len(sched.running) == 1
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == num_tokens - 1 and out.num_scheduled_tokens == {"remote-1": 1}
+    block_ids = kv.get_block_ids("remote-1")
+    assert len(block_ids) == blocks and all(kv.block_pool.ref_cnt(b) == 1 for b in block_ids)
+    assert kv.get_num_cached_blocks("remote-1") == hashed
+    _, outs = step(sched, {"remote-1": [EOS]})
+    assert outs[0].finish_reason == "stop"
+    step(sched)
+    assert not sched.has_requests() and kv.num_free_blocks == 9999
+
+
+def test_no_spurious_prefix_caching():  # S72
+    sched, _ = h4()
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("remote-1", [1] * 40))
+    step(sched)
+    sched.add_request(make_request("local-1", [1] * 40))
+    out, _ = step(sched, {"local-1": [0]})
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # no hit on the loading blocks
+    remote, local = kv.get_block_ids("remote-1"), kv.get_block_ids("local-1")
+    assert not set(remote) & set(local)
+    assert all(kv.block_pool.ref_cnt(b) == 1 for b in remote + local)
+    assert all(kv.block_pool.block_hash(b) is None for b in remote)
+    assert any(kv.block_pool.block_hash(b) is not None for b in local)
+
+
+def test_interleaved_lifecycle():  # S73
+    sched, _ = h4()
+    sched.add_request(make_request("local-a", prompt(1, 40)))
+    out, _ = step(sched, {"local-a": [0]})
+    assert len(sched.running) == 1
+    sched.add_request(make_request("local-b", prompt(2, 40)))
+    sched.add_request(make_request("remote-r", prompt(3, 40)))
+    out, _ = step(sched, {"local-a": [0], "local-b": [0]})
+    assert (len(sched.running), num_waiting(sched)) == (2, 1)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["local-b"] and out.scheduled_cached_reqs.req_ids == ["local-a"]
+    for _ in range(2):
+        out, _ = step(sched, {"local-a": [0], "local-b": [0]})
+        assert (len(sched.running), num_waiting(sched), len(out.scheduled_new_reqs)) == (2, 1, 0)
+        assert len(out.scheduled_cached_reqs.req_ids) == 2
+    step(sched, {"local-a": [0], "local-b": [0]}, recv={"remote-r"})  # the load lands
+    out, _ = step(sched, {"local-a": [EOS], "local-b": [EOS], "remote-r": [EOS]})
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-r"]  # a NEW request
+    assert len(out.scheduled_cached_reqs.req_ids) == 2 and len(sched.running) == 0
+    step(sched)
+    assert not sched.has_requests()
+
+
+def test_cannot_schedule_after_recv():  # S74: 5 usable blocks
+    sched, _ = h4(num_blocks=6)
+    sched.add_request(make_request("local-n", prompt(1, 32)))
+    step(sched, {"local-n": [0]})  # 2 blocks, now 33 tokens
+    sched.add_request(make_request("remote-r", prompt(2, 32)))
+    step(sched, {"local-n": [0]})  # n gets a 3rd block, r starts loading (2 blocks)
+    assert sched.kv_cache_manager.num_free_blocks == 0
+    assert (len(sched.running), num_waiting(sched)) == (1, 1)
+    step(sched, {"local-n": [0]}, recv={"remote-r"})
+    assert (len(sched.running), num_waiting(sched)) == (1, 1)
+    out, _ = step(sched, {"local-n": [0], "remote-r": [0]})
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 31 and out.num_scheduled_tokens["remote-r"] == 1
+    assert (len(sched.running), num_waiting(sched)) == (2, 0)
+    out, _ = step(sched, {"local-n": [0]})  # r needs a 3rd block: it is the FCFS victim itself
+    assert (len(sched.running), num_waiting(sched)) == (1, 1)
+    assert sched.requests["remote-r"].status is RequestStatus.PREEMPTED
+    step(sched, {"local-n": [EOS]})
+    assert (len(sched.running), num_waiting(sched)) == (0, 1)
+    out, _ = step(sched, {"remote-r": [0]})
+    # resumed from its 2 cached prompt blocks: no second remote load
+    assert out.scheduled_cached_reqs.resumed_req_ids == {"remote-r"}
+    assert out.scheduled_cached_reqs.num_computed_tokens == [32]
+    _, outs = step(sched, {"remote-r": [EOS]})
+    assert outs[0].finish_reason == "stop"
+    step(sched)
+    assert not sched.has_requests()
+
+
+def test_cannot_recv():  # S75
+    sched, _ = h4(num_blocks=6)
+    sched.add_request(make_request("local-n", prompt(1, 32), max_tokens=3))
+    step(sched, {"local-n": [0]})
+    sched.add_request(make_request("remote-r", prompt(2, 40)))
+    step(sched, {"local-n": [0]})  # r needs 3 blocks, 2 are free: no load starts
+    assert sched.requests["remote-r"].status is RequestStatus.WAITING
+    assert [r.request_id for r in sched.waiting] == ["remote-r"] and not sched.kv_holding
+    step(sched, {"local-n": [0]})  # n finishes (length)
+    step(sched)
+    assert sched.requests["remote-r"].status is LOADING
+    step(sched, recv={"remote-r"})
+    step(sched, {"remote-r": [0]})
+    assert [r.request_id for r in sched.running] == ["remote-r"]
+    step(sched, {"remote-r": [EOS]})
+    step(sched)
+    assert not sched.has_requests()
+
+
+def test_loads_take_no_slot_and_kv_holding_is_served_first():  # S33, spec 2.5 step 14
+    sched, _ = h4(max_num_seqs=2)
+    for rid, k, n in (("local-0", 1, 10), ("remote-1", 2, 40), ("local-2", 3, 10)):
+        sched.add_request(make_request(rid, prompt(k, n)))
+    out, _ = step(sched, {"local-0": [0], "local-2": [0]})
+    # the load starts without budget or a running slot: local-2 is admitted behind it
+    assert list(out.num_scheduled_tokens) == ["local-0", "local-2"]
+    assert [r.request_id for r in sched.kv_holding] == ["remote-1"] and not sched.waiting
+    sched.add_request(make_request("local-3", prompt(4, 10)))
+    step(sched, {"local-0": [0], "local-2": [0]}, recv={"remote-1"})  # no free slot
+    assert [r.request_id for r in sched.waiting] == ["local-3"]
+    sched.finish_requests(["local-0", "local-2"], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-1", "local-3"]
+
+
+def test_abort_while_loading_keeps_blocks_until_the_load_ends():  # S36
+    sched, _ = h4()
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("remote-1", prompt(1, 40)))
+    step(sched)
+    (req,) = sched.finish_requests("remote-1", RequestStatus.FINISHED_ABORTED)
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert "remote-1" in sched.requests and kv.num_free_blocks == 9999 - 3  # the worker writes there
+    assert sched.get_num_unfinished_requests() == 0 and sched.has_requests()
+    out, _ = step(sched, recv={"remote-1"})
+    assert out.finished_req_ids == {"remote-1"}
+    assert not sched.requests and kv.num_free_blocks == 9999 and not sched.finished_recving_ids
+
+
+def test_abort_after_the_load_finished_frees_at_once():  # S37
+    sched, _ = h4()
+    sched.add_request(make_request("remote-1", prompt(1, 40)))
+    step(sched)
+    step(sched, recv={"remote-1"})
+    sched.finish_requests("remote-1", RequestStatus.FINISHED_ABORTED)
+    assert not sched.requests and sched.kv_cache_manager.num_free_blocks == 9999
+    assert not sched.finished_recving_ids
+
+
+def test_failed_load_with_recompute_starts_over():
+    sched, plugin = h4(kv_load_failure_policy="recompute")
+    kv = sched.kv_cache_manager
+    sched.add_request(make_request("remote-1", prompt(1, 40)))
+    step(sched)
+    step(sched, failed={"remote-1"})
+    req = sched.requests["remote-1"]
+    assert req.num_computed_tokens == 0 and "remote-1" in sched.failed_recving_ids
+    out, _ = step(sched, {"remote-1": [0]})
+    # promoted with its blocks dropped; the connector loads once, so it prefills locally
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens == {"remote-1": 40}
+    assert plugin.connector.queries == 2 and not sched.failed_recving_ids
+    assert kv.num_free_blocks == 9999 - 3
+
+
+def test_failed_load_with_fail_policy_finishes_with_an_error():
+    sched, _ = h4()
+    sched.add_request(make_request("remote-1", prompt(1, 40)))
+    sched.add_request(make_request("local-2", prompt(2, 8)))
+    step(sched, {"local-2": [0]})
+    _, outs = step(sched, {"local-2": [0]}, failed={"remote-1"})
+    (err,) = [o for o in outs if o.request_id == "remote-1"]
+    assert err.finish_reason == "error" and "failed to load" in err.error
+    assert "remote-1" not in sched.requests and sched.kv_cache_manager.num_free_blocks == 9999 - 1
+    step(sched, {"local-2": [EOS]})  # the other request is served on
+    step(sched)
+    assert not sched.has_requests()
+
+
+class RaiseOnMeta(RemotePrefill):
+    def __init__(self, role, config):
+        super().__init__(role, config)
+        self.fail = True
+
+    def build_connector_meta(self, scheduler_output):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("metadata store unavailable")
+
+
+class RaisePlugin:
+    @hookimpl
+    def schedkit_create_kv_connector(self, role, config):
+        return RaiseOnMeta(role, config)
+
+
+def test_a_load_started_in_a_failed_step_is_rolled_back():
+    sched = make_scheduler(plugins=[RaisePlugin()], max_num_batched_tokens=64, enable_prefix_caching=True)
+    sched.add_request(make_request("local-0", prompt(1, 10)))
+    sched.add_request(make_request("remote-1", prompt(2, 40)))
+    with pytest.raises(PluginError, match="build_connector_meta"):
+        sched.schedule()
+    assert_scheduler_consistent(sched)
+    assert [r.request_id for r in sched.waiting] == ["local-0", "remote-1"] and not sched.kv_holding
+    assert sched.requests["remote-1"].status is RequestStatus.WAITING
+    assert sched.kv_cache_manager.num_free_blocks == 9999
+    # the rolled-back step's allocation told the connector; this one asks again and loads
+    sched.connector.loaded.clear()
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["local-0"]
+    assert sched.requests["remote-1"].status is LOADING

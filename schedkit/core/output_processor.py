@@ -64,7 +64,6 @@ class OutputProcessorMixin:
     kv_holding: RequestQueue
     cache_config: CacheConfig
 
-    finish_requests: Callable[..., list[Request]]
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
@@ -175,8 +174,9 @@ class OutputProcessorMixin:
 
     def _on_failed_loads(self, request_ids: Iterable[str]) -> None:
         """Whole asynchronous loads failed: the requests start over (their blocks are
-        dropped at promotion) or finish with an error, per kv_load_failure_policy."""
-        failed = []
+        dropped at promotion) or finish with an error, per kv_load_failure_policy.
+        Observers hear of the failed ones at the end of the step, like every finish."""
+        now = self.clock()
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
@@ -184,17 +184,20 @@ class OutputProcessorMixin:
             if req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self._release_load_blocks(req)  # aborted while loading
                 continue
-            self.finished_recving_ids.add(rid)  # the worker is done with its blocks
             if self.cache_config.kv_load_failure_policy == "recompute":
+                self.finished_recving_ids.add(rid)  # the worker is done with its blocks
                 self.failed_recving_ids.add(rid)
                 req.num_computed_tokens = 0
-            else:
-                failed.append(req)
-        for req in self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR):
+                continue
+            self.kv_holding.remove_request(req)
+            self.finished_recving_ids.discard(rid)
+            req.status = RequestStatus.FINISHED_ERROR
             req.stop_reason = "kv_load_failed"
+            self._free_request(req, now)
+            self._pending_finished.append(req)
             self._pending_outputs.append((req, EngineCoreOutput(
-                req.request_id, [], FINISH_REASONS[req.status], None,
-                error=f"request {req.request_id!r}: the KV connector failed to load its KV cache")))
+                rid, [], FINISH_REASONS[req.status], None,
+                error=f"request {rid!r}: the KV connector failed to load its KV cache")))
 
     def _on_finished_loads(self, request_ids: Iterable[str]) -> None:
         """Loads the worker finished: loading requests become admissible; aborted ones

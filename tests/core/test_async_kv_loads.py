@@ -56,10 +56,19 @@ class Plugin:
         return self.connector
 
 
-def h4(**kw):
+def h4(*extra_plugins, **kw):
     plugin = Plugin()
     kw = {"max_num_batched_tokens": 64, "enable_prefix_caching": True, **kw}
-    return make_scheduler(plugins=[plugin], **kw), plugin
+    return make_scheduler(plugins=[plugin, *extra_plugins], **kw), plugin
+
+
+class FinishObserver:
+    def __init__(self):
+        self.finished = []
+
+    @hookimpl
+    def schedkit_on_request_finished(self, request):
+        self.finished.append((request.request_id, request.status))
 
 
 def prompt(k, n, common=0):
@@ -249,7 +258,8 @@ def test_failed_load_with_recompute_starts_over():
 
 
 def test_failed_load_with_fail_policy_finishes_with_an_error():
-    sched, _ = h4()
+    observer = FinishObserver()
+    sched, _ = h4(observer)
     sched.add_request(make_request("remote-1", prompt(1, 40)))
     sched.add_request(make_request("local-2", prompt(2, 8)))
     step(sched, {"local-2": [0]})
@@ -257,6 +267,7 @@ def test_failed_load_with_fail_policy_finishes_with_an_error():
     (err,) = [o for o in outs if o.request_id == "remote-1"]
     assert err.finish_reason == "error" and "failed to load" in err.error
     assert "remote-1" not in sched.requests and sched.kv_cache_manager.num_free_blocks == 9999 - 1
+    assert observer.finished == [("remote-1", RequestStatus.FINISHED_ERROR)]
     step(sched, {"local-2": [EOS]})  # the other request is served on
     step(sched)
     assert not sched.has_requests()

@@ -79,13 +79,17 @@ class OutputProcessorMixin:
         kv_out = runner_output.kv_connector_output
         if kv_out is not None and kv_out.failed_recving:
             self._on_failed_loads(kv_out.failed_recving)
+        bad_loads: list[Request] = []
+        if kv_out is not None and kv_out.invalid_block_ids:
+            bad_loads = self._on_invalid_blocks(kv_out.invalid_block_ids, scheduler_output)
+        skip = {r.request_id for r in bad_loads}
         for req, out in self._pending_outputs:
             by_client.setdefault(req.client_index, []).append(out)
         self._pending_outputs = []
         for rid in scheduler_output.num_scheduled_tokens:
             maybe = requests.get(rid)
-            if maybe is None or maybe.status is not _RUNNING:
-                continue  # finished or preempted while the step ran: its output is void
+            if maybe is None or maybe.status is not _RUNNING or rid in skip:
+                continue  # finished or preempted while the step ran, or read bad KV: void
             req = maybe
             i = index.get(rid)
             gen = sampled[i] if i is not None else None
@@ -115,6 +119,10 @@ class OutputProcessorMixin:
                 by_client[req.client_index] = lst = []
             lst.append(out)
         now = self.clock()
+        if bad_loads and self.cache_config.kv_load_failure_policy == "fail":
+            assert kv_out is not None
+            for req, out in self._fail_bad_loads(bad_loads, kv_out.invalid_block_ids, now):
+                by_client.setdefault(req.client_index, []).append(out)
         if stopped:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
@@ -198,6 +206,64 @@ class OutputProcessorMixin:
             self._pending_outputs.append((req, EngineCoreOutput(
                 rid, [], FINISH_REASONS[req.status], None,
                 error=f"request {rid!r}: the KV connector failed to load its KV cache")))
+
+    def _on_invalid_blocks(self, invalid: set[int], scheduler_output: SchedulerOutput) -> list[Request]:
+        """Find the requests that read blocks whose load failed (spec 5.5): loading
+        requests first, then running ones in order. Each is truncated to its first bad
+        block not already claimed by an earlier request (which recomputes it), or keeps
+        its count before this step if all were claimed. Returns them; under "recompute"
+        loading ones are marked failed (retried at promotion)."""
+        bs = self.kv_cache_manager.block_size
+        claimed: set[int] = set()
+        affected = []
+        loading = [r for r in self.kv_holding if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS]
+        for req in loading + list(self.running):
+            rid = req.request_id
+            table = self.kv_cache_manager.get_block_ids(rid)
+            before = req.num_computed_tokens - scheduler_output.num_scheduled_tokens.get(rid, 0)
+            bad = [i for i in range(min(-(-before // bs), len(table))) if table[i] in invalid]
+            if not bad:
+                continue
+            first = next((i for i in bad if table[i] not in claimed), None)
+            claimed.update(table[i] for i in bad)
+            req.num_computed_tokens = before if first is None else first * bs
+            req.spec_token_ids = []
+            affected.append(req)
+            if (req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                    and self.cache_config.kv_load_failure_policy == "recompute"):
+                self.failed_recving_ids.add(rid)
+        return affected
+
+    def _fail_bad_loads(self, reqs: list[Request], invalid: set[int],
+                        now: float) -> list[tuple[Request, EngineCoreOutput]]:
+        """Policy "fail": drop the bad blocks (and what follows them) of the running
+        requests from the prefix cache, then finish every affected request with an error."""
+        kv = self.kv_cache_manager
+        gone = {id(r) for r in reqs}
+        self.running = [r for r in self.running if id(r) not in gone]
+        outputs = []
+        for req in reqs:
+            rid = req.request_id
+            hold = False
+            if req.status is _RUNNING:
+                table = kv.get_block_ids(rid)
+                first = next(i for i, b in enumerate(table) if b in invalid)
+                kv.evict_blocks(table[first:])
+            else:  # still loading: the worker may write into its blocks until it ends
+                self.kv_holding.remove_request(req)
+                hold = rid not in self.finished_recving_ids
+                if hold:
+                    self._held_for_load.add(rid)
+            self.finished_recving_ids.discard(rid)
+            self.failed_recving_ids.discard(rid)
+            req.status = RequestStatus.FINISHED_ERROR
+            req.stop_reason = "kv_load_failed"
+            self._free_request(req, now, hold_blocks=hold)
+            self._pending_finished.append(req)
+            outputs.append((req, EngineCoreOutput(
+                rid, [], FINISH_REASONS[req.status], None,
+                error=f"request {rid!r}: the KV connector failed to load part of its KV cache")))
+        return outputs
 
     def _on_finished_loads(self, request_ids: Iterable[str]) -> None:
         """Loads the worker finished: loading requests become admissible; aborted ones

@@ -73,6 +73,10 @@ class KVConnectorOutput:
     """Requests whose asynchronous KV load failed as a whole; the worker is done with
     their blocks. ``cache.kv_load_failure_policy`` decides: start over or finish with
     an error."""
+    invalid_block_ids: set[int] = field(default_factory=set)
+    """Blocks whose load failed (asynchronous loads in progress, or synchronous loads of
+    this step); the requests reading them recompute from the first bad block, or finish
+    with an error, per ``cache.kv_load_failure_policy``."""
 
 
 @dataclass(slots=True)

@@ -417,15 +417,15 @@ class Scheduler(OutputProcessorMixin):
         st.returned = kv_skipped + skipped
 
     def _promote_loaded(self, req: Request) -> None:
-        """An asynchronous load finished: cache the loaded blocks (or, if the load
-        failed, drop them so the request starts over) and make the request admissible.
-        The last prompt token is always recomputed, for its logits."""
+        """An asynchronous load finished: cache the blocks loaded before the first
+        failure, if any (a load that left nothing valid drops its blocks and the request
+        starts over), and make the request admissible. The last prompt token is always
+        recomputed, for its logits."""
         rid = req.request_id
         self.finished_recving_ids.discard(rid)
-        if rid in self.failed_recving_ids:
-            self.failed_recving_ids.discard(rid)
+        self.failed_recving_ids.discard(rid)  # failures already truncated its count
+        if req.num_computed_tokens == 0:
             self.kv_cache_manager.free(req)
-            req.num_computed_tokens = 0
         else:
             self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             if req.num_computed_tokens >= req.num_tokens:

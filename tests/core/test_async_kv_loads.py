@@ -1,4 +1,5 @@
-"""Asynchronous KV loads through a connector (spec 5.4, scenarios S33, S36, S37, S70-S75).
+"""Asynchronous KV loads through a connector (spec 5.4, scenarios S33, S36, S37, S70-S75)
+and load failures (spec 5.5, S77, S78, S80).
 
 The connector here behaves like vLLM's NixlConnector on the decode side of disaggregated
 prefill: a request whose id starts with "remote" loads its whole prompt asynchronously,
@@ -299,3 +300,119 @@ def test_a_load_started_in_a_failed_step_is_rolled_back(monkeypatch):
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["local-0"]
     assert sched.requests["remote-1"].status is LOADING
+
+
+# ------------------------------------------------------------ per-block load failures (5.5)
+class MockKV(KVConnectorBase):
+    """Every request gets ``ext`` external tokens, once (vLLM's MockKVConnector)."""
+
+    def __init__(self, role, config, ext, load_async):
+        super().__init__(role, config)
+        self.ext, self.load_async = ext, load_async
+        self.queries = 0
+        self.loaded: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
+        self.queries += 1
+        if request.request_id in self.loaded:
+            return 0, False
+        return self.ext, self.load_async
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens:
+            self.loaded.add(request.request_id)
+
+
+class MockPlugin:
+    def __init__(self, ext=1584, load_async=True):
+        self.kw = dict(ext=ext, load_async=load_async)
+
+    @hookimpl
+    def schedkit_create_kv_connector(self, role, config):
+        self.connector = MockKV(role, config, **self.kw)
+        return self.connector
+
+
+def failure_setup(load_async, policy="recompute"):
+    plugin = MockPlugin(load_async=load_async)
+    sched = make_scheduler(plugins=[plugin], max_num_batched_tokens=64, enable_prefix_caching=True,
+                           kv_load_failure_policy=policy)
+    for k in (1, 2, 3):
+        sched.add_request(make_request(f"r{k}", [k] * 1600))
+    return sched, plugin.connector
+
+
+def bad_blocks(sched, rid, indices):
+    table = sched.kv_cache_manager.get_block_ids(rid)
+    return {table[i] for i in indices}
+
+
+@pytest.mark.parametrize("indices", [{0, 98}, {50, 98}, {98}])
+def test_async_load_failure_truncates_and_retries(indices):  # S77
+    sched, conn = failure_setup(load_async=True)
+    step(sched)
+    assert not sched.waiting and len(sched.kv_holding) == 3 and conn.queries == 3
+    assert all(r.status is LOADING and r.num_computed_tokens == 1584 for r in sched.kv_holding)
+    out = sched.schedule()
+    ro = runner_output(out, {})
+    ro.kv_connector_output = KVConnectorOutput(finished_recving={"r1", "r3"},
+                                               invalid_block_ids=bad_blocks(sched, "r2", indices))
+    sched.update_from_output(out, ro)
+    assert_scheduler_consistent(sched)
+    assert len(sched.kv_holding) == 3 and sched.failed_recving_ids == {"r2"} and conn.queries == 3
+    computed = {r.request_id: r.num_computed_tokens for r in sched.kv_holding}
+    assert computed == {"r1": 1584, "r2": min(indices) * 16, "r3": 1584}
+    out, _ = step(sched)
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("r1", 1584), ("r3", 1584)]
+    assert out.num_scheduled_tokens == {"r1": 16, "r3": 16}
+
+
+@pytest.mark.parametrize("indices", [{0, 98}, {50, 98}, {98}])
+def test_sync_load_failure_recomputes_from_the_first_bad_block(indices):  # S78
+    sched, _ = failure_setup(load_async=False)
+    out = sched.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [
+        ("r1", 1584), ("r2", 1584), ("r3", 1584)]
+    ro = runner_output(out, {"r1": [EOS], "r2": [EOS], "r3": [EOS]})
+    ro.kv_connector_output = KVConnectorOutput(invalid_block_ids=bad_blocks(sched, "r2", indices))
+    outs = [o for g in sched.update_from_output(out, ro).values() for o in g.outputs]
+    assert_scheduler_consistent(sched)
+    assert sorted(o.request_id for o in outs) == ["r1", "r3"]  # no token for r2
+    assert [r.request_id for r in sched.running] == ["r2"]
+    assert sched.requests["r2"].num_computed_tokens == min(indices) * 16
+    assert sched.requests["r2"].num_output_tokens == 0
+
+
+def test_async_progressive_load_failure():  # S80
+    plugin = MockPlugin()
+    sched = make_scheduler(plugins=[plugin], max_num_batched_tokens=64, enable_prefix_caching=True,
+                           kv_load_failure_policy="recompute")
+    sched.add_request(make_request("r1", [1] * 1600))
+    step(sched)
+    table = sched.kv_cache_manager.get_block_ids("r1")
+    smallest = 99
+    for i in (50, 98, 0):
+        smallest = min(smallest, i)
+        out = sched.schedule()
+        ro = runner_output(out, {})
+        ro.kv_connector_output = KVConnectorOutput(invalid_block_ids={table[i]})
+        sched.update_from_output(out, ro)
+        assert_scheduler_consistent(sched)
+        req = sched.requests["r1"]
+        assert req.status is LOADING and req.num_computed_tokens == smallest * 16
+        assert sched.failed_recving_ids == {"r1"} and plugin.connector.queries == 1
+
+
+def test_load_failure_with_fail_policy_errors_the_readers_and_uncaches_bad_blocks():
+    sched, _ = failure_setup(load_async=False, policy="fail")
+    out = sched.schedule()
+    kv = sched.kv_cache_manager
+    bad = bad_blocks(sched, "r2", {50})
+    ro = runner_output(out, {"r1": [0], "r2": [0], "r3": [0]})
+    ro.kv_connector_output = KVConnectorOutput(invalid_block_ids=bad)
+    outs = {o.request_id: o for g in sched.update_from_output(out, ro).values() for o in g.outputs}
+    assert_scheduler_consistent(sched)
+    assert outs["r2"].finish_reason == "error" and not outs["r2"].new_token_ids
+    assert outs["r1"].new_token_ids == [0] and outs["r3"].new_token_ids == [0]
+    assert "r2" not in sched.requests and [r.request_id for r in sched.running] == ["r1", "r3"]
+    assert all(kv.block_pool.block_hash(b) is None for b in bad)

@@ -1,5 +1,5 @@
 """Asynchronous KV loads through a connector (spec 5.4, scenarios S33, S36, S37, S70-S75)
-and load failures (spec 5.5, S77, S78, S80).
+and load failures (spec 5.5, S77-S80).
 
 The connector here behaves like vLLM's NixlConnector on the decode side of disaggregated
 prefill: a request whose id starts with "remote" loads its whole prompt asynchronously,
@@ -311,10 +311,11 @@ class MockKV(KVConnectorBase):
         self.ext, self.load_async = ext, load_async
         self.queries = 0
         self.loaded: set[str] = set()
+        self.never: set[str] = set()
 
     def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
         self.queries += 1
-        if request.request_id in self.loaded:
+        if request.request_id in self.loaded or request.request_id in self.never:
             return 0, False
         return self.ext, self.load_async
 
@@ -381,6 +382,26 @@ def test_sync_load_failure_recomputes_from_the_first_bad_block(indices):  # S78
     assert [r.request_id for r in sched.running] == ["r2"]
     assert sched.requests["r2"].num_computed_tokens == min(indices) * 16
     assert sched.requests["r2"].num_output_tokens == 0
+
+
+@pytest.mark.parametrize("indices", [{0, 49}, {25, 49}, {49}])
+def test_sync_load_failure_with_shared_blocks(indices):  # S79
+    plugin = MockPlugin(load_async=False)
+    sched = make_scheduler(plugins=[plugin], max_num_batched_tokens=64, enable_prefix_caching=True,
+                           kv_load_failure_policy="recompute")
+    plugin.connector.never.add("r2")
+    sched.add_request(make_request("r1", [1] * 1600))
+    sched.add_request(make_request("r2", [1] * 800 + [2] * 800))
+    out = sched.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("r1", 1584), ("r2", 800)]
+    ro = runner_output(out, {"r1": [EOS]})
+    ro.kv_connector_output = KVConnectorOutput(invalid_block_ids=bad_blocks(sched, "r1", indices))
+    sched.update_from_output(out, ro)
+    assert_scheduler_consistent(sched)
+    assert [r.request_id for r in sched.running] == ["r1", "r2"]
+    # r1 claims the shared bad blocks and recomputes them; r2 keeps its count before the step
+    assert sched.requests["r1"].num_computed_tokens == min(indices) * 16
+    assert sched.requests["r2"].num_computed_tokens == 800
 
 
 def test_async_progressive_load_failure():  # S80

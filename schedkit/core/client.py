@@ -47,10 +47,7 @@ DEAD_AFTER_S = 3.0
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
                  cache_salt: str | None = None, final_only: bool = False) -> WireRequest:
-    sp = WireSamplingParams(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-                            stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                            eos_token_id=params.eos_token_id, temperature=params.temperature,
-                            top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+    sp = WireSamplingParams.from_params(params)
     return WireRequest(request_id, list(prompt_token_ids), sp, priority=priority, tenant=tenant,
                        cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only)
 

@@ -64,11 +64,7 @@ UTILITY_METHODS = ("stats", "reset_prefix_cache", "list_plugins", "shutdown", "n
 
 def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     """Build a Request (validating it) from its wire form."""
-    sp = w.sampling_params
-    params = SamplingParams(max_tokens=sp.max_tokens, min_tokens=sp.min_tokens,
-                            stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                            eos_token_id=sp.eos_token_id, temperature=sp.temperature,
-                            top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed)
+    params = SamplingParams(**w.sampling_params.to_dict())
     return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                    priority=w.priority, client_index=client_index, tenant=w.tenant,
                    cache_salt=w.cache_salt)

@@ -25,6 +25,16 @@ class WireSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     top_k: int = -1
     seed: int | None = None
 
+    @classmethod
+    def from_params(cls, params: Any) -> WireSamplingParams:
+        """The wire form of a SamplingParams (same field names)."""
+        fields = {f: getattr(params, f) for f in cls.__struct_fields__}
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__struct_fields__}
+
 
 class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     request_id: str

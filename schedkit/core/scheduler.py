@@ -438,7 +438,7 @@ class Scheduler(OutputProcessorMixin):
         bs, k = self.block_size, self.num_spec_tokens
         extra = 1 + k if k else 0
         kv = self.kv_cache_manager
-        reserved = -(-extra // bs) if k else 0
+        reserved = -(-extra // bs)
         in_flight = [r for r in self.kv_holding if r.status is _LOADING]
         in_flight += [r for r in self.running if r.is_prefill_chunk]
         for req in in_flight:

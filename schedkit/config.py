@@ -93,6 +93,9 @@ class SchedulerConfig(_Strict):
     """Draft tokens per request per step (n-gram style, no lookahead slots)."""
     scheduler_reserve_full_isl: bool = True
     """Admit a waiting request only if blocks for its whole current sequence are free."""
+    async_scheduling: bool = False
+    """Schedule step t+1 while step t runs (vLLM's AsyncScheduler): decode requests are
+    scheduled again before their sampled token is known, with output placeholders."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> SchedulerConfig:
@@ -110,6 +113,10 @@ class SchedulerConfig(_Strict):
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         if self.num_speculative_tokens and self.max_num_batched_tokens <= self.num_speculative_tokens:
             raise ValueError("max_num_batched_tokens must exceed num_speculative_tokens")
+        if self.async_scheduling and self.num_speculative_tokens:
+            raise ValueError(
+                "async_scheduling does not combine with num_speculative_tokens: n-gram drafts "
+                "need the previous step's tokens (vLLM turns async scheduling off for n-gram too)")
         return self
 
 

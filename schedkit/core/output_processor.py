@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from schedkit.kv.kv_cache_manager import KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 def connector_error(connector: Any, method: str, e: Exception, req: Request | None) -> PluginError:
@@ -76,6 +77,7 @@ class OutputProcessorMixin:
         max_model_len = self.max_model_len
         by_client: dict[int, list[EngineCoreOutput]] = {}
         stopped: list[Request] = []
+        stopped_waiting: list[Request] = []
         kv_out = runner_output.kv_connector_output
         if kv_out is not None and kv_out.failed_recving:
             self._on_failed_loads(kv_out.failed_recving)
@@ -86,16 +88,27 @@ class OutputProcessorMixin:
         for req, out in self._pending_outputs:
             by_client.setdefault(req.client_index, []).append(out)
         self._pending_outputs = []
-        for rid in scheduler_output.num_scheduled_tokens:
+        kv = self.kv_cache_manager
+        cache_after_placeholders = kv.enable_caching
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
             maybe = requests.get(rid)
-            if maybe is None or maybe.status is not _RUNNING or rid in skip:
-                continue  # finished or preempted while the step ran, or read bad KV: void
+            if maybe is None:
+                continue  # finished while the step ran
             req = maybe
+            req.num_in_flight_tokens -= n
+            stale = req.num_stale_output_tokens > 0
+            if stale:  # scheduled before the request's last preemption
+                req.num_stale_output_tokens -= n
+                if req.stale_drop:
+                    continue
+            status = req.status
+            if (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
+                continue  # finished while the step ran, or read bad KV: void
             i = index.get(rid)
             gen = sampled[i] if i is not None else None
             if not gen:
                 continue  # a prefill chunk that sampled nothing
-            if spec_sched:
+            if spec_sched and not stale:
                 drafts = spec_sched.get(rid)
                 if drafts:
                     self._apply_spec_result(req, drafts, len(gen), spec_stats)
@@ -106,10 +119,17 @@ class OutputProcessorMixin:
                 new_ids = gen
             else:
                 new_ids, is_stopped = self._append_tokens(req, gen)
+            if req.num_output_placeholders and not stale:
+                req.num_output_placeholders -= len(gen)
+                if cache_after_placeholders and status is _RUNNING and not is_stopped:
+                    # Blocks filled by tokens that were placeholders at allocation.
+                    kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
             if not had_outputs:
                 req.record_event(EventType.FIRST_TOKEN, self.clock())
             if is_stopped:
                 stopped.append(req)
+                if status is _PREEMPTED:
+                    stopped_waiting.append(req)
                 out = EngineCoreOutput(rid, new_ids, FINISH_REASONS[req.status], req.stop_reason,
                                        req.num_cached_tokens)
             else:
@@ -126,6 +146,8 @@ class OutputProcessorMixin:
         if stopped:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
+            if stopped_waiting:  # preempted, stopped by a stale output delivered while waiting
+                self.waiting.remove_requests(stopped_waiting)
             for req in stopped:
                 params = self._free_request(req, now)
                 if params is not None:

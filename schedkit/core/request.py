@@ -117,7 +117,8 @@ class Request:
 
     ``num_computed_tokens`` counts leading tokens whose KV is (or, once the current step
     runs, will be) in the cache; it is advanced at schedule time and rolled back for
-    rejected drafts. ``spec_token_ids`` are drafts proposed for the next step and are
+    rejected drafts. Under async scheduling it also covers ``num_output_placeholders``:
+    positions of tokens that steps in flight are sampling. ``spec_token_ids`` are drafts proposed for the next step and are
     not part of ``num_tokens``.
     """
 
@@ -138,6 +139,16 @@ class Request:
     num_recomputed_tokens: int = 0
     """Tokens computed again after preemptions (the metrics' recompute cost)."""
     is_prefill_chunk: bool = True
+    num_output_placeholders: int = 0
+    """Async scheduling: tokens sampled by steps in flight, not yet appended."""
+    num_in_flight_tokens: int = 0
+    """Tokens scheduled in steps whose output has not been processed yet."""
+    num_stale_output_tokens: int = 0
+    """In-flight tokens scheduled before the request's last preemption: their output is
+    stale (delivered, or dropped when ``stale_drop``)."""
+    stale_drop: bool = False
+    """Discard stale outputs instead of appending them (forced preemptions, e.g. a
+    prefix-cache reset of running requests)."""
     stop_reason: int | str | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

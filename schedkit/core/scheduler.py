@@ -83,6 +83,7 @@ class Scheduler(OutputProcessorMixin):
         self.max_model_len = scheduler_config.max_model_len
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             block_size=cache_config.block_size, num_blocks=cache_config.num_blocks,
@@ -218,8 +219,8 @@ class Scheduler(OutputProcessorMixin):
             False if blocks are still in use (and running requests were not reset).
         """
         if reset_running_requests:
-            while self.running:
-                self._preempt(self.running.pop())
+            while self.running:  # their in-flight outputs are discarded
+                self._preempt(self.running.pop(), drop_stale=True)
         return self.kv_cache_manager.reset_prefix_cache()
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
@@ -268,7 +269,11 @@ class Scheduler(OutputProcessorMixin):
         while idx < len(running) and st.budget > 0:
             req = running[idx]
             computed = req.num_computed_tokens
-            n = req.num_tokens + len(req.spec_token_ids) - computed
+            placeholders = req.num_output_placeholders
+            if placeholders and computed + 2 - placeholders >= req.num_prompt_tokens + req.max_tokens:
+                idx += 1  # the steps in flight already sample its last allowed token
+                continue
+            n = req.num_tokens + len(req.spec_token_ids) + placeholders - computed
             if n > 1:
                 cap = chunk_limit(request=req, num_new_tokens=n, threshold=threshold)
                 if cap is not None and cap < n:
@@ -290,7 +295,7 @@ class Scheduler(OutputProcessorMixin):
             if req.is_prefill_chunk:
                 st.has_running_prefill = True
             if req.spec_token_ids:
-                k = n + computed - req.num_tokens
+                k = n + computed - req.num_tokens - placeholders
                 if k > 0:
                     st.spec_tokens[rid] = req.spec_token_ids[:k]
                 req.spec_token_ids = []
@@ -326,14 +331,19 @@ class Scheduler(OutputProcessorMixin):
         del st.running_new_blocks[i]
         st.spec_tokens.pop(req.request_id, None)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop its KV, keep its outputs, queue it again."""
+    def _preempt(self, req: Request, drop_stale: bool = False) -> None:
+        """Recompute preemption: drop its KV, keep its outputs, queue it again. The
+        outputs of its steps in flight become stale: delivered when they arrive (it is
+        not resumed before), or discarded with ``drop_stale``."""
         assert req.status is _RUNNING, req.status
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_recomputed_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.stale_drop = drop_stale or (req.stale_drop and req.num_stale_output_tokens > 0)
+        req.num_stale_output_tokens = req.num_in_flight_tokens
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         req.record_event(EventType.PREEMPTED, self.clock())
         self.waiting.prepend_request(req)
@@ -362,6 +372,10 @@ class Scheduler(OutputProcessorMixin):
                     kv_skipped.append(req)
                     continue
                 self._promote_loaded(req)
+            elif req.num_stale_output_tokens and not req.stale_drop:
+                st.popped.append(queue.pop())  # not resumed before its stale outputs arrive
+                skipped.append(req)
+                continue
             decision = self.hooks.admit_request(
                 request=req, num_running=len(running), kv_cache_usage=kv.usage, now=now)
             if decision is not _ADMIT:
@@ -513,10 +527,14 @@ class Scheduler(OutputProcessorMixin):
 
     def _update_after_schedule(self, st: StepState) -> None:
         requests = self.requests
+        placeholders = self.async_scheduling
         for rid, n in st.num_scheduled.items():
             req = requests[rid]
             req.num_computed_tokens += n
-            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens
+            req.num_in_flight_tokens += n
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
+            if placeholders and not req.is_prefill_chunk:
+                req.num_output_placeholders += 1  # the token this step samples
         self.finished_req_ids = set()
         self._preempted_ids = set()
 

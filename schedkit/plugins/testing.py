@@ -34,7 +34,7 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
                    max_num_batched_tokens: int = 8192, max_num_seqs: int = 16,
                    max_model_len: int = 2048, enable_prefix_caching: bool = False,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                   num_speculative_tokens: int = 0, plugins: Iterable[Any] = (),
+                   num_speculative_tokens: int = 0, async_scheduling: bool = False, plugins: Iterable[Any] = (),
                    plugin_settings: Mapping[str, Mapping[str, Any]] | None = None,
                    scheduler_reserve_full_isl: bool = True, watermark: float = 0.0,
                    kv_load_failure_policy: Literal["recompute", "fail"] = "fail",
@@ -49,7 +49,7 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
         policy=policy, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-        scheduler_reserve_full_isl=scheduler_reserve_full_isl)
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl, async_scheduling=async_scheduling)
     cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             enable_prefix_caching=enable_prefix_caching, watermark=watermark,
                             kv_load_failure_policy=kv_load_failure_policy)

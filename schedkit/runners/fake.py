@@ -46,6 +46,8 @@ class FakeRunner:
     step_time_s: float = 0.01
     is_virtual_clock: bool = True
     states: dict[str, _ReqState] = field(default_factory=dict)
+    _parked: dict[str, int] = field(default_factory=dict)
+    """Preempted request -> its prompt length (to resume counting outputs)."""
     _last_sampled: list[str] = field(default_factory=list)
 
     @classmethod
@@ -70,16 +72,18 @@ class FakeRunner:
         states = self.states
         for rid in scheduler_output.finished_req_ids:
             states.pop(rid, None)
+            self._parked.pop(rid, None)
         for rid in scheduler_output.preempted_req_ids:
-            states.pop(rid, None)
+            old = states.pop(rid, None)
+            if old is not None:
+                self._parked[rid] = old.num_prompt_tokens
         for new in scheduler_output.scheduled_new_reqs:
             eos_at = self.output_len(new.req_id) if self.output_len is not None else None
             states[new.req_id] = _ReqState(request_seed(new.req_id), len(new.prompt_token_ids),
                                            list(new.prompt_token_ids), new.num_computed_tokens, eos_at)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, tokens in cached.resumed_token_ids.items():
-            old = states.get(rid)
-            num_prompt = old.num_prompt_tokens if old is not None else len(tokens)
+            num_prompt = self._parked.pop(rid)
             eos_at = self.output_len(rid) if self.output_len is not None else None
             states[rid] = _ReqState(request_seed(rid), num_prompt, list(tokens), 0, eos_at)
         for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):

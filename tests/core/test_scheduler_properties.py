@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from collections import deque
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +18,7 @@ from schedkit.plugins.testing import (
     make_request,
     make_scheduler,
 )
-from schedkit.runners.fake import FakeRunner
+from schedkit.runners.fake import FakeRunner, _ReqState, request_seed
 
 EOS = 2
 
@@ -85,6 +87,11 @@ def traces(draw):
         scheduler_reserve_full_isl=draw(st.booleans()),
         kv_load_failure_policy=draw(st.sampled_from(["recompute", "fail"])),
     )
+    if cfg["num_speculative_tokens"] == 0:
+        # Steps in flight: 2 pipelines schedule() ahead of update_from_output(), with
+        # output placeholders (async scheduling) or without (as with pipeline parallelism).
+        cfg["async_scheduling"] = draw(st.booleans())
+        cfg["depth"] = 2 if cfg["async_scheduling"] else draw(st.sampled_from([1, 2]))
     limit = min(capacity, max_model_len)
     k = cfg["num_speculative_tokens"]
     reqs = []
@@ -110,6 +117,8 @@ def traces(draw):
 
 def run_trace(cfg, reqs, max_steps=3000):
     plugin = AsyncLoadsPlugin({r["id"]: r["load"] for r in reqs if r.get("load") is not None})
+    cfg = dict(cfg)
+    depth = cfg.pop("depth", 1)
     sched = make_scheduler(plugins=[plugin], **cfg)
     k = cfg["num_speculative_tokens"]
     eos_at = {r["id"]: r["eos_at"] for r in reqs}
@@ -117,6 +126,7 @@ def run_trace(cfg, reqs, max_steps=3000):
     added, finished = {}, {}
     step = 0
     last_arrival = max(r["arrival_step"] for r in reqs)
+    in_flight: deque = deque()
     while step < max_steps:
         for r in reqs:
             if r["arrival_step"] == step:
@@ -128,7 +138,7 @@ def run_trace(cfg, reqs, max_steps=3000):
             if r["abort_step"] == step and r["id"] in sched.requests:
                 sched.finish_requests(r["id"], RequestStatus.FINISHED_ABORTED)
                 finished[r["id"]] = "abort"
-        if step > last_arrival and not sched.has_requests():
+        if step > last_arrival and not sched.has_requests() and not in_flight:
             break
         plugin.connector.step = step
         out = sched.schedule()
@@ -137,7 +147,11 @@ def run_trace(cfg, reqs, max_steps=3000):
         assert len(out.num_scheduled_tokens) <= cfg["max_num_seqs"]
         assert set(out.scheduled_spec_decode_tokens) <= set(out.num_scheduled_tokens)
         assert_scheduler_consistent(sched)
-        result = runner.execute(out)
+        in_flight.append((out, runner.execute(out)))
+        if len(in_flight) < depth and out.num_scheduled_tokens:
+            step += 1
+            continue
+        out, result = in_flight.popleft()
         result.kv_connector_output = plugin.connector.transfers_done()
         outs = sched.update_from_output(out, result)
         for group in outs.values():
@@ -161,6 +175,11 @@ def test_random_traces_keep_invariants(trace):
     # making progress; spec S86). FCFS never preempts running[0], so it always drains.
     must_drain = cfg["scheduler_reserve_full_isl"] or cfg["policy"] == "fcfs"
     sched, added, finished, steps = run_trace(cfg, reqs, 3000 if must_drain else 300)
+    eos_at = {r["id"]: r["eos_at"] for r in reqs}
+    model = FakeRunner(vocab_size=50, eos_token_id=EOS)
+    for rid, req in added.items():  # no token lost, duplicated or reordered
+        state = _ReqState(request_seed(rid), 0, [], 0, eos_at[rid])
+        assert req.output_token_ids == [model.token_at(state, i) for i in range(req.num_output_tokens)]
     if not must_drain and sched.has_requests():
         return
     assert not sched.has_requests(), f"did not drain in {steps} steps"

@@ -1,0 +1,156 @@
+"""Spec 3.8 / 7.5: async scheduling (output placeholders) and stale outputs of
+preempted requests (S39, S40, S43, S91, S92)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from schedkit.core.request import RequestStatus
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_requests,
+    make_scheduler,
+    runner_output,
+)
+
+
+def one_token_each(out, token=0):
+    """Every scheduled request whose chunk completes its tokens samples ``token``."""
+    return runner_output(out, {r: [token] for r in out.num_scheduled_tokens})
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_stop_by_max_tokens(max_tokens):  # S39
+    sched = make_scheduler(async_scheduling=True)
+    r0, r1 = make_requests(2, max_tokens=max_tokens)
+    in_flight = deque()
+    sched.add_request(r0)
+    in_flight.append(sched.schedule())
+    sched.add_request(r1)
+    in_flight.append(sched.schedule())
+    outputs = {"0": [], "1": []}
+    total = sum(o.total_num_scheduled_tokens for o in in_flight)
+    while in_flight:
+        out = in_flight.popleft()
+        for group in sched.update_from_output(out, one_token_each(out)).values():
+            for o in group.outputs:
+                outputs[o.request_id] += o.new_token_ids
+        assert_scheduler_consistent(sched)
+        nxt = sched.schedule()
+        total += nxt.total_num_scheduled_tokens
+        if nxt.num_scheduled_tokens:
+            in_flight.append(nxt)
+    assert sched.get_num_unfinished_requests() == 0
+    assert not sched.requests
+    assert [len(outputs["0"]), len(outputs["1"])] == [max_tokens, max_tokens]
+    assert total == 2 * (10 + max_tokens - 1)
+
+
+def test_abort_while_steps_in_flight():  # S40
+    order = [0, 8, 3, 1, 6, 4, 2, 5, 7, 9]
+    sched = make_scheduler(async_scheduling=True)
+    reqs = make_requests(10, max_tokens=20)
+    for r in reqs:
+        sched.add_request(r)
+    in_flight = deque([sched.schedule(), sched.schedule()])
+    abort = iter(order)
+    while in_flight:
+        victim = next(abort, None)
+        if victim is not None:
+            sched.finish_requests(str(victim), RequestStatus.FINISHED_ABORTED)
+        out = in_flight.popleft()
+        sched.update_from_output(out, one_token_each(out))
+        assert_scheduler_consistent(sched)
+        nxt = sched.schedule()
+        if nxt.num_scheduled_tokens:
+            in_flight.append(nxt)
+    for i, r in enumerate(reqs):
+        assert r.status is RequestStatus.FINISHED_ABORTED
+        assert r.num_output_tokens == order.index(i)
+
+
+def test_placeholders_allow_rescheduling_before_the_update():  # S43
+    sched = make_scheduler(async_scheduling=True)
+    (req,) = make_requests(1, num_tokens=8)
+    sched.add_request(req)
+    out1 = sched.schedule()
+    assert out1.num_scheduled_tokens == {"0": 8}
+    assert req.num_output_placeholders == 1
+    out2 = sched.schedule()  # no update in between
+    assert out2.num_scheduled_tokens == {"0": 1}
+    assert out2.scheduled_cached_reqs.num_output_tokens == [0]
+    assert req.num_output_placeholders == 2 and req.num_computed_tokens == 9
+    sched.update_from_output(out1, one_token_each(out1, 7))
+    assert req.output_token_ids == [7] and req.num_output_placeholders == 1
+    sched.update_from_output(out2, one_token_each(out2, 8))
+    assert req.output_token_ids == [7, 8] and req.num_output_placeholders == 0
+
+
+def test_sync_scheduler_never_adds_placeholders():
+    sched = make_scheduler()
+    (req,) = make_requests(1, num_tokens=8)
+    sched.add_request(req)
+    sched.schedule()
+    assert req.num_output_placeholders == 0
+    assert not sched.schedule().num_scheduled_tokens  # waits for the sampled token
+
+
+def test_async_reset_drops_stale_outputs():  # S91
+    sched = make_scheduler(async_scheduling=True, enable_prefix_caching=True)
+    reqs = make_requests(2, max_tokens=20)
+    for r in reqs:
+        sched.add_request(r)
+    out0 = sched.schedule()
+    out1 = sched.schedule()
+    sched.update_from_output(out0, one_token_each(out0))
+    out2 = sched.schedule()
+    for r in reqs:
+        assert r.num_output_tokens == 1 and r.num_output_placeholders == 2
+    assert sched.reset_prefix_cache(reset_running_requests=True)
+    for r in reqs:
+        assert r.status is RequestStatus.PREEMPTED
+        assert r.num_stale_output_tokens == 2 and r.stale_drop
+    out3 = sched.schedule()
+    assert out3.num_scheduled_tokens == {"0": 11, "1": 11}
+    assert out3.scheduled_cached_reqs.resumed_req_ids == {"0", "1"}
+    assert out3.preempted_req_ids == {"0", "1"}
+    for out in (out1, out2):  # the two stale in-flight outputs: discarded
+        outs = sched.update_from_output(out, one_token_each(out, 9))
+        assert all(not group.outputs for group in outs.values())
+    for r in reqs:
+        assert r.output_token_ids == [0] and r.num_stale_output_tokens == 0
+    assert r.num_in_flight_tokens == 11
+    sched.update_from_output(out3, one_token_each(out3, 5))
+    for r in reqs:
+        assert r.output_token_ids == [0, 5]
+    assert_scheduler_consistent(sched)
+
+
+def test_stale_output_is_delivered_before_resumption():  # S92
+    sched = make_scheduler(max_num_batched_tokens=100, num_blocks=11)
+    r0, r1 = make_requests(2, num_tokens=80)
+    sched.add_request(r0)
+    out0 = sched.schedule()
+    assert out0.num_scheduled_tokens == {"0": 80}
+    sched.add_request(r1)
+    out1 = sched.schedule()
+    assert out1.num_scheduled_tokens == {"1": 80}
+    sched.update_from_output(out0, runner_output(out0, {"0": [0]}))
+    out2 = sched.schedule()
+    assert out2.preempted_req_ids == {"1"}
+    assert r1.status is RequestStatus.PREEMPTED
+    assert r1.num_stale_output_tokens == 80 and not r1.stale_drop
+    sched.finish_requests("0", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.num_free_blocks == 10
+    out3 = sched.schedule()
+    assert not out3.num_scheduled_tokens  # r1 waits for its stale output
+    assert r1.status is RequestStatus.PREEMPTED
+    outs = sched.update_from_output(out1, runner_output(out1, {"1": [42]}))
+    assert [o.new_token_ids for o in outs[0].outputs] == [[42]]
+    assert r1.output_token_ids == [42] and r1.num_stale_output_tokens == 0
+    out4 = sched.schedule()
+    assert out4.num_scheduled_tokens == {"1": 81}
+    assert out4.scheduled_cached_reqs.resumed_req_ids == {"1"}
+    assert_scheduler_consistent(sched)

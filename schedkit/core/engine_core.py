@@ -1,5 +1,10 @@
 """EngineCore: schedule -> runner.execute -> update_from_output, in-process.
 
+With ``scheduler.async_scheduling`` the engine keeps two steps in flight: it schedules
+and launches step t+1 before it collects step t's sampled tokens, so the host's
+scheduling work overlaps the device's forward pass (a runner that offers
+``execute_async`` returns a handle at once; any other runner simply runs the step).
+
 The engine owns the scheduler clock: with a runner that reports step durations (the
 fake runner and the simulator) time is virtual and advances by each step's duration,
 so a long workload replays in seconds; otherwise it is wall-clock time. Requests may be
@@ -13,11 +18,13 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from schedkit.config import Config
-from schedkit.core.outputs import EngineCoreOutput, EngineCoreOutputs
+from schedkit.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import FinishReason, Request, RequestStatus
 from schedkit.core.scheduler import Scheduler
 from schedkit.errors import PluginError
@@ -45,6 +52,20 @@ def _merge(first: dict[int, EngineCoreOutputs], second: dict[int, EngineCoreOutp
     return first
 
 
+class StepHandle(Protocol):
+    """A launched step; ``result()`` waits for its sampled tokens."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class _Done:
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class EngineCore:
     """Args:
         config: The whole validated config.
@@ -68,8 +89,13 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_s = 0.0
         """Engine-clock seconds the last executed step took, scheduling and output
-        processing included (wall time with a real runner; what calibration fits)."""
+        processing included (wall time with a real runner; what calibration fits). With
+        steps in flight: the time since the previous step's output was processed."""
         self._consecutive_step_failures = 0
+        self._depth = 2 if config.scheduler.async_scheduling else 1
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
+        self._last_done = float("-inf")
+        self._launch_async = getattr(self.runner, "execute_async", None)
 
     @staticmethod
     def _build_runner(config: Config) -> Any:
@@ -145,7 +171,12 @@ class EngineCore:
             return list(getattr(e, "finished_requests", ()))
 
     def has_requests(self) -> bool:
-        return bool(self._future) or self.scheduler.has_requests()
+        return bool(self._future) or self.scheduler.has_requests() or bool(self._in_flight)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps launched whose output has not been processed yet."""
+        return len(self._in_flight)
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> dict[int, EngineCoreOutputs]:
@@ -163,19 +194,28 @@ class EngineCore:
         for req, err in failed_arrivals:
             _add_output(outputs, req.client_index, EngineCoreOutput(
                 req.request_id, [], FinishReason.ERROR, None, error=str(err)))
-        if not sched.has_requests():
+        queue = self._in_flight
+        if len(queue) < self._depth and sched.has_requests():
+            t0 = self.now()
+            try:
+                scheduler_output = sched.schedule()
+            except PluginError as e:
+                _merge(outputs, self._on_plugin_error(e))
+            else:
+                try:
+                    handle = self._launch(scheduler_output)
+                except Exception as e:
+                    return _merge(outputs, self._on_runner_error(scheduler_output, e))
+                queue.append((scheduler_output, handle, t0))
+                if len(queue) < self._depth and scheduler_output.total_num_scheduled_tokens:
+                    return outputs  # keep the pipeline full: collect it next call
+        if not queue:
             return outputs
-        t0 = self.now()
+        scheduler_output, handle, t0 = queue.popleft()
         try:
-            scheduler_output = sched.schedule()
-        except PluginError as e:
-            return _merge(outputs, self._on_plugin_error(e))
-        try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = handle.result()
         except Exception as e:
-            log.exception("runner failed; failing the requests of this step")
-            return _merge(outputs, self.fail_requests(
-                list(scheduler_output.num_scheduled_tokens), f"runner failed: {type(e).__name__}: {e}"))
+            return _merge(outputs, self._on_runner_error(scheduler_output, e))
         self._consecutive_step_failures = 0
         if self._virtual and runner_output.step_duration is not None:
             self._now += runner_output.step_duration
@@ -187,8 +227,21 @@ class EngineCore:
         if sched.num_spec_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
         self.num_steps += 1
-        self.last_step_s = self.now() - t0
+        done = self.now()
+        self.last_step_s = done - max(t0, self._last_done)
+        self._last_done = done
         return _merge(outputs, step_outputs)
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        if self._launch_async is not None:
+            handle: StepHandle = self._launch_async(scheduler_output)
+            return handle
+        return _Done(self.runner.execute(scheduler_output))
+
+    def _on_runner_error(self, scheduler_output: SchedulerOutput, e: Exception) -> dict[int, EngineCoreOutputs]:
+        log.exception("runner failed; failing the requests of this step")
+        return self.fail_requests(list(scheduler_output.num_scheduled_tokens),
+                                  f"runner failed: {type(e).__name__}: {e}")
 
     def _on_plugin_error(self, e: PluginError) -> dict[int, EngineCoreOutputs]:
         log.error("%s", e)

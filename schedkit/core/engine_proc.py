@@ -190,7 +190,7 @@ class EngineCoreProc:
 
     def _wait_for_work(self) -> None:
         engine = self.engine
-        if engine.scheduler.has_requests():
+        if engine.scheduler.has_requests() or engine.num_steps_in_flight:
             return
         delay = engine.next_arrival_in()
         if delay is not None and (delay == 0 or engine.is_virtual):

@@ -95,7 +95,7 @@ class EngineCore:
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = float("-inf")
-        self._launch_async = getattr(self.runner, "execute_async", None)
+        self._launch_async = getattr(self.runner, "execute_async", None) if self._depth > 1 else None
 
     @staticmethod
     def _build_runner(config: Config) -> Any:

@@ -15,7 +15,8 @@ def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
 
     New requests carry their whole block table; running requests only the blocks
     allocated this step (None if none); resumed requests their whole (new) table and
-    their tokens, since the runner dropped them at preemption.
+    their tokens, since the runner dropped them at preemption. ``num_output_tokens``
+    counts the tokens of steps still in flight too (async scheduling).
     """
     kv = sched.kv_cache_manager
     new_reqs = [
@@ -30,7 +31,7 @@ def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
         req_ids.append(req.request_id)
         new_block_ids.append(blocks or None)
         num_computed.append(req.num_computed_tokens)
-        num_output.append(len(req.output_token_ids))
+        num_output.append(len(req.output_token_ids) + req.num_output_placeholders)
     for req in st.resumed_reqs:
         rid = req.request_id
         req_ids.append(rid)

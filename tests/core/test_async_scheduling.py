@@ -80,7 +80,7 @@ def test_placeholders_allow_rescheduling_before_the_update():  # S43
     assert req.num_output_placeholders == 1
     out2 = sched.schedule()  # no update in between
     assert out2.num_scheduled_tokens == {"0": 1}
-    assert out2.scheduled_cached_reqs.num_output_tokens == [0]
+    assert out2.scheduled_cached_reqs.num_output_tokens == [1]  # its placeholder
     assert req.num_output_placeholders == 2 and req.num_computed_tokens == 9
     sched.update_from_output(out1, one_token_each(out1, 7))
     assert req.output_token_ids == [7] and req.num_output_placeholders == 1

@@ -96,14 +96,19 @@ def _workload() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("block_size, num_blocks, eager", [(16, 400, False), (8, 40, False), (16, 400, True)])
+@pytest.mark.parametrize("block_size, num_blocks, eager, async_scheduling", [
+    (16, 400, False, False), (8, 40, False, False), (16, 400, True, False),
+    (16, 400, False, True), (8, 40, False, True), (16, 400, True, True)])
 def test_fp32_greedy_matches_transformers(models: dict[str, Path], family: str, block_size: int,
-                                          num_blocks: int, eager: bool) -> None:
+                                          num_blocks: int, eager: bool, async_scheduling: bool) -> None:
+    """Async scheduling: two steps in flight on one stream; each decode input comes
+    from the device tensor of the step before (CUDA graph and eager paths)."""
     path = models[family]
     engine = EngineCore(paged_config(path, device="cuda", block_size=block_size, num_blocks=num_blocks,
                                      enable_prefix_caching=True, max_num_batched_tokens=64,
                                      long_prefill_token_threshold=32, max_num_seqs=16,
-                                     enforce_eager=eager))
+                                     enforce_eager=eager,
+                                     scheduler={"async_scheduling": async_scheduling}))
     assert (engine.runner.graphs is None) == eager
     prompts = _workload()
     got = run_engine(engine, [greedy_request(str(i), p, 24) for i, p in enumerate(prompts)])
@@ -175,10 +180,13 @@ def test_kv_cache_that_cannot_fit_is_a_clear_error(models: dict[str, Path]) -> N
 def test_cuda_graph_decode_matches_eager_at_every_bucket(models: dict[str, Path]) -> None:
     prompts = random_prompts([int(n) for n in torch.randint(1, 60, (37,))], 512, seed=4)
 
-    def run(eager: bool) -> dict[str, list[int]]:
+    def run(eager: bool, async_scheduling: bool = False) -> dict[str, list[int]]:
         engine = EngineCore(paged_config(models["llama"], device="cuda", max_num_seqs=37,
                                          max_num_batched_tokens=512, enforce_eager=eager,
-                                         num_blocks=600))
+                                         num_blocks=600,
+                                         scheduler={"async_scheduling": async_scheduling}))
         return run_engine(engine, [greedy_request(str(i), p, 8 + i % 5) for i, p in enumerate(prompts)])
 
-    assert run(eager=False) == run(eager=True)
+    eager = run(eager=True)
+    assert run(eager=False) == eager
+    assert run(eager=False, async_scheduling=True) == eager

@@ -56,8 +56,13 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         """bucket -> (captured torch.cuda.CUDAGraph, its static output)."""
         pin = dev.type == "cuda"
-        self._staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)
-        self._staging_bt = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        # Two sets of pinned staging buffers, used in turn: with two steps in flight the
+        # copy out of one set may still be queued while the next step fills the other.
+        self._staging_sets = [
+            (torch.zeros((4, n), dtype=torch.int64, pin_memory=pin),
+             torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)]
+        self._turn = 0
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -87,24 +92,33 @@ class DecodeGraphs:
                 and len(inputs.req_ids) <= self.buckets[-1]
                 and inputs.block_table.shape[1] <= self.block_table.shape[1])
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [b, hidden] of a decode-only batch of ``b`` requests."""
+    def run(self, inputs: StepInputs, fill: Any = None) -> torch.Tensor:
+        """Hidden states [b, hidden] of a decode-only batch of ``b`` requests.
+
+        ``fill``: (rows, source rows, source) overwriting input ids on the device (the
+        tokens a step still in flight samples).
+        """
         b = len(inputs.req_ids)
         bucket = self.buckets[bisect.bisect_left(self.buckets, b)]
-        st = self._staging.numpy()
+        staging, staging_bt = self._staging_sets[self._turn]
+        self._turn ^= 1
+        st = staging.numpy()
         st[:, b:bucket] = 0
         st[0, :b], st[1, :b], st[2, :b] = inputs.input_ids, inputs.positions, inputs.slot_mapping
         st[3, :b], st[3, b:bucket] = inputs.seq_lens, 1
-        bt = self._staging_bt.numpy()
+        bt = staging_bt.numpy()
         width = inputs.block_table.shape[1]
         bt[:bucket] = 0
         bt[:b, :width] = inputs.block_table
-        staged = self._staging[:, :bucket].to(self.input_ids.device, non_blocking=True)
+        staged = staging[:, :bucket].to(self.input_ids.device, non_blocking=True)
         self.input_ids[:bucket].copy_(staged[0])
         self.positions[:bucket].copy_(staged[1])
         self.slot_mapping[:bucket].copy_(staged[2])
         self.seq_lens[:bucket].copy_(staged[3])
-        self.block_table[:bucket].copy_(self._staging_bt[:bucket], non_blocking=True)
+        self.block_table[:bucket].copy_(staging_bt[:bucket], non_blocking=True)
+        if fill is not None:
+            dst, src, tokens = fill
+            self.input_ids[dst] = tokens[src]
         graph, hidden = self.graphs[bucket]
         graph.replay()
         return hidden[:b]

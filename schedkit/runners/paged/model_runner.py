@@ -5,12 +5,17 @@ per-request state from the SchedulerOutput (new, running, resumed, preempted and
 finished requests), packs the step's tokens, runs one forward pass over the paged KV
 cache (a captured CUDA graph for decode-only batches on CUDA), samples, and copies the
 sampled ids to the host once.
+
+:meth:`PagedModelRunner.execute_async` (async scheduling) returns as soon as the step
+is launched. The next step may then be launched before this one's tokens reach the
+host: each token sampled by a step still in flight is a placeholder in the host token
+rows, and the next step's inputs take it from the device tensor the sampler wrote.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +30,7 @@ from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
 from schedkit.runners.ngram import propose_ngram
 from schedkit.runners.paged.attention import AttentionMetadata
-from schedkit.runners.paged.input_batch import InputBatch, StepInputs
+from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import (
     KVCacheAllocationError,
     allocate_kv_cache,
@@ -60,6 +65,32 @@ class _Parked:
     params: SamplingParams
 
 
+@dataclass(slots=True)
+class _InFlightStep:
+    """A launched step: its sampled tokens on the device, their host copy (complete once
+    ``copied`` has fired, on CUDA) and where each token belongs."""
+
+    runner: PagedModelRunner
+    req_ids: list[str]
+    t0: float
+    tokens: Any = None
+    """[N] int64 sampled ids on the device (None if nothing was sampled)."""
+    host_tokens: Any = None
+    copied: Any = None
+    """A CUDA event recorded after the device-to-host copy (None on CPU)."""
+    slices: list[tuple[int, int]] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    placeholders: list[tuple[str, RequestState, int, int]] = field(default_factory=list)
+    """(request, its state, token position, index in ``tokens``) per placeholder."""
+    done: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the sampled tokens (the step's one device-to-host copy)."""
+        if self.done is None:
+            self.done = self.runner._collect(self)
+        return self.done
+
+
 class PagedModelRunner:
     """Args:
         model: The loaded model, on its device.
@@ -80,6 +111,9 @@ class PagedModelRunner:
         self.sampler = Sampler(self.device, options.seed)
         self.graphs: Any = None
         self._parked: dict[str, _Parked] = {}
+        self._in_flight: _InFlightStep | None = None
+        """The last launched step while its tokens have not been collected."""
+        self._num_uncollected = 0
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -162,20 +196,31 @@ class PagedModelRunner:
         return peak
 
     # -- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step; returns the sampled tokens of every scheduled request."""
+        return self.execute_async(scheduler_output).result()
+
+    @torch.inference_mode()
+    def execute_async(self, scheduler_output: SchedulerOutput) -> _InFlightStep:
+        """Launch one step; ``result()`` of the returned handle waits for its tokens.
+
+        At most one earlier step may still be in flight: the tokens it samples feed
+        this step's inputs on the device.
+        """
         t0 = time.perf_counter()
+        assert self._num_uncollected <= 1, "more than two steps in flight"
         self._update_states(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        step = _InFlightStep(self, req_ids, t0)
         if not req_ids:
-            return ModelRunnerOutput([], {}, [], step_duration=time.perf_counter() - t0)
+            step.done = ModelRunnerOutput([], {}, [], step_duration=time.perf_counter() - t0)
+            return step
         ib = self.input_batch
         assert ib is not None, "initialize() was not called"
         drafts = scheduler_output.scheduled_spec_decode_tokens
         inputs = ib.prepare(scheduler_output.num_scheduled_tokens, drafts)
-        hidden = self._forward(inputs)
-        sampled: list[list[int]] = [[] for _ in req_ids]
+        hidden = self._forward(inputs, self._placeholder_inputs(inputs))
+        step.slices, step.drafts = inputs.sample_slices, drafts
         if len(inputs.logits_indices):
             idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[idx])
@@ -184,13 +229,75 @@ class PagedModelRunner:
                       for _ in range(a, b)]
             batch = SamplingBatch.build(params, inputs.sample_positions, self.args.vocab_size,
                                         self.device)
-            tokens = self.sampler(logits, batch).tolist()  # the step's one device-to-host copy
-            for i, (rid, (a, b)) in enumerate(zip(req_ids, inputs.sample_slices, strict=True)):
-                if a < b:
-                    sampled[i] = _accept(tokens[a:b], drafts.get(rid, ()))
+            step.tokens = self.sampler(logits, batch)
+            if self.device.type == "cuda":
+                step.host_tokens = step.tokens.to("cpu", non_blocking=True)  # pinned
+                step.copied = torch.cuda.Event()
+                step.copied.record()
+            else:
+                step.host_tokens = step.tokens
+            for rid, (a, b) in zip(req_ids, inputs.sample_slices, strict=True):
+                if b - a == 1 and rid not in drafts:  # known at once: one token, no drafts
+                    st = ib.states[rid]
+                    step.placeholders.append((rid, st, st.num_tokens, a))
+                    ib.append_tokens(rid, (0,))
+        self._in_flight = step
+        self._num_uncollected += 1
+        return step
+
+    def _placeholder_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(input rows, rows of the previous step's tokens, those tokens) for the inputs
+        that are tokens the step still in flight samples; None if there are none."""
+        prev = self._in_flight
+        if prev is None or prev.done is not None or not prev.placeholders:
+            return None
+        ib = self.input_batch
+        assert ib is not None
+        where = {rid: i for i, rid in enumerate(inputs.req_ids)}
+        qsl, positions = inputs.query_start_loc, inputs.positions
+        dst, src = [], []
+        for rid, st, pos, a in prev.placeholders:
+            i = where.get(rid)
+            if i is None or ib.states.get(rid) is not st:
+                continue
+            first, end = int(qsl[i]), int(qsl[i + 1])
+            offset = pos - int(positions[first])
+            if 0 <= offset < end - first:
+                dst.append(first + offset)
+                src.append(a)
+        if not dst:
+            return None
+        put = self.device
+        return (torch.tensor(dst, dtype=torch.int64).to(put, non_blocking=True),
+                torch.tensor(src, dtype=torch.int64).to(put, non_blocking=True), prev.tokens)
+
+    def _collect(self, step: _InFlightStep) -> ModelRunnerOutput:
+        """The step's tokens on the host: placeholders filled, drafts verified."""
+        ib = self.input_batch
+        assert ib is not None
+        req_ids = step.req_ids
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if step.tokens is not None:
+            if step.copied is not None:
+                step.copied.synchronize()
+            tokens = step.host_tokens.tolist()
+            for rid, st, pos, a in step.placeholders:
+                if ib.states.get(rid) is st:  # not preempted or finished meanwhile
+                    ib.token_ids[st.row, pos] = tokens[a]
+            for i, (rid, (a, b)) in enumerate(zip(req_ids, step.slices, strict=True)):
+                if a == b:
+                    continue
+                drafts = step.drafts.get(rid)
+                if drafts:
+                    sampled[i] = _accept(tokens[a:b], drafts)
                     ib.append_tokens(rid, sampled[i])
+                else:
+                    sampled[i] = tokens[a:b]
+        self._num_uncollected -= 1
+        if self._in_flight is step:
+            self._in_flight = None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - t0)
+                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - step.t0)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -241,10 +348,14 @@ class PagedModelRunner:
                                                 meta.max_query_len, num_sms(dev.index or 0))
         return put(inputs.input_ids), put(inputs.positions), meta
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, fill: Any = None) -> torch.Tensor:
+        """``fill``: (rows, source rows, source) to overwrite input ids on the device."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
+            return self.graphs.run(inputs, fill)
         input_ids, positions, meta = self._device_inputs(inputs)
+        if fill is not None:
+            dst, src, tokens = fill
+            input_ids[dst] = tokens[src]
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:

@@ -43,10 +43,12 @@ class _EagerDecodeGraphs(DecodeGraphs):
             out = fn()
             self.graphs[b] = (_EagerGraph(fn, out), out)
         self.replays: list[tuple[int, int]] = []
+        self.num_filled = 0
 
-    def run(self, inputs: Any) -> torch.Tensor:
+    def run(self, inputs: Any, fill: Any = None) -> torch.Tensor:
         self.replays.append((len(inputs.req_ids), inputs.block_table.shape[1]))
-        return super().run(inputs)
+        self.num_filled += fill is not None
+        return super().run(inputs, fill)
 
 
 def test_buckets() -> None:
@@ -55,9 +57,14 @@ def test_buckets() -> None:
     assert batch_size_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
 
 
-def test_padded_decode_replays_match_transformers(model_dir: Any, hf_model: Any) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_decode_replays_match_transformers(async_scheduling: bool, model_dir: Any,
+                                                  hf_model: Any) -> None:
+    """With async scheduling each replay takes its input tokens from the device tensor
+    of the step still in flight."""
     path = model_dir("llama", num_layers=1)
-    engine = EngineCore(paged_config(path, block_size=8, max_num_seqs=6, max_num_batched_tokens=64))
+    engine = EngineCore(paged_config(path, block_size=8, max_num_seqs=6, max_num_batched_tokens=64,
+                                     scheduler={"async_scheduling": async_scheduling}))
     runner = engine.runner
     graphs = _EagerDecodeGraphs(runner.model, runner.kv_caches, 6, runner.input_batch.max_blocks,
                                 runner.args.num_kv_heads, 8)
@@ -72,3 +79,4 @@ def test_padded_decode_replays_match_transformers(model_dir: Any, hf_model: Any)
         assert got[str(i)] == expected[i][:3 + 2 * i]
     sizes = {b for b, _ in graphs.replays}
     assert {5, 3, 1} <= sizes  # replays padded into buckets 6 and 4 as requests finish
+    assert graphs.num_filled == (len(graphs.replays) if async_scheduling else 0)

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from schedkit import hookimpl  # noqa: E402
 from schedkit.core.engine_core import EngineCore  # noqa: E402
 from schedkit.runners.paged.testing import (  # noqa: E402
     greedy_request,
@@ -54,19 +55,21 @@ def _workload(vocab: int = 512) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
+class ChunkCounter:
+    """Counts scheduled requests that produced no output (prefill chunks)."""
+
+    def __init__(self) -> None:
+        self.num_chunks = 0
+
+    @hookimpl
+    def schedkit_on_step_end(self, scheduler_output: Any, outputs: Any) -> None:
+        emitted = {o.request_id for group in outputs.values() for o in group.outputs}
+        self.num_chunks += sum(1 for r in scheduler_output.num_scheduled_tokens if r not in emitted)
+
+
 def _run_two_waves(engine: EngineCore, first: list[list[int]],
-                   second: list[list[int]]) -> tuple[dict[str, list[int]], int]:
+                   second: list[list[int]]) -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
-    num_chunks = 0
-    inner = engine.runner.execute
-
-    def spy(so: Any) -> Any:
-        nonlocal num_chunks
-        out = inner(so)
-        num_chunks += sum(1 for s in out.sampled_token_ids if not s)
-        return out
-
-    engine.runner.execute = spy
     pending = [greedy_request(f"b{i}", p, MAX_TOKENS) for i, p in enumerate(second)]
     for i, p in enumerate(first):
         engine.add_request(greedy_request(f"a{i}", p, MAX_TOKENS))
@@ -83,18 +86,26 @@ def _run_two_waves(engine: EngineCore, first: list[list[int]],
             for o in eco.outputs:
                 outputs[o.request_id].extend(o.new_token_ids)
     assert not engine.has_requests()
-    return outputs, num_chunks
+    return outputs
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_greedy_tokens_match_transformers(name: str, model_dir: Any, hf_model: Any) -> None:
+@pytest.mark.parametrize("name,async_scheduling", [(n, False) for n in CASES] + [
+    ("qwen2-mha-tied-bs8-preempt-prefix", True), ("llama-gqa4-llama3rope-bs32-preempt-chunked", True)])
+def test_greedy_tokens_match_transformers(name: str, async_scheduling: bool, model_dir: Any,
+                                          hf_model: Any) -> None:
+    """Also with async scheduling: two steps in flight, each decode step's input token
+    taken on the device from the step before it."""
     case = dict(CASES[name])
     family, model_kw = case.pop("family"), case.pop("model")
     expect_preemption = case.pop("expect_preemption", False)
     path = model_dir(family, **model_kw)
-    engine = EngineCore(paged_config(path, max_model_len=256, **case))
+    counter = ChunkCounter()
+    engine = EngineCore(paged_config(path, max_model_len=256,
+                                     scheduler={"async_scheduling": async_scheduling}, **case),
+                        extra_plugins=[counter])
     first, second = _workload()
-    outputs, num_chunks = _run_two_waves(engine, first, second)
+    outputs = _run_two_waves(engine, first, second)
+    num_chunks = counter.num_chunks
     prompts = {f"a{i}": p for i, p in enumerate(first)} | {f"b{i}": p for i, p in enumerate(second)}
     expected = dict(zip(prompts, hf_greedy(hf_model(path), list(prompts.values()), MAX_TOKENS),
                         strict=True))
@@ -109,9 +120,10 @@ def test_greedy_tokens_match_transformers(name: str, model_dir: Any, hf_model: A
         assert stats["num_preemptions"] > 0, "no preemption happened"
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_greedy_matches_transformers_on_random_settings(seed: int, model_dir: Any, hf_model: Any) -> None:
-    """Randomised block sizes (down to 1), budgets, chunk caps and cache sizes."""
+    """Randomised block sizes (down to 1), budgets, chunk caps and cache sizes; seeds 4
+    and 5 with async scheduling."""
     import random
 
     r = random.Random(seed)
@@ -126,7 +138,8 @@ def test_greedy_matches_transformers_on_random_settings(seed: int, model_dir: An
     engine = EngineCore(paged_config(
         path, block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=bool(seed % 2),
         max_num_batched_tokens=r.choice([8, 16, 64]), max_num_seqs=r.choice([1, 3, 8]),
-        long_prefill_token_threshold=r.choice([0, 4, 8]), max_model_len=256))
+        long_prefill_token_threshold=r.choice([0, 4, 8]), max_model_len=256,
+        scheduler={"async_scheduling": seed >= 4}))
     out = run_engine(engine, [greedy_request(str(i), p, m)
                               for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))])
     expected = hf_greedy(hf_model(path), prompts, max(max_tokens))

@@ -20,9 +20,11 @@ from schedkit.runners.paged.testing import (  # noqa: E402
 SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.9)
 
 
-def _sampled_tokens(path: Any, seed: int, *, crowd: int, num_blocks: int) -> tuple[list[int], int]:
+def _sampled_tokens(path: Any, seed: int, *, crowd: int, num_blocks: int,
+                    async_scheduling: bool = False) -> tuple[list[int], int]:
     engine = EngineCore(paged_config(path, block_size=8, num_blocks=num_blocks, max_num_seqs=6,
-                                     max_num_batched_tokens=48))
+                                     max_num_batched_tokens=48,
+                                     scheduler={"async_scheduling": async_scheduling}))
     prompts = random_prompts([30] + [40] * crowd, 512, seed=3)
     reqs = [greedy_request("x", prompts[0], 16, seed=seed, **SAMPLED)]
     reqs += [greedy_request(f"o{i}", p, 16, **SAMPLED) for i, p in enumerate(prompts[1:])]
@@ -38,6 +40,10 @@ def test_seeded_sampling_ignores_batch_and_preemption(model_dir: Any) -> None:
     assert crowded == alone
     other, _ = _sampled_tokens(path, seed=8, crowd=0, num_blocks=200)
     assert other != alone
+    pipelined, num_preempted = _sampled_tokens(path, seed=7, crowd=5, num_blocks=20,
+                                               async_scheduling=True)
+    assert num_preempted > 0
+    assert pipelined == alone  # async scheduling: same positions, same draws
 
 
 def test_top_k_one_is_greedy(model_dir: Any) -> None:

@@ -11,6 +11,10 @@ produced each token.
   python scripts/bench_paged.py --model qwen0.5b --device cuda --dtype bfloat16 --n 256 \\
       --prompt 64,512 --out 128,128 --block-size 32 --num-blocks 100000 --max-batch-tokens 2048
   python scripts/bench_paged.py --model qwen0.5b --device cuda --dtype bfloat16 --decode-step 256,1024
+
+``--scheduling both`` runs the workload twice in one process, synchronously and with
+async scheduling (two steps in flight), one JSON line each; the decode-step figure is
+then the steady-state time between consecutive steps' outputs.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def model_folder(name: str, dtype: str, hf_init: bool) -> str:
     return str(path)
 
 
-def build_engine(a: argparse.Namespace, max_model_len: int) -> EngineCore:
+def build_engine(a: argparse.Namespace, max_model_len: int, async_scheduling: bool = False) -> EngineCore:
     return EngineCore(config_from_dict({
         "model": {"name": model_folder(a.model, a.dtype, a.hf_init), "dtype": a.dtype},
         "runner": {"kind": "paged", "device": a.device, "vocab_size": 2, "num_threads": a.threads,
@@ -80,7 +84,7 @@ def build_engine(a: argparse.Namespace, max_model_len: int) -> EngineCore:
         "cache": {"block_size": a.block_size, "num_blocks": a.num_blocks,
                   "enable_prefix_caching": False},
         "scheduler": {"max_num_batched_tokens": a.max_batch_tokens, "max_num_seqs": a.max_num_seqs,
-                      "max_model_len": max_model_len},
+                      "max_model_len": max_model_len, "async_scheduling": async_scheduling},
     }))
 
 
@@ -146,14 +150,27 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--hf-init", action="store_true", help="the peer's exact random weights")
     ap.add_argument("--decode-step", default=None, help="BATCH,CONTEXT: time decode steps only")
+    ap.add_argument("--scheduling", choices=["sync", "async", "both"], default="sync",
+                    help="async: two steps in flight (scheduler.async_scheduling)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     pl, ph = map(int, a.prompt.split(","))
-    ol, oh = map(int, a.out.split(","))
+    oh = int(a.out.split(",")[1])
     if a.num_blocks is None:
         need = a.max_num_seqs * -(-(ph + oh + 16) // a.block_size) + 1
         a.num_blocks = 10**7 if a.device == "cuda" else need
+    modes = ["sync", "async"] if a.scheduling == "both" else [a.scheduling]
+    results = []
+    for mode in modes:
+        results.append(bench_one(a, pl, ph, oh, mode == "async"))
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results[-1].items()}))
+        sys.stdout.flush()
+    if a.json:
+        Path(a.json).write_text(json.dumps(results if len(results) > 1 else results[0]))
+
+
+def bench_one(a: argparse.Namespace, pl: int, ph: int, oh: int, async_scheduling: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     if a.decode_step:
         batch, ctx = map(int, a.decode_step.split(","))
@@ -161,21 +178,20 @@ def main() -> None:
             a.num_blocks = batch * -(-(ctx + 64) // a.block_size) + 1
         a.max_num_seqs = max(a.max_num_seqs, batch)
         a.max_batch_tokens = max(a.max_batch_tokens, batch)
-        engine = build_engine(a, ctx + 64)
+        engine = build_engine(a, ctx + 64, async_scheduling)
         result = decode_step_bench(engine, batch, ctx, engine.runner.args.vocab_size)
     else:
-        engine = build_engine(a, ph + oh + 16)
+        engine = build_engine(a, ph + oh + 16, async_scheduling)
         vocab = engine.runner.args.vocab_size
         build_s = time.perf_counter() - t0
         run(engine, make_workload(4, 32, 32, 8, 8, vocab, seed=99), "warm")
-        result = dict(build_s=build_s, **run(engine, make_workload(a.n, pl, ph, ol, oh, vocab), "r"))
+        result = dict(build_s=build_s, **run(engine, make_workload(a.n, pl, ph, *map(int, a.out.split(",")), vocab), "r"))
     threads = torch.get_num_threads() if a.device == "cpu" else None
-    result = dict(engine="schedkit-paged", model=a.model, device=a.device, dtype=a.dtype,
-                  threads=threads, **result)
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
-    if a.json:
-        Path(a.json).write_text(json.dumps(result))
-    sys.stdout.flush()
+    del engine
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(engine="schedkit-paged", model=a.model, device=a.device, dtype=a.dtype, threads=threads,
+                scheduling="async" if async_scheduling else "sync", **result)
 
 
 if __name__ == "__main__":

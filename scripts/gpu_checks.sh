@@ -13,10 +13,11 @@
 # JSON, refreshed after each section: at most 8 files come back) and the fitted
 # profile. ONLY=name1,name2 runs a subset (to rerun what failed).
 #   tests     tests/gpu: kernel vs reference, fp32 greedy = transformers, bf16 top-1
-#   bench     schedkit then the peer on the peer's workload (qwen0.5b shape, bf16, 256 requests)
+#   bench     schedkit (sync, then async scheduling) then the peer on the peer's workload
+#             (qwen0.5b shape, bf16, 256 requests)
 #   calib     fit the simulator's profile to measured steps, then replay the Azure trace
 #             on the real runner and the simulator (fcfs, sjf) and compare TTFT/TPOT
-#   decode    decode step at batch 256 x 1,024 context
+#   decode    decode step at batch 256 x 1,024 context (sync, then async scheduling)
 #   kernels   attention kernel bandwidth (decode) and prefill vs dense SDPA
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-checks-out}
@@ -57,9 +58,10 @@ section() {
 section tests 150 gpu_tests.txt python3 -m pytest tests/gpu -m gpu -q -rfEs -s -p no:cacheprovider
 grep -E "passed|failed|error|top-1" "$LOGS/gpu_tests.txt" 2>/dev/null | tail -6 | tee -a "$OUT/summary.txt"
 
-section bench 100 bench_schedkit.txt python3 scripts/bench_paged.py --model qwen0.5b --device cuda \
+section bench 140 bench_schedkit.txt python3 scripts/bench_paged.py --model qwen0.5b --device cuda \
   --dtype bfloat16 --n 256 --prompt 64,512 --out 128,128 --block-size 32 --max-batch-tokens 2048 \
-  --json "$LOGS/bench_schedkit.json" && tail -1 "$LOGS/bench_schedkit.txt" | tee -a "$OUT/summary.txt"
+  --scheduling both --json "$LOGS/bench_schedkit.json"
+grep '^{' "$LOGS/bench_schedkit.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 if [ -f .peer/bench_hf_cb.py ]; then
   section bench 100 bench_peer.txt bash -c "cd .peer && python3 bench_hf_cb.py --model-config qwen0.5b \
     --device cuda --n 256 --prompt 64,512 --out 128,128 --block-size 32 --num-blocks 8192 \
@@ -76,9 +78,9 @@ section calib 100 calibration.txt python3 scripts/fit_cost_model.py configs/cali
     --policy fcfs --policy sjf -o "$LOGS/sim_validation.json"
 tail -8 "$LOGS/sim_validation.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 
-section decode 60 decode_step.txt python3 scripts/bench_paged.py --model qwen0.5b --device cuda \
-  --dtype bfloat16 --decode-step 256,1024 --block-size 16 --json "$LOGS/decode_step.json" \
-  && tail -1 "$LOGS/decode_step.txt" | tee -a "$OUT/summary.txt"
+section decode 80 decode_step.txt python3 scripts/bench_paged.py --model qwen0.5b --device cuda \
+  --dtype bfloat16 --decode-step 256,1024 --block-size 16 --scheduling both --json "$LOGS/decode_step.json"
+grep '^{' "$LOGS/decode_step.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 
 section kernels 60 kernels.txt python3 scripts/bench_paged_kernels.py --json "$LOGS/kernels.json" \
   && tail -8 "$LOGS/kernels.txt" | tee -a "$OUT/summary.txt"

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from schedkit.config import Config
-from schedkit.core.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from schedkit.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from schedkit.core.request import FinishReason, Request, RequestStatus
 from schedkit.core.scheduler import Scheduler
 from schedkit.errors import PluginError

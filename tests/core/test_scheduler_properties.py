@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from collections import deque
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -64,6 +64,16 @@ def test_replay_is_deterministic_and_preempts_under_pressure():
     assert sum(m.num_preemptions for m in a.metrics) > 0
 
 
+def test_async_scheduling_replay_is_deterministic_and_loses_no_token():
+    sync = run_workload(config_from_dict(SMALL))
+    cfg = config_from_dict({**SMALL, "scheduler": {**SMALL["scheduler"], "async_scheduling": True}})
+    a, b = run_workload(cfg), run_workload(cfg)
+    assert [m.to_dict() for m in a.metrics] == [m.to_dict() for m in b.metrics]
+    assert sum(m.num_preemptions for m in a.metrics) > 0
+    assert sorted((m.request_id, m.num_output_tokens) for m in a.metrics) == sorted(
+        (m.request_id, m.num_output_tokens) for m in sync.metrics)
+
+
 def test_compare_writes_byte_identical_results(tmp_path):
     import yaml
 

@@ -267,8 +267,14 @@ class EngineCore:
         return outputs
 
     # -- utility calls -------------------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the prefix cache; with ``reset_running_requests`` preempt every running
+        request first (their outputs still in flight are discarded, then recomputed).
+
+        Returns:
+            False if blocks are still in use, so nothing was reset.
+        """
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def list_plugins(self) -> list[tuple[str, list[str]]]:
         return describe_plugins(self.plugin_manager)

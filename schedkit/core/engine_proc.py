@@ -246,7 +246,10 @@ class EngineCoreProc:
             if method == "stats":
                 result: Any = self.engine.stats() | {"num_malformed_messages": self.num_malformed}
             elif method == "reset_prefix_cache":
-                result = self.engine.reset_prefix_cache()
+                if len(call.args) > 1 or not all(isinstance(x, bool) for x in call.args):
+                    return UtilityResult(call.call_id, error="reset_prefix_cache takes one optional "
+                                         f"bool (reset_running_requests), got {call.args!r}")
+                result = self.engine.reset_prefix_cache(*call.args)
             elif method == "list_plugins":
                 result = self.engine.list_plugins()
             elif method == "num_unfinished":

@@ -8,6 +8,7 @@ from schedkit import hookimpl
 from schedkit.core.client import LLM
 from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, RequestStatus
+from schedkit.errors import SchedkitError
 from tests.engine.test_engine_proc import prompts_and_params, run_in_process
 
 
@@ -86,3 +87,14 @@ def test_engine_process_with_async_scheduling(small_config):
     with LLM(config) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in expected]
+
+
+def test_reset_prefix_cache_utility_takes_reset_running_requests(small_config):
+    with LLM(small_config(async_scheduling=True)) as llm:
+        prompts, params = prompts_and_params(4)
+        llm.generate(prompts, params, use_tqdm=False)
+        assert llm.call_utility("reset_prefix_cache") is True
+        assert llm.call_utility("reset_prefix_cache", True) is True
+        with pytest.raises(SchedkitError, match="one optional bool"):
+            llm.call_utility("reset_prefix_cache", "yes")
+        assert llm.call_utility("stats")["num_running"] == 0  # still serving

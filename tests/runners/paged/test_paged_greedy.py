@@ -145,3 +145,37 @@ def test_greedy_matches_transformers_on_random_settings(seed: int, model_dir: An
     expected = hf_greedy(hf_model(path), prompts, max(max_tokens))
     for i, m in enumerate(max_tokens):
         assert out[str(i)] == expected[i][:m], f"request {i} diverged"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reset_prefix_cache_of_running_requests_keeps_greedy_output(
+        async_scheduling: bool, model_dir: Any) -> None:  # S83
+    """Resetting the prefix cache with running requests preempts them all at step 10.
+    Their outputs still in flight are dropped and recomputed, so greedy output is
+    unchanged: no token is lost or duplicated."""
+    path = model_dir("llama", num_heads=4, num_kv_heads=2)
+    prompts = random_prompts([30, 17, 45, 8], 512, seed=9)
+
+    def run(reset_at: int | None) -> tuple[dict[str, list[int]], int]:
+        engine = EngineCore(paged_config(path, block_size=8, enable_prefix_caching=True,
+                                         max_num_batched_tokens=64, max_model_len=256,
+                                         scheduler={"async_scheduling": async_scheduling}))
+        for i, p in enumerate(prompts):
+            engine.add_request(greedy_request(str(i), p, 20))
+        outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        step = 0
+        while engine.has_requests():
+            if step == reset_at:
+                assert engine.num_steps_in_flight == (1 if async_scheduling else 0)
+                assert engine.reset_prefix_cache(reset_running_requests=True)
+            for eco in engine.step().values():
+                for o in eco.outputs:
+                    outputs[o.request_id].extend(o.new_token_ids)
+            step += 1
+        return outputs, engine.stats()["num_preemptions"]
+
+    plain, none = run(None)
+    reset, num_preempted = run(10)
+    assert none == 0 and num_preempted == len(prompts)
+    assert reset == plain
+    assert all(len(v) == 20 for v in reset.values())

@@ -59,6 +59,7 @@ class OutputProcessorMixin:
     _pending_finished: list[Request]
     _deferred_errors: list[PluginError]
     finished_req_ids: set[str]
+    deferred_ids: set[str]
     finished_recving_ids: set[str]
     failed_recving_ids: set[str]
     _held_for_load: set[str]
@@ -317,7 +318,9 @@ class OutputProcessorMixin:
 
     def _make_stats(self, spec_stats: SpecDecodingStats | None) -> SchedulerStats:
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting) + len(self.kv_holding),
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.kv_holding) - len(self.deferred_ids),
+            num_skipped_waiting_reqs=len(self.deferred_ids),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preempted_reqs=self.num_preemptions_total,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
@@ -333,6 +336,7 @@ class OutputProcessorMixin:
             self._deferred_errors.append(connector_error(self.connector, "request_finished", e, req))
             delay, params = False, None
         self.finished_req_ids.add(rid)
+        self.deferred_ids.discard(rid)
         req.record_event(EventType.FINISHED, now)
         if not (delay or hold_blocks):
             self.kv_cache_manager.free(req)

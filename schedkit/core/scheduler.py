@@ -109,6 +109,8 @@ class Scheduler(OutputProcessorMixin):
         self._held_for_load: set[str] = set()
         """Finished (aborted) requests whose blocks a load still in progress writes into."""
         self.finished_req_ids: set[str] = set()
+        self.deferred_ids: set[str] = set()
+        """Waiting requests the last schedule() passed over (vLLM's deferred_waiting)."""
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[tuple[Request, EngineCoreOutput]] = []
         self._pending_finished: list[Request] = []
@@ -426,8 +428,10 @@ class Scheduler(OutputProcessorMixin):
                 st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
         if kv_skipped:
             kv_holding.prepend_requests(kv_skipped)
+            self.deferred_ids.update(r.request_id for r in kv_skipped)
         if skipped:
             waiting.prepend_requests(skipped)
+            self.deferred_ids.update(r.request_id for r in skipped)
         st.returned = kv_skipped + skipped
 
     def _promote_loaded(self, req: Request) -> None:
@@ -480,6 +484,7 @@ class Scheduler(OutputProcessorMixin):
 
     def _admit(self, req: Request, n: int, computed: int, st: StepState, now: float) -> None:
         st.popped.append(req)
+        self.deferred_ids.discard(req.request_id)
         self.running.append(req)
         (st.new_reqs if req.status is _WAITING else st.resumed_reqs).append(req)
         req.status = _RUNNING

@@ -437,3 +437,20 @@ def test_load_failure_with_fail_policy_errors_the_readers_and_uncaches_bad_block
     assert outs["r1"].new_token_ids == [0] and outs["r3"].new_token_ids == [0]
     assert "r2" not in sched.requests and [r.request_id for r in sched.running] == ["r1", "r3"]
     assert all(kv.block_pool.block_hash(b) is None for b in bad)
+
+
+def test_skipped_waiting_requests_in_stats():  # S10, with loads in progress as the blockers
+    sched, _ = h4(max_num_batched_tokens=100)
+    for rid, k in (("remote-3", 4), ("remote-4", 5), ("local-0", 1), ("local-1", 2), ("local-2", 3)):
+        sched.add_request(make_request(rid, prompt(k, 50)))
+    out = sched.schedule()  # the two loads start (no budget); 0 and 1 fill the budget
+    assert list(out.num_scheduled_tokens) == ["local-0", "local-1"]
+    assert len(sched.waiting) == 1 and len(sched.kv_holding) == 2
+    assert sched.deferred_ids == {"remote-3", "remote-4"}
+    outs = sched.update_from_output(out, runner_output(out, {"local-0": [1], "local-1": [1]}))
+    stats = outs[0].scheduler_stats
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_skipped_waiting_reqs) == (2, 1, 2)
+    step(sched, {}, recv={"remote-3", "remote-4"})  # loads done: admitted next step
+    out = sched.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-3", "remote-4"]
+    assert not sched.deferred_ids

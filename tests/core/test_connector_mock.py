@@ -1,0 +1,124 @@
+"""Spec 7.6 with vLLM's MockKVConnector: a connector that always has ``m`` more tokens
+(S46, S47), loading them synchronously or asynchronously."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedkit import hookimpl
+from schedkit.core.outputs import KVConnectorOutput
+from schedkit.core.request import RequestStatus
+from schedkit.kv.connector import KVConnectorBase
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_requests,
+    make_scheduler,
+    runner_output,
+)
+
+
+class MockKV(KVConnectorBase):
+    """Always answers ``(m, load_async)``; its metadata lists the new and resumed
+    requests of the step."""
+
+    def __init__(self, role, config, m, load_async):
+        super().__init__(role, config)
+        self.m, self.load_async = m, load_async
+        self.loading: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
+        return self.m, self.load_async
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if self.load_async and num_external_tokens:
+            self.loading.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output):
+        cached = scheduler_output.scheduled_cached_reqs
+        return [r.req_id for r in scheduler_output.scheduled_new_reqs] + [
+            r for r in cached.req_ids if r in cached.resumed_req_ids]
+
+
+class MockKVPlugin:
+    def __init__(self, m, load_async):
+        self.m, self.load_async = m, load_async
+        self.connector = None
+
+    @hookimpl
+    def schedkit_create_kv_connector(self, role, config):
+        self.connector = MockKV(role, config, self.m, self.load_async)
+        return self.connector
+
+
+def mock_scheduler(m, load_async, **kw):
+    plugin = MockKVPlugin(m, load_async)
+    sched = make_scheduler(enable_prefix_caching=True, plugins=[plugin], **kw)
+    return sched, plugin.connector
+
+
+def finish_loads(sched, connector):
+    """(async loads) One step that parks the requests, then one reporting their loads done."""
+    out = sched.schedule()
+    assert not out.num_scheduled_tokens and not sched.running
+    ro = runner_output(out, {})
+    ro.kv_connector_output = KVConnectorOutput(finished_recving=set(connector.loading))
+    connector.loading.clear()
+    sched.update_from_output(out, ro)
+
+
+def step(sched, sampled_token=1000):
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output(out, {r: [sampled_token] for r in out.num_scheduled_tokens}))
+    assert_scheduler_consistent(sched)
+    return out
+
+
+def test_kv_connector_unable_to_allocate():  # S46
+    sched, _ = mock_scheduler(8, False, block_size=4, num_blocks=10)
+    r0, r1 = make_requests(2, num_tokens=24, max_tokens=2)
+    sched.add_request(r0)
+    sched.add_request(r1)
+    out = step(sched)
+    assert out.kv_connector_metadata == ["0"] and out.num_scheduled_tokens == {"0": 16}
+    assert len(sched.running) == 1 and len(sched.waiting) == 1
+    while sched.running:  # the other request is never admitted meanwhile
+        out = step(sched)
+        assert "1" not in out.num_scheduled_tokens
+    assert sched.kv_cache_manager.num_free_blocks == 9 and len(sched.waiting) == 1
+    out = step(sched)
+    assert out.kv_connector_metadata == ["1"] and out.num_scheduled_tokens == {"1": 16}
+    while sched.running:
+        step(sched)
+    assert sched.kv_cache_manager.num_free_blocks == 9 and not sched.waiting
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_kv_connector_handles_preemption(load_async):  # S47
+    sched, connector = mock_scheduler(2, load_async, block_size=2, num_blocks=7)
+    r0, r1 = make_requests(2, num_tokens=5, max_tokens=4)
+    sched.add_request(r0)
+    sched.add_request(r1)
+    if load_async:
+        finish_loads(sched, connector)
+    kv = sched.kv_cache_manager
+    out = step(sched)
+    assert sorted(out.kv_connector_metadata) == ["0", "1"]
+    assert out.num_scheduled_tokens == {"0": 3, "1": 3}
+    assert len(sched.running) == 2 and kv.num_free_blocks == 0
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1} and out.kv_connector_metadata == []
+    out = step(sched)  # r0 needs a 4th block: the tail, r1, is preempted
+    assert out.num_scheduled_tokens == {"0": 1} and out.preempted_req_ids == {"1"}
+    assert len(sched.running) == 1 and len(sched.waiting) == 1
+    out = step(sched)  # r1 needs 2 free-listed hits + 2 new blocks; only 2 are free
+    assert out.num_scheduled_tokens == {"0": 1} and len(sched.waiting) == 1
+    assert r0.status is RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_free_blocks == 6
+    if load_async:
+        finish_loads(sched, connector)
+    out = step(sched)
+    assert out.kv_connector_metadata == ["1"]
+    assert out.scheduled_cached_reqs.resumed_req_ids == {"1"}
+    assert out.num_scheduled_tokens == {"1": 1}
+    assert len(sched.running) == 1 and not sched.waiting
+    step(sched)
+    assert r1.status is RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_free_blocks == 6

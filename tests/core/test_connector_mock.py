@@ -122,3 +122,27 @@ def test_kv_connector_handles_preemption(load_async):  # S47
     assert len(sched.running) == 1 and not sched.waiting
     step(sched)
     assert r1.status is RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_free_blocks == 6
+
+
+def test_invalid_blocks_evicted_prevents_cache_pollution():  # S81
+    sched, _ = mock_scheduler(1584, False, max_num_batched_tokens=64, kv_load_failure_policy="fail")
+    (req,) = make_requests(1, num_tokens=1600)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"0": 16}
+    kv = sched.kv_cache_manager
+    table = list(kv.get_block_ids("0"))
+    assert len(table) == 100
+    hashes = [kv.block_pool.block_hash(b) for b in table]
+    assert all(h is not None for h in hashes)  # cached at allocation (a synchronous load)
+    ro = runner_output(out, {"0": [0]})
+    ro.kv_connector_output = KVConnectorOutput(invalid_block_ids={table[50]})
+    outs = sched.update_from_output(out, ro)
+    assert [o.finish_reason for o in outs[0].outputs] == ["error"]
+    assert req.status is RequestStatus.FINISHED_ERROR and "0" not in sched.requests
+    pool = kv.block_pool
+    for i, b in enumerate(table):
+        if i < 50:
+            assert pool.block_hash(b) == hashes[i] and pool.get_cached_block(hashes[i]) == b
+        else:
+            assert pool.block_hash(b) is None and pool.get_cached_block(hashes[i]) is None

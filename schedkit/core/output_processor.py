@@ -60,6 +60,7 @@ class OutputProcessorMixin:
     _deferred_errors: list[PluginError]
     finished_req_ids: set[str]
     deferred_ids: set[str]
+    take_connector_prefix_cache_stats: Callable[[], Any]
     finished_recving_ids: set[str]
     failed_recving_ids: set[str]
     _held_for_load: set[str]
@@ -324,6 +325,7 @@ class OutputProcessorMixin:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preempted_reqs=self.num_preemptions_total,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            connector_prefix_cache_stats=self.take_connector_prefix_cache_stats(),
             spec_decoding_stats=spec_stats if spec_stats and spec_stats.num_drafts else None)
 
     def _free_request(self, req: Request, now: float, hold_blocks: bool = False) -> dict | None:

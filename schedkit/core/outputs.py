@@ -161,6 +161,9 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     num_preempted_reqs: int = 0
     prefix_cache_stats: Any = None
+    connector_prefix_cache_stats: Any = None
+    """Lookups a KV connector answered: queries = tokens the local cache did not have,
+    hits = tokens the connector has (None without a connector)."""
     spec_decoding_stats: SpecDecodingStats | None = None
 
 

@@ -29,6 +29,7 @@ from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
 from schedkit.kv.kv_cache_manager import KVCacheManager
+from schedkit.kv.metrics import PrefixCacheStats
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -93,6 +94,8 @@ class Scheduler(OutputProcessorMixin):
                         if cache_config.enable_prefix_caching else None)
         connector = hooks.create_kv_connector(role=KVConnectorRole.SCHEDULER, config=cache_config)
         self.connector = connector if connector is not None else NoOpConnector(KVConnectorRole.SCHEDULER)
+        self._connector_stats = PrefixCacheStats() if connector is not None else None
+        """This step's lookups answered by the connector (None without a connector)."""
         self.connector.bind_kv_cache_manager(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config,
@@ -392,11 +395,21 @@ class Scheduler(OutputProcessorMixin):
             if did_lookup:
                 hit_blocks, num_local = kv.get_computed_blocks(req)
                 num_ext, load_async = self._connector_call("get_num_new_matched_tokens", req, num_local)
+                if req.skip_reading_prefix_cache:
+                    num_ext, load_async = 0, False
                 if num_ext is None:
                     st.popped.append(queue.pop())
                     skipped.append(req)
                     continue
                 computed = num_local + num_ext
+                if num_ext < 0 or computed > req.num_tokens or (load_async and not num_ext):
+                    raise PluginError(
+                        f"KV connector {type(self.connector).__name__!r} answered "
+                        f"get_num_new_matched_tokens(request {req.request_id!r}, {num_local}) with "
+                        f"({num_ext}, {load_async}): external tokens must be >= 0, at most the "
+                        f"{req.num_tokens - num_local} tokens without a local hit, and > 0 for an "
+                        "asynchronous load", plugin=type(self.connector).__name__,
+                        hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
             else:
                 hit_blocks, num_local, num_ext = [], 0, 0
                 computed = req.num_computed_tokens
@@ -414,8 +427,8 @@ class Scheduler(OutputProcessorMixin):
             if new_blocks is None:
                 break
             self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id), num_ext)
-            if did_lookup and not req.skip_reading_prefix_cache:
-                kv.record_prefix_cache_hits(req.num_tokens, num_local, req.num_preemptions > 0)
+            if did_lookup:
+                self._record_lookup(req, num_local, num_ext)
             if load_async:
                 st.popped.append(queue.pop())
                 st.loads_started.append(req)
@@ -433,6 +446,23 @@ class Scheduler(OutputProcessorMixin):
             waiting.prepend_requests(skipped)
             self.deferred_ids.update(r.request_id for r in skipped)
         st.returned = kv_skipped + skipped
+
+    def _record_lookup(self, req: Request, num_local: int, num_ext: int) -> None:
+        """Prefix-cache statistics of an admission (or load start) that looked up hits:
+        the local cache's, then the connector's for the tokens the cache did not have."""
+        preempted = req.num_preemptions > 0
+        if not req.skip_reading_prefix_cache:
+            self.kv_cache_manager.record_prefix_cache_hits(req.num_tokens, num_local, preempted)
+        queries = req.num_tokens - num_local
+        if self._connector_stats is not None and queries:
+            self._connector_stats.record(queries, num_ext, preempted)
+
+    def take_connector_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """This step's connector lookups, then start new ones (None without a connector)."""
+        stats = self._connector_stats
+        if stats is not None:
+            self._connector_stats = PrefixCacheStats()
+        return stats
 
     def _promote_loaded(self, req: Request) -> None:
         """An asynchronous load finished: cache the blocks loaded before the first

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from schedkit import hookimpl
+from schedkit.config import config_from_dict
 from schedkit.core.outputs import KVConnectorOutput
 from schedkit.core.request import RequestStatus
 from schedkit.kv.connector import KVConnectorBase
@@ -27,7 +28,7 @@ class MockKV(KVConnectorBase):
         self.loading: set[str] = set()
 
     def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
-        return self.m, self.load_async
+        return self.m, self.load_async and self.m > 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         if self.load_async and num_external_tokens:
@@ -146,3 +147,65 @@ def test_invalid_blocks_evicted_prevents_cache_pollution():  # S81
             assert pool.block_hash(b) == hashes[i] and pool.get_cached_block(hashes[i]) == b
         else:
             assert pool.block_hash(b) is None and pool.get_cached_block(hashes[i]) is None
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_external_prefix_cache_metrics_without_local_cache(load_async):  # S45, no local
+    plugin = MockKVPlugin(4, load_async)
+    sched = make_scheduler(enable_prefix_caching=False, plugins=[plugin])
+    for r in make_requests(2, num_tokens=8, max_tokens=2):
+        sched.add_request(r)
+    out = sched.schedule()  # the step that admits them, or starts their loads
+    outs = sched.update_from_output(out, runner_output(out, {r: [1000] for r in out.num_scheduled_tokens}))
+    stats = outs[0].scheduler_stats.connector_prefix_cache_stats
+    assert (stats.queries, stats.hits, stats.requests, stats.preempted_requests) == (16, 8, 2, 0)
+    assert outs[0].scheduler_stats.prefix_cache_stats is None  # no local cache
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_external_prefix_cache_metrics_with_local_cache(load_async):  # S45, local
+    sched, connector = mock_scheduler(32, load_async)
+    (first,) = make_requests(1, num_tokens=64, max_tokens=2)
+    connector.m = 0  # the first request computes everything and fills the local cache
+    sched.add_request(first)
+    while sched.has_requests():
+        step(sched)
+    connector.m = 32
+    sched.add_request(make_requests(1, num_tokens=128, max_tokens=2)[0])
+    out = sched.schedule()
+    outs = sched.update_from_output(out, runner_output(out, {r: [1000] for r in out.num_scheduled_tokens}))
+    stats = outs[0].scheduler_stats
+    local, ext = stats.prefix_cache_stats, stats.connector_prefix_cache_stats
+    assert (local.queries, local.hits) == (128, 64)
+    assert (ext.queries, ext.hits, ext.requests, ext.preempted_requests) == (64, 32, 1, 0)
+
+
+@pytest.mark.parametrize("answer", [(-1, False), (0, True), (11, False)])
+def test_impossible_connector_answers_fail_only_that_request(answer):
+    """A connector answering more tokens than the prompt has, a negative count, or an
+    asynchronous load of nothing: a PluginError naming it; the engine fails that request
+    and goes on serving the others."""
+    from schedkit.core.engine_core import EngineCore
+    from schedkit.core.request import Request, SamplingParams
+
+    class Liar(KVConnectorBase):
+        def get_num_new_matched_tokens(self, request, num_local_hit_tokens):
+            return answer if request.request_id == "bad" else (0, False)
+
+    class LiarPlugin:
+        @hookimpl
+        def schedkit_create_kv_connector(self, role, config):
+            return Liar(role, config)
+
+    config = config_from_dict({"runner": {"kind": "fake", "vocab_size": 100}})
+    engine = EngineCore(config, extra_plugins=[LiarPlugin()])
+    reqs = [Request(rid, list(range(1, 11)), SamplingParams(max_tokens=3), 0.0) for rid in ("bad", "good")]
+    for r in reqs:
+        engine.add_request(r)
+    errors = {}
+    while engine.has_requests():
+        for group in engine.step().values():
+            errors.update({o.request_id: o.error for o in group.outputs if o.error})
+    assert set(errors) == {"bad"} and "get_num_new_matched_tokens" in errors["bad"]
+    assert reqs[0].status is RequestStatus.FINISHED_ERROR
+    assert reqs[1].status is RequestStatus.FINISHED_LENGTH_CAPPED

@@ -3,6 +3,10 @@
 Each live request owns a row of two persistent host arrays: its token ids (prompt,
 outputs, and this step's drafts) and its block table. A step's inputs are then a few
 vectorised gathers over those rows instead of per-token Python work.
+
+A token sampled by a step whose output has not reached the host yet (async scheduling)
+is *pending*: its row holds a placeholder, and the request's state remembers where it
+lies in that step's sampled tensor, so the next step takes it from the device.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ class RequestState:
     num_blocks: int
     num_computed_tokens: int
     sampling_params: SamplingParams
+    pending_src: int = -1
+    """Index, in the sampled tensor of the step in flight, of the token at
+    ``pending_pos`` (-1: every token is on the host)."""
+    pending_pos: int = -1
 
 
 @dataclass(slots=True)
@@ -52,6 +60,15 @@ class StepInputs:
     """Per request, its [start, end) range in ``logits_indices`` (empty for a chunk)."""
     sample_positions: list[int] = field(default_factory=list)
     """Per sampled row, the position of the token it samples."""
+    sample_params: list[SamplingParams] = field(default_factory=list)
+    """Per sampled row, its request's sampling parameters."""
+    fill_rows: list[int] = field(default_factory=list)
+    """Input rows whose token is pending: it comes from the previous step's sampled
+    tensor, at ``fill_src``."""
+    fill_src: list[int] = field(default_factory=list)
+    placeholders: list[tuple[RequestState, int, int]] = field(default_factory=list)
+    """(state, position, sampled row) of each token this step samples alone (no drafts):
+    pending until :meth:`InputBatch.resolve` writes it."""
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +116,17 @@ class InputBatch:
         st = self.states.pop(req_id, None)
         if st is not None:
             self._free_rows.append(st.row)
+            st.row = -1  # a tombstone: pending tokens of a step in flight are not written
         return st
+
+    def resolve(self, placeholders: list[tuple[RequestState, int, int]], tokens: list[int]) -> None:
+        """Write the sampled tokens of a step's placeholders (rows still alive)."""
+        token_ids = self.token_ids
+        for st, pos, src in placeholders:
+            if st.row >= 0:
+                token_ids[st.row, pos] = tokens[src]
+                if st.pending_pos == pos:
+                    st.pending_src = -1
 
     def append_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
         st = self.states[req_id]
@@ -123,7 +150,9 @@ class InputBatch:
         """Packed inputs for tokens ``[computed, computed + n)`` of each scheduled request.
 
         A request samples when its chunk reaches the end of its known tokens; with ``k``
-        drafts it samples ``k + 1`` rows (one per draft to verify, plus the bonus).
+        drafts it samples ``k + 1`` rows (one per draft to verify, plus the bonus). A
+        request sampling one token gets it as a pending placeholder at once (see
+        :meth:`resolve`); with drafts the caller appends what was accepted.
         """
         states = self.states
         req_ids = list(num_scheduled)
@@ -134,19 +163,32 @@ class InputBatch:
         logits_idx: list[int] = []
         slices: list[tuple[int, int]] = []
         sample_pos: list[int] = []
+        sample_params: list[SamplingParams] = []
+        fill_rows: list[int] = []
+        fill_src: list[int] = []
+        placeholders: list[tuple[RequestState, int, int]] = []
         end_row = 0
         for i, rid in enumerate(req_ids):
             st = states[rid]
-            rows[i], starts[i] = st.row, st.num_computed_tokens
-            end_row += int(counts[i])
+            start, count = st.num_computed_tokens, int(counts[i])
+            rows[i], starts[i] = st.row, start
+            end_row += count
+            if st.pending_src >= 0 and start <= st.pending_pos < start + count:
+                fill_rows.append(end_row - count + st.pending_pos - start)
+                fill_src.append(st.pending_src)
             k = len(drafts.get(rid, ()))
             if k:
                 d = np.asarray(drafts[rid], dtype=np.int64)
                 self.token_ids[st.row, st.num_tokens:st.num_tokens + k] = np.maximum(d, 0)
             first = len(logits_idx)
-            if st.num_computed_tokens + counts[i] - k >= st.num_tokens:
+            if start + count - k >= st.num_tokens:
                 logits_idx.extend(range(end_row - k - 1, end_row))
                 sample_pos.extend(range(st.num_tokens, st.num_tokens + k + 1))
+                sample_params.extend([st.sampling_params] * (k + 1))
+                if not k:
+                    st.pending_src, st.pending_pos = first, st.num_tokens
+                    placeholders.append((st, st.num_tokens, first))
+                    st.num_tokens += 1
             slices.append((first, len(logits_idx)))
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
@@ -163,4 +205,5 @@ class InputBatch:
             slot_mapping=blocks * bs + positions % bs, query_start_loc=cu.astype(np.int32),
             seq_lens=seq_lens, block_table=self.block_table[rows, :width],
             logits_indices=np.asarray(logits_idx, dtype=np.int64), sample_slices=slices,
-            sample_positions=sample_pos)
+            sample_positions=sample_pos, sample_params=sample_params, fill_rows=fill_rows,
+            fill_src=fill_src, placeholders=placeholders)

@@ -80,8 +80,8 @@ class _InFlightStep:
     """A CUDA event recorded after the device-to-host copy (None on CPU)."""
     slices: list[tuple[int, int]] = field(default_factory=list)
     drafts: dict[str, list[int]] = field(default_factory=dict)
-    placeholders: list[tuple[str, RequestState, int, int]] = field(default_factory=list)
-    """(request, its state, token position, index in ``tokens``) per placeholder."""
+    placeholders: list[tuple[RequestState, int, int]] = field(default_factory=list)
+    """(request state, token position, index in ``tokens``) per pending token."""
     done: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -219,16 +219,20 @@ class PagedModelRunner:
         assert ib is not None, "initialize() was not called"
         drafts = scheduler_output.scheduled_spec_decode_tokens
         inputs = ib.prepare(scheduler_output.num_scheduled_tokens, drafts)
-        hidden = self._forward(inputs, self._placeholder_inputs(inputs))
-        step.slices, step.drafts = inputs.sample_slices, drafts
+        fill = None
+        if inputs.fill_rows:  # tokens the step in flight is sampling
+            prev = self._in_flight
+            assert prev is not None and prev.done is None and prev.tokens is not None
+            fill = (torch.tensor(inputs.fill_rows, dtype=torch.int64).to(self.device, non_blocking=True),
+                    torch.tensor(inputs.fill_src, dtype=torch.int64).to(self.device, non_blocking=True),
+                    prev.tokens)
+        hidden = self._forward(inputs, fill)
+        step.slices, step.drafts, step.placeholders = inputs.sample_slices, drafts, inputs.placeholders
         if len(inputs.logits_indices):
             idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[idx])
-            params = [ib.states[rid].sampling_params
-                      for rid, (a, b) in zip(req_ids, inputs.sample_slices, strict=True)
-                      for _ in range(a, b)]
-            batch = SamplingBatch.build(params, inputs.sample_positions, self.args.vocab_size,
-                                        self.device)
+            batch = SamplingBatch.build(inputs.sample_params, inputs.sample_positions,
+                                        self.args.vocab_size, self.device)
             step.tokens = self.sampler(logits, batch)
             if self.device.type == "cuda":
                 step.host_tokens = step.tokens.to("cpu", non_blocking=True)  # pinned
@@ -236,40 +240,9 @@ class PagedModelRunner:
                 step.copied.record()
             else:
                 step.host_tokens = step.tokens
-            for rid, (a, b) in zip(req_ids, inputs.sample_slices, strict=True):
-                if b - a == 1 and rid not in drafts:  # known at once: one token, no drafts
-                    st = ib.states[rid]
-                    step.placeholders.append((rid, st, st.num_tokens, a))
-                    ib.append_tokens(rid, (0,))
         self._in_flight = step
         self._num_uncollected += 1
         return step
-
-    def _placeholder_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(input rows, rows of the previous step's tokens, those tokens) for the inputs
-        that are tokens the step still in flight samples; None if there are none."""
-        prev = self._in_flight
-        if prev is None or prev.done is not None or not prev.placeholders:
-            return None
-        ib = self.input_batch
-        assert ib is not None
-        where = {rid: i for i, rid in enumerate(inputs.req_ids)}
-        qsl, positions = inputs.query_start_loc, inputs.positions
-        dst, src = [], []
-        for rid, st, pos, a in prev.placeholders:
-            i = where.get(rid)
-            if i is None or ib.states.get(rid) is not st:
-                continue
-            first, end = int(qsl[i]), int(qsl[i + 1])
-            offset = pos - int(positions[first])
-            if 0 <= offset < end - first:
-                dst.append(first + offset)
-                src.append(a)
-        if not dst:
-            return None
-        put = self.device
-        return (torch.tensor(dst, dtype=torch.int64).to(put, non_blocking=True),
-                torch.tensor(src, dtype=torch.int64).to(put, non_blocking=True), prev.tokens)
 
     def _collect(self, step: _InFlightStep) -> ModelRunnerOutput:
         """The step's tokens on the host: placeholders filled, drafts verified."""
@@ -281,16 +254,14 @@ class PagedModelRunner:
             if step.copied is not None:
                 step.copied.synchronize()
             tokens = step.host_tokens.tolist()
-            for rid, st, pos, a in step.placeholders:
-                if ib.states.get(rid) is st:  # not preempted or finished meanwhile
-                    ib.token_ids[st.row, pos] = tokens[a]
-            for i, (rid, (a, b)) in enumerate(zip(req_ids, step.slices, strict=True)):
+            ib.resolve(step.placeholders, tokens)
+            drafts = step.drafts
+            for i, (a, b) in enumerate(step.slices):
                 if a == b:
                     continue
-                drafts = step.drafts.get(rid)
-                if drafts:
-                    sampled[i] = _accept(tokens[a:b], drafts)
-                    ib.append_tokens(rid, sampled[i])
+                if drafts and drafts.get(req_ids[i]):
+                    sampled[i] = _accept(tokens[a:b], drafts[req_ids[i]])
+                    ib.append_tokens(req_ids[i], sampled[i])
                 else:
                     sampled[i] = tokens[a:b]
         self._num_uncollected -= 1

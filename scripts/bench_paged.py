@@ -116,21 +116,46 @@ def run(engine: EngineCore, workload: list[dict[str, Any]], tag: str) -> dict[st
                 tpot_p50_ms=1e3 * q(tpot, .5))
 
 
+def _time_calls(obj: Any, name: str, into: list[float]) -> None:
+    """Wrap ``obj.name`` so that each call's wall time is appended to ``into``."""
+    inner = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = inner(*args, **kwargs)
+        into.append(time.perf_counter() - t)
+        return out
+
+    setattr(obj, name, timed)
+
+
 def decode_step_bench(engine: EngineCore, batch: int, ctx: int, vocab: int, steps: int = 20) -> dict[str, Any]:
-    """Median wall time of a decode-only step of ``batch`` requests at ``ctx`` tokens."""
+    """Median wall time of a decode-only step of ``batch`` requests at ``ctx`` tokens,
+    and where it goes: schedule(), the runner's launch (host work and kernel launches;
+    on CPU the compute too), waiting for the sampled tokens (on CUDA: the device time
+    not hidden behind host work), update_from_output()."""
     wl = make_workload(batch, ctx, ctx, steps + 10, steps + 10, vocab, seed=1)
     for i, w in enumerate(wl):
         engine.add_request(Request(f"d{i}", w["prompt"], SamplingParams(
             max_tokens=w["max_new_tokens"], temperature=0.0), arrival_time=time.monotonic()))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
+    parts: dict[str, list[float]] = {k: [] for k in ("schedule", "launch", "collect", "update")}
+    runner = engine.runner
+    _time_calls(engine.scheduler, "schedule", parts["schedule"])
+    _time_calls(engine.scheduler, "update_from_output", parts["update"])
+    _time_calls(runner, "execute_async", parts["launch"])
+    _time_calls(runner, "_collect", parts["collect"])
+    if not engine.config.scheduler.async_scheduling:
+        runner.execute = lambda so: runner.execute_async(so).result()  # through the timed calls
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    med = {k: 1e3 * statistics.median(v[-steps:]) for k, v in parts.items() if v}
     return dict(decode_batch=batch, context=ctx, step_ms_p50=1e3 * statistics.median(times),
-                step_ms_min=1e3 * min(times))
+                step_ms_min=1e3 * min(times), **{f"{k}_ms_p50": v for k, v in med.items()})
 
 
 def main() -> None:

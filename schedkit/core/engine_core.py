@@ -100,7 +100,7 @@ class EngineCore:
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = float("-inf")
-        self._launch_async = getattr(self.runner, "execute_async", None) if self._depth > 1 else None
+        self._launch_async = self._depth > 1 and hasattr(self.runner, "execute_async")
 
     @staticmethod
     def _build_runner(config: Config) -> Any:
@@ -238,8 +238,8 @@ class EngineCore:
         return _merge(outputs, step_outputs)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        if self._launch_async is not None:
-            handle: StepHandle = self._launch_async(scheduler_output)
+        if self._launch_async:
+            handle: StepHandle = self.runner.execute_async(scheduler_output)
             return handle
         return _Done(self.runner.execute(scheduler_output))
 

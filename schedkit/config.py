@@ -87,6 +87,12 @@ class SchedulerConfig(_Strict):
     """Longest sequence (prompt + output) a request may reach."""
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     """Per-request cap on prefill tokens per step when other requests exist (0 = off)."""
+    long_prefill_token_threshold_adaptive: bool = False
+    """Raise that cap to an equal share of the budget (max_num_batched_tokens divided by
+    the running and waiting requests) when the share is larger."""
+    max_num_active_seqs: int | None = Field(default=None, ge=1)
+    """Admit waiting requests only while fewer than this many run (<= max_num_seqs;
+    None: max_num_seqs). Running requests are never preempted for it."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps; when off a prompt must fit the budget whole."""
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
@@ -103,6 +109,9 @@ class SchedulerConfig(_Strict):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})")
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise ValueError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be <= "
+                             f"max_num_seqs ({self.max_num_seqs})")
         if self.long_prefill_token_threshold > self.max_model_len:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be "

@@ -31,8 +31,8 @@ from schedkit.core.outputs import (
     SchedulerOutput,
 )
 from schedkit.core.request import FinishReason, Request, RequestStatus
-from schedkit.core.scheduler import Scheduler
-from schedkit.errors import PluginError
+from schedkit.core.scheduler import PauseState, Scheduler
+from schedkit.errors import ConfigError, PluginError
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import describe_plugins, get_plugin_manager
 from schedkit.runners import runner_class
@@ -276,6 +276,20 @@ class EngineCore:
         """
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
+    def set_pause_state(self, state: str) -> None:
+        """"paused_new": running requests go on, nothing new is admitted (requests whose
+        KV is loaded still are); "paused_all": nothing is scheduled; "unpaused".
+
+        Raises:
+            ConfigError: Another value.
+        """
+        try:
+            pause = PauseState(state)
+        except ValueError:
+            raise ConfigError(f"pause state must be one of {', '.join(p.value for p in PauseState)}, "
+                              f"got {state!r}") from None
+        self.scheduler.set_pause_state(pause)
+
     def list_plugins(self) -> list[tuple[str, list[str]]]:
         return describe_plugins(self.plugin_manager)
 
@@ -285,7 +299,7 @@ class EngineCore:
         return {
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "kv_cache_usage": kv.usage, "num_preemptions": sched.num_preemptions_total,
-                "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
             "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
-            "now": self.now(),
+            "pause_state": sched.pause_state.value, "now": self.now(),
         }

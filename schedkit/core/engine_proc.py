@@ -59,7 +59,8 @@ from schedkit.errors import EngineDeadError, SchedkitError
 log = logging.getLogger("schedkit.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "list_plugins", "shutdown", "num_unfinished")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugins", "shutdown",
+                   "num_unfinished")
 
 
 def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
@@ -250,6 +251,11 @@ class EngineCoreProc:
                     return UtilityResult(call.call_id, error="reset_prefix_cache takes one optional "
                                          f"bool (reset_running_requests), got {call.args!r}")
                 result = self.engine.reset_prefix_cache(*call.args)
+            elif method == "set_pause_state":
+                if len(call.args) != 1:
+                    return UtilityResult(call.call_id, error="set_pause_state takes one state")
+                self.engine.set_pause_state(call.args[0])
+                result = self.engine.scheduler.pause_state.value
             elif method == "list_plugins":
                 result = self.engine.list_plugins()
             elif method == "num_unfinished":

@@ -9,6 +9,7 @@ rejected drafts, checks stops and frees finished requests.
 
 from __future__ import annotations
 
+import enum
 import functools
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +37,16 @@ _WAITING = RequestStatus.WAITING
 _LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 _ADMIT = AdmissionDecision.ADMIT
 _DEFER = AdmissionDecision.DEFER
+
+
+class PauseState(enum.Enum):
+    """What the scheduler still runs (vLLM's pause states)."""
+
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"
+    """Running requests go on; only waiting requests that hold KV blocks are admitted."""
+    PAUSED_ALL = "paused_all"
+    """Nothing is scheduled; requests keep their state and blocks."""
 
 
 @dataclass(slots=True)
@@ -80,6 +91,8 @@ class Scheduler(OutputProcessorMixin):
         self.clock = clock
         self.log_stats = log_stats
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_active_seqs = scheduler_config.max_num_active_seqs or self.max_num_seqs
+        self.pause_state = PauseState.UNPAUSED
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
@@ -200,15 +213,28 @@ class Scheduler(OutputProcessorMixin):
         return reqs
 
     def has_requests(self) -> bool:
-        return bool(self.requests or self.finished_req_ids or self._pending_outputs
-                    or self._pending_finished)
+        """Whether a step has work: unfinished requests the pause state lets run, finished
+        ids or outputs to hand out, or finished requests whose blocks a connector or a
+        load still holds."""
+        return bool(self.get_num_unfinished_requests() or self.has_finished_requests()
+                    or self._pending_outputs or self._pending_finished)
 
     def has_finished_requests(self) -> bool:
-        return bool(self.finished_req_ids)
+        return bool(self.finished_req_ids) or len(self.requests) > (
+            len(self.running) + len(self.waiting) + len(self.kv_holding))
 
     def get_num_unfinished_requests(self) -> int:
-        """Requests running or waiting (finished ones held by a connector excluded)."""
-        return len(self.running) + len(self.waiting) + len(self.kv_holding)
+        """Requests running or waiting that the pause state lets run (finished ones held
+        by a connector excluded)."""
+        if self.pause_state is PauseState.UNPAUSED:
+            return len(self.running) + len(self.waiting) + len(self.kv_holding)
+        if self.pause_state is PauseState.PAUSED_NEW:
+            return len(self.running) + len(self.kv_holding)
+        return 0
+
+    def set_pause_state(self, state: PauseState) -> None:
+        """Pause admissions of new work (PAUSED_NEW) or everything (PAUSED_ALL), or resume."""
+        self.pause_state = state
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting); waiting includes requests holding loaded KV blocks."""
@@ -240,13 +266,12 @@ class Scheduler(OutputProcessorMixin):
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions if nobody was preempted."""
         self.current_step += 1
-        num_reqs = len(self.running) + len(self.waiting) + len(self.kv_holding)
-        threshold = self.scheduler_config.long_prefill_token_threshold if num_reqs > 1 else 0
-        st = StepState(budget=0, threshold=threshold)
+        st = StepState(budget=0, threshold=self._prefill_threshold())
         try:
-            st.budget = self._step_token_budget()
+            if self.pause_state is not PauseState.PAUSED_ALL:
+                st.budget = self._step_token_budget()
             self._schedule_running(st)
-            if not st.preempted:
+            if not st.preempted and st.budget > 0:
                 self._schedule_waiting(st)
             output = build_scheduler_output(self, st)
             output.kv_connector_metadata = self._connector_call("build_connector_meta", output)
@@ -256,6 +281,16 @@ class Scheduler(OutputProcessorMixin):
         self._finish_rejected(st.rejected)
         self._update_after_schedule(st)
         return output
+
+    def _prefill_threshold(self) -> int:
+        """This step's long-prefill cap: off for a request alone in the scheduler, and
+        at least an equal share of the budget when adaptive."""
+        cfg = self.scheduler_config
+        num_reqs = len(self.running) + len(self.waiting) + len(self.kv_holding)
+        threshold = cfg.long_prefill_token_threshold if num_reqs > 1 else 0
+        if threshold and cfg.long_prefill_token_threshold_adaptive:
+            threshold = max(threshold, self.max_num_batched_tokens // num_reqs)
+        return threshold
 
     def _step_token_budget(self) -> int:
         budget = self.hooks.step_token_budget(
@@ -366,9 +401,10 @@ class Scheduler(OutputProcessorMixin):
         skipped: list[Request] = []
         kv_skipped: list[Request] = []
         now = self.clock()
-        while st.budget > 0 and len(running) < self.max_num_seqs:
+        serve_waiting = self.pause_state is PauseState.UNPAUSED
+        while st.budget > 0 and len(running) < self.max_num_active_seqs:
             queue = kv_holding if kv_holding else waiting
-            if not queue:
+            if not queue or (queue is waiting and not serve_waiting):
                 break
             req = queue.peek()
             if req.status is _LOADING:

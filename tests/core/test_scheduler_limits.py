@@ -1,0 +1,118 @@
+"""Admission limits and pause states of vLLM 0.32 (spec 1.5, 2.1, 2.5, 3.6)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedkit.config import SchedulerConfig
+from schedkit.core.outputs import KVConnectorOutput
+from schedkit.core.scheduler import PauseState
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_request,
+    make_requests,
+    make_scheduler,
+    runner_output,
+)
+
+
+def run_step(sched, **kv_out):
+    out = sched.schedule()
+    ro = runner_output(out, {r: [7] for r in out.num_scheduled_tokens})
+    if kv_out:
+        ro.kv_connector_output = KVConnectorOutput(**kv_out)
+    sched.update_from_output(out, ro)
+    assert_scheduler_consistent(sched)
+    return out
+
+
+def test_adaptive_long_prefill_threshold():  # S89, adaptive part
+    sched = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=100)
+    sched.scheduler_config = sched.scheduler_config.model_copy(
+        update={"long_prefill_token_threshold_adaptive": True})
+    for i in range(3):
+        sched.add_request(make_request(str(i), [i + 1] * 800))
+    assert sched.schedule().num_scheduled_tokens == {"0": 341, "1": 341, "2": 341}
+
+
+def test_max_num_active_seqs_limits_admission_only():
+    sched = make_scheduler(max_num_seqs=4)
+    sched.max_num_active_seqs = 2
+    for r in make_requests(3, max_tokens=4):
+        sched.add_request(r)
+    out = run_step(sched)
+    assert list(out.num_scheduled_tokens) == ["0", "1"] and len(sched.waiting) == 1
+    for _ in range(10):
+        out = run_step(sched)
+        assert len(sched.running) <= 2
+        if "2" in out.num_scheduled_tokens:
+            break  # admitted once one of the two finished
+    assert "2" in out.num_scheduled_tokens and not sched.waiting
+
+
+def test_max_num_active_seqs_is_validated():
+    with pytest.raises(ValueError, match="max_num_active_seqs"):
+        SchedulerConfig(max_num_seqs=4, max_num_active_seqs=5)
+
+
+def test_paused_all_schedules_nothing_and_keeps_state():
+    sched = make_scheduler()
+    for r in make_requests(2, max_tokens=5):
+        sched.add_request(r)
+    run_step(sched)
+    sched.set_pause_state(PauseState.PAUSED_ALL)
+    assert not sched.has_requests() and sched.get_num_unfinished_requests() == 0
+    out = run_step(sched)
+    assert not out.num_scheduled_tokens
+    assert [r.num_output_tokens for r in sched.running] == [1, 1]
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert sched.has_requests()
+    assert run_step(sched).num_scheduled_tokens == {"0": 1, "1": 1}
+
+
+def test_paused_new_runs_running_requests_and_admits_only_loaded_ones():
+    from tests.core.test_async_kv_loads import h4, prompt
+
+    sched, _ = h4()
+    sched.add_request(make_request("local-0", prompt(1, 10)))
+    sched.add_request(make_request("remote-1", prompt(2, 40)))  # its load starts
+    run_step(sched)
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    sched.add_request(make_request("local-2", prompt(3, 10)))
+    assert sched.get_num_unfinished_requests() == 2  # running + loading, not the new one
+    run_step(sched, finished_recving={"remote-1"})
+    out = run_step(sched)
+    assert set(out.num_scheduled_tokens) == {"local-0", "remote-1"}  # the loaded one is admitted
+    assert [r.request_id for r in sched.waiting] == ["local-2"]
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert "local-2" in run_step(sched).num_scheduled_tokens
+
+
+def test_engine_pause_state_in_process_and_through_the_utility_call():
+    from schedkit.config import config_from_dict
+    from schedkit.core.client import LLM
+    from schedkit.core.engine_core import EngineCore
+    from schedkit.core.request import Request, SamplingParams
+    from schedkit.errors import ConfigError, SchedkitError
+
+    config = config_from_dict({"runner": {"kind": "fake", "vocab_size": 100}})
+    engine = EngineCore(config)
+    engine.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4), 0.0))
+    engine.step()
+    engine.set_pause_state("paused_all")
+    assert engine.stats()["pause_state"] == "paused_all"
+    steps = engine.num_steps
+    assert not engine.has_requests() and engine.step() == {} and engine.num_steps == steps
+    with pytest.raises(ConfigError, match="paused_new"):
+        engine.set_pause_state("sleep")
+    engine.set_pause_state("unpaused")
+    while engine.has_requests():
+        engine.step()
+    assert engine.scheduler.requests == {}
+    with LLM(config) as llm:
+        assert llm.call_utility("set_pause_state", "paused_new") == "paused_new"
+        with pytest.raises(SchedkitError, match="pause state must be one of"):
+            llm.call_utility("set_pause_state", "later")
+        assert llm.call_utility("set_pause_state", "unpaused") == "unpaused"
+        out = llm.generate([[1, 2, 3]], [SamplingParams(max_tokens=2)], use_tqdm=False)
+        assert len(out[0].output_token_ids) == 2

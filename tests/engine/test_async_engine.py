@@ -98,3 +98,60 @@ def test_reset_prefix_cache_utility_takes_reset_running_requests(small_config):
         with pytest.raises(SchedkitError, match="one optional bool"):
             llm.call_utility("reset_prefix_cache", "yes")
         assert llm.call_utility("stats")["num_running"] == 0  # still serving
+
+
+class FailingLaunches:
+    """A fake runner whose ``fail_at``-th step fails when its tokens are collected."""
+
+    is_virtual_clock = True
+
+    def __init__(self, fail_at):
+        from schedkit.runners.fake import FakeRunner
+
+        self.inner = FakeRunner(vocab_size=1000)
+        self.fail_at, self.launched = fail_at, 0
+
+    def initialize(self, num_blocks, block_size):
+        return num_blocks
+
+    def execute(self, so):
+        raise AssertionError("the engine must launch asynchronously")
+
+    def execute_async(self, so):
+        self.launched += 1
+        out = self.inner.execute(so)
+        failing = self.launched == self.fail_at
+
+        class Handle:
+            def result(self):
+                if failing:
+                    raise RuntimeError("device fault")
+                return out
+
+        return Handle()
+
+    def propose_draft_token_ids(self, k):
+        return {}
+
+
+def test_a_step_failing_while_another_is_in_flight_fails_only_its_requests(small_config):
+    config = small_config(async_scheduling=True)
+    engine = EngineCore(config, runner=FailingLaunches(fail_at=3))
+    prompts, params = prompts_and_params(8)
+    reqs = [Request(f"r{i}", p, sp, arrival_time=engine.now()) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    for r in reqs:
+        engine.add_request(r)
+    errors = {}
+    while engine.has_requests():
+        for group in engine.step().values():
+            errors.update({o.request_id: o.error for o in group.outputs if o.error})
+    assert errors and all("device fault" in e for e in errors.values())
+    for r in reqs:
+        assert r.is_finished
+        if r.request_id in errors:
+            assert r.status is RequestStatus.FINISHED_ERROR
+        else:
+            assert r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+    assert len(errors) < len(reqs)  # the others were served
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,31 +28,41 @@ StepRecord = tuple[StepFeatures, float]
 
 
 class _Recorder:
-    """Wraps a runner: remembers each executed step's features; :meth:`on_step` pairs
-    them with the whole engine step's duration (scheduling and output processing
-    included, since the simulator's clock must advance by all of it)."""
+    """Wraps a runner: remembers the features of each launched step; :meth:`on_step`
+    pairs the oldest with the duration of the engine step that collected it (scheduling
+    and output processing included, since the simulator's clock must advance by all of
+    it; under async scheduling, the interval between consecutive steps' outputs)."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.records: list[StepRecord] = []
-        self._pending: StepFeatures | None = None
+        self._launched: deque[StepFeatures | None] = deque()
+        if hasattr(runner, "execute_async"):
+            self.execute_async = self._execute_async
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
-    def execute(self, scheduler_output: Any) -> Any:
+    def _note(self, scheduler_output: Any) -> None:
         cached = scheduler_output.scheduled_cached_reqs
         before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for new in scheduler_output.scheduled_new_reqs:
             before[new.req_id] = new.num_computed_tokens
-        out = self.runner.execute(scheduler_output)
-        self._pending = step_features(scheduler_output, before) if out.req_ids else None
-        return out
+        self._launched.append(step_features(scheduler_output, before)
+                              if scheduler_output.num_scheduled_tokens else None)
+
+    def execute(self, scheduler_output: Any) -> Any:
+        self._note(scheduler_output)
+        return self.runner.execute(scheduler_output)
+
+    def _execute_async(self, scheduler_output: Any) -> Any:
+        self._note(scheduler_output)
+        return self.runner.execute_async(scheduler_output)
 
     def on_step(self, engine: Any) -> None:
-        if self._pending is not None and engine.last_step_s > 0:
-            self.records.append((self._pending, engine.last_step_s))
-        self._pending = None
+        features = self._launched.popleft() if self._launched else None
+        if features is not None and engine.last_step_s > 0:
+            self.records.append((features, engine.last_step_s))
 
 
 def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int] | None = None,

@@ -19,15 +19,27 @@ TRUE = dict(base_s=2e-3, per_token_s=4e-6, per_request_s=3e-5, per_context_token
             per_prefill_attention_s=2e-11, per_prefill_step_s=1e-3)
 
 
-def test_fit_recovers_a_known_cost_model_from_recorded_steps():
+class LaunchingSimulator(SimulatedRunner):
+    """The simulator behind the execute_async interface of the paged runner."""
+
+    def execute_async(self, scheduler_output):
+        out = self.execute(scheduler_output)
+        return type("Handle", (), {"result": lambda self: out})()
+
+
+@pytest.mark.parametrize("async_scheduling,runner_cls", [
+    (False, SimulatedRunner), (True, SimulatedRunner), (True, LaunchingSimulator)])
+def test_fit_recovers_a_known_cost_model_from_recorded_steps(async_scheduling, runner_cls):
     # The "real" runner here is the simulator with known coefficients; recording its
-    # steps and fitting must give those coefficients back.
+    # steps and fitting must give those coefficients back (with two steps in flight too:
+    # each duration is paired with the step it belongs to).
     config = config_from_dict({
         "runner": {"kind": "simulated"}, "cache": {"num_blocks": 2000, "block_size": 16},
-        "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "max_model_len": 8192},
+        "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "max_model_len": 8192,
+                      "async_scheduling": async_scheduling},
         "workload": {"num_requests": 300, "rate": 40, "prompt_len": {"dist": "lognormal", "median": 400,
                      "sigma": 1.0, "min": 8, "max": 4000}, "output_len": [4, 200]}})
-    records = record_steps(config, runner=SimulatedRunner(cost_model=CostModel(**TRUE)),
+    records = record_steps(config, runner=runner_cls(cost_model=CostModel(**TRUE)),
                            phases=grid_phases(config, output_len=8))
     assert len(records) > 100
     assert {int(f[1]) for f, _ in records if not f[4]} >= {1, 4, 16, 64}  # decode batches of the grid

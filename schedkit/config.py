@@ -266,6 +266,9 @@ class ProfileConfig(_Strict):
     """scheduler.policy for this profile."""
     plugins: list[PluginConfig] = Field(default_factory=list)
     """Plugins switched on in addition to the config's own."""
+    scheduler: dict[str, Any] = Field(default_factory=dict)
+    """scheduler keys this profile changes, e.g. ``{async_scheduling: true}`` or
+    ``{long_prefill_token_threshold: 256}`` (the policy is set with ``policy``)."""
 
 
 class CompareConfig(_Strict):
@@ -295,7 +298,27 @@ class Config(_Strict):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"plugin listed twice: {sorted(dup)}")
+        for profile in self.compare.profiles if self.compare is not None else ():
+            profile_scheduler(self.scheduler, profile)  # raises ValueError naming the profile
         return self
+
+
+def profile_scheduler(base: SchedulerConfig, profile: ProfileConfig) -> SchedulerConfig:
+    """``base`` with a compare profile's policy and scheduler overrides.
+
+    Raises:
+        ValueError: An override that SchedulerConfig rejects (named with the profile).
+    """
+    if "policy" in profile.scheduler:
+        raise ValueError(f"compare profile {profile.name!r}: set the policy with its 'policy' "
+                         "key, not under 'scheduler'")
+    try:
+        return SchedulerConfig.model_validate(
+            {**base.model_dump(), **profile.scheduler, "policy": profile.policy})
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'scheduler'}: {err['msg']}"
+                        for err in e.errors())
+        raise ValueError(f"compare profile {profile.name!r}: bad scheduler override: {why}") from None
 
 
 def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:

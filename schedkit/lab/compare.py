@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schedkit.config import Config, ProfileConfig
+from schedkit.config import Config, ProfileConfig, profile_scheduler
 from schedkit.errors import ConfigError
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.simulate import run_workload
@@ -16,9 +16,10 @@ SWEEP_KNOBS = ("rate", "time_scale")
 
 
 def profile_config(config: Config, profile: ProfileConfig) -> Config:
-    """The config with the profile's policy and its extra plugins switched on."""
+    """The config with the profile's policy, its scheduler overrides and its extra
+    plugins switched on."""
     return config.model_copy(update={
-        "scheduler": config.scheduler.model_copy(update={"policy": profile.policy}),
+        "scheduler": profile_scheduler(config.scheduler, profile),
         "plugins": [*config.plugins, *profile.plugins],
     })
 

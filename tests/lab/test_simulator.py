@@ -88,3 +88,29 @@ def test_compare_writes_byte_identical_results(tmp_path):
     data = json.loads(outs[0])
     assert set(data["summaries"]) == {"fcfs", "prio"} and set(data["sustained"]) == {"fcfs", "prio"}
     assert (tmp_path / "out0" / "latency_cdf.png").stat().st_size > 1000
+
+
+def test_compare_profiles_with_scheduler_overrides():
+    from schedkit.lab.compare import compare
+
+    cfg = config_from_dict({**SMALL, "compare": {"profiles": [
+        {"name": "fcfs", "policy": "fcfs"},
+        {"name": "fcfs-chunk64", "policy": "fcfs", "scheduler": {"long_prefill_token_threshold": 64}},
+        {"name": "fcfs-async", "policy": "fcfs", "scheduler": {"async_scheduling": True}}]}})
+    result = compare(cfg)
+    assert set(result.summaries) == {"fcfs", "fcfs-chunk64", "fcfs-async"}
+    ttft = {name: s["ttft_s"]["p50"] for name, s in result.summaries.items()}
+    assert ttft["fcfs-chunk64"] != ttft["fcfs"]  # the override took effect
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_seqs": 9999}, "max_num_batched_tokens"),
+    ({"no_such_key": 1}, "no_such_key"),
+    ({"policy": "priority"}, "'policy' key"),
+])
+def test_bad_profile_overrides_name_the_profile(override, needle):
+    bad = {**SMALL, "compare": {"profiles": [{"name": "mine", "scheduler": override}]}}
+    with pytest.raises(ConfigError, match="mine") as e:
+        config_from_dict(bad)
+    assert needle in str(e.value)

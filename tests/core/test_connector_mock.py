@@ -209,3 +209,67 @@ def test_impossible_connector_answers_fail_only_that_request(answer):
     assert set(errors) == {"bad"} and "get_num_new_matched_tokens" in errors["bad"]
     assert reqs[0].status is RequestStatus.FINISHED_ERROR
     assert reqs[1].status is RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_kv_connector_basic(load_async):  # S44
+    sched, connector = mock_scheduler(32, load_async)
+    kv = sched.kv_cache_manager
+    total = kv.num_free_blocks
+    for num_tokens, local_hit, blocks in ((64, 0, 4), (128, 64, 8)):  # set 2 extends set 1
+        reqs = make_requests(2, num_tokens=num_tokens, max_tokens=3)
+        for r in reqs:
+            sched.add_request(r)
+        if load_async:
+            finish_loads(sched, connector)
+        out = step(sched)
+        assert sorted(out.kv_connector_metadata) == ["0", "1"]
+        assert out.num_scheduled_tokens == {"0": num_tokens - local_hit - 32, "1": num_tokens - local_hit - 32}
+        for r in reqs:
+            assert len(kv.get_block_ids(r.request_id)) == blocks
+            assert len(r.block_hashes) == blocks
+            assert all(kv.block_pool.block_hash(b) is not None for b in kv.get_block_ids(r.request_id))
+        assert kv.num_free_blocks == total - 2 * blocks
+        while sched.running:
+            out = step(sched)
+            assert set(out.num_scheduled_tokens.values()) <= {1} and out.kv_connector_metadata == []
+        sched.schedule()
+        assert kv.num_free_blocks == total
+
+
+def test_remote_decode_lifecycle_on_the_prefill_side():  # S76
+    class PrefillSide(KVConnectorBase):
+        """Keeps a finished request's blocks until they are sent (Nixl's P side)."""
+
+        def request_finished(self, request, block_ids):
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+                return True, {"remote_block_ids": list(block_ids)}
+            return False, None
+
+    class Plugin:
+        @hookimpl
+        def schedkit_create_kv_connector(self, role, config):
+            return PrefillSide(role, config)
+
+    sched = make_scheduler(enable_prefix_caching=True, max_num_batched_tokens=64, plugins=[Plugin()])
+    (req,) = make_requests(1, num_tokens=40, max_tokens=1)
+    sched.add_request(req)
+    out = sched.schedule()
+    outs = sched.update_from_output(out, runner_output(out, {"0": [0]}))
+    (o,) = outs[0].outputs
+    assert o.finish_reason == "length" and o.kv_transfer_params == {"remote_block_ids": [1, 2, 3]}
+    assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert "0" in sched.finished_req_ids and not sched.running and not sched.waiting
+    assert "0" in sched.requests  # held for the transfer
+    kv = sched.kv_cache_manager
+    assert [kv.block_pool.ref_cnt(b) for b in kv.get_block_ids("0")] == [1, 1, 1]
+    out = sched.schedule()
+    assert out.finished_req_ids == {"0"} and not out.num_scheduled_tokens
+    assert not sched.finished_req_ids and "0" in sched.requests and sched.has_requests()
+    sched.update_from_output(out, runner_output(out, {}))
+    out = sched.schedule()
+    ro = runner_output(out, {})
+    ro.kv_connector_output = KVConnectorOutput(finished_sending={"0"})
+    sched.update_from_output(out, ro)
+    assert not sched.requests and not sched.has_requests()
+    assert kv.num_free_blocks == kv.num_blocks - 1

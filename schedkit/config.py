@@ -360,6 +360,16 @@ def format_validation_error(err: ValidationError, source: str, root: yaml.Node |
     return "\n".join(lines)
 
 
+def cache_dir() -> Path:
+    """Where schedkit keeps files between runs (converted and built-in models, stored
+    KV): ``$SCHEDKIT_CACHE_DIR`` or ``$XDG_CACHE_HOME/schedkit`` (default
+    ``~/.cache/schedkit``)."""
+    env = os.environ.get("SCHEDKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schedkit"
+
+
 def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Config:
     """Validate a plain mapping into a :class:`Config` (ConfigError on any mistake)."""
     try:

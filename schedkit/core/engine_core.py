@@ -33,6 +33,7 @@ from schedkit.core.outputs import (
 from schedkit.core.request import FinishReason, Request, RequestStatus
 from schedkit.core.scheduler import PauseState, Scheduler
 from schedkit.errors import ConfigError, PluginError
+from schedkit.kv.connector import KVConnectorRole
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import describe_plugins, get_plugin_manager
 from schedkit.runners import runner_class
@@ -91,6 +92,10 @@ class EngineCore:
         cache_cfg = config.cache.model_copy(update={"num_blocks": num_blocks})
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
                                    clock=self.now)
+        if hasattr(self.runner, "set_kv_connector"):  # a runner with a worker side
+            worker = self.scheduler.hooks.create_kv_connector(role=KVConnectorRole.WORKER, config=cache_cfg)
+            if worker is not None:
+                self.runner.set_kv_connector(worker)
         self.num_steps = 0
         self.last_step_s = 0.0
         """Engine-clock seconds the last executed step took, scheduling and output

@@ -43,7 +43,7 @@ class SchedkitPluginManager(pluggy.PluginManager):
         return opts
 
 
-BUNDLED_PLUGINS: Mapping[str, str] = {
+BUNDLED_POLICIES: Mapping[str, str] = {
     "sjf": "schedkit.policies.sjf:ShortestJobFirst",
     "edf": "schedkit.policies.edf:EarliestDeadlineFirst",
     "vtc": "schedkit.policies.vtc:VirtualTokenCounter",
@@ -52,7 +52,11 @@ BUNDLED_PLUGINS: Mapping[str, str] = {
     "least-computed": "schedkit.policies.victims:LeastComputedFirst",
     "aging": "schedkit.policies.aging:AgingWrapper",
 }
-"""schedkit's own research policies: declared as entry points in pyproject.toml, and
+BUNDLED_PLUGINS: Mapping[str, str] = {
+    **BUNDLED_POLICIES,
+    "kv-storage": "schedkit.runners.paged.kv_storage:KVStorage",
+}
+"""schedkit's own research policies and its KV storage connector: declared as entry points in pyproject.toml, and
 known here too so that a source tree that was never pip-installed (a GPU box running
 from PYTHONPATH) finds them."""
 

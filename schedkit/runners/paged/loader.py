@@ -17,18 +17,10 @@ from pathlib import Path
 
 import torch
 
+from schedkit.config import cache_dir
 from schedkit.errors import ConfigError
 from schedkit.runners.paged.models import CausalLM, ModelArgs, model_args_from_hf
 from schedkit.runners.paged.models.llama import RotaryEmbedding
-
-
-def cache_dir() -> Path:
-    """Where converted and built-in models live: ``$SCHEDKIT_CACHE_DIR`` or
-    ``$XDG_CACHE_HOME/schedkit`` (default ``~/.cache/schedkit``)."""
-    env = os.environ.get("SCHEDKIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schedkit"
 
 
 def _tiny(family: str) -> Callable[[Path, int], None]:

@@ -114,6 +114,8 @@ class PagedModelRunner:
         self._in_flight: _InFlightStep | None = None
         """The last launched step while its tokens have not been collected."""
         self._num_uncollected = 0
+        self.kv_connector: Any = None
+        """The worker side of the KV connector, if one is configured."""
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -172,6 +174,12 @@ class PagedModelRunner:
             self.graphs.capture()
         return num_blocks
 
+    def set_kv_connector(self, connector: Any) -> None:
+        """Use ``connector`` (worker side): it sees this runner's KV cache, loads into it
+        before each step's forward pass and saves from it after."""
+        self.kv_connector = connector
+        connector.register_kv_caches(self.kv_caches)
+
     @torch.inference_mode()
     def _profile_peak_memory(self, block_size: int) -> int:
         """Peak bytes of a forward + sampling pass over a full token budget (weights included)."""
@@ -218,6 +226,10 @@ class PagedModelRunner:
         ib = self.input_batch
         assert ib is not None, "initialize() was not called"
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        connector = self.kv_connector
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            connector.start_load_kv(None)
         inputs = ib.prepare(scheduler_output.num_scheduled_tokens, drafts)
         fill = None
         if inputs.fill_rows:  # tokens the step in flight is sampling
@@ -227,6 +239,8 @@ class PagedModelRunner:
                     torch.tensor(inputs.fill_src, dtype=torch.int64).to(self.device, non_blocking=True),
                     prev.tokens)
         hidden = self._forward(inputs, fill)
+        if connector is not None:
+            connector.wait_for_save()
         step.slices, step.drafts, step.placeholders = inputs.sample_slices, drafts, inputs.placeholders
         if len(inputs.logits_indices):
             idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)

@@ -1,0 +1,105 @@
+"""The kv-storage connector end to end on the paged runner (CPU, float32): prompts
+computed by one engine are saved to a folder; a fresh engine on the same folder loads
+their prefixes instead of computing them, and still emits transformers' greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from schedkit import hookimpl  # noqa: E402
+from schedkit.config import PluginConfig  # noqa: E402
+from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.runners.paged.testing import (  # noqa: E402
+    greedy_request,
+    hf_greedy,
+    paged_config,
+    random_prompts,
+    run_engine,
+)
+
+BS = 8
+
+
+class ComputedTokens:
+    """Counts the prompt tokens each step computes."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.external_hits = 0
+
+    @hookimpl
+    def schedkit_on_step_end(self, scheduler_output: Any, stats: Any) -> None:
+        self.total += scheduler_output.total_num_scheduled_tokens
+        if stats is not None and stats.connector_prefix_cache_stats is not None:
+            self.external_hits += stats.connector_prefix_cache_stats.hits
+
+
+def engine_with_storage(model: Path, store: Path, counter: ComputedTokens, **kw: Any) -> EngineCore:
+    config = paged_config(model, block_size=BS, num_blocks=kw.pop("num_blocks", 200),
+                          max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64),
+                          max_model_len=256, **kw)
+    config = config.model_copy(update={"plugins": [PluginConfig(name="kv-storage",
+                                                                settings={"path": str(store)})]})
+    return EngineCore(config, extra_plugins=[counter])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stored_prefixes_are_loaded_and_give_the_same_tokens(
+        async_scheduling: bool, model_dir: Any, hf_model: Any, tmp_path: Path) -> None:
+    path = model_dir("llama", num_heads=4, num_kv_heads=2)
+    prompts = random_prompts([41, 17, 33, 9, 60], 512, seed=11)
+    prompts.append(prompts[0][:40] + [5, 6, 7])  # the same 40-token prefix as prompt 0
+    expected = hf_greedy(hf_model(path), prompts, 12)
+    sched = {"async_scheduling": async_scheduling}
+
+    first = ComputedTokens()
+    out = run_engine(engine_with_storage(path, tmp_path, first, scheduler=sched),
+                     [greedy_request(str(i), p, 12) for i, p in enumerate(prompts[:5])])
+    assert [out[str(i)] for i in range(5)] == expected[:5]
+    stored = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(stored) == 5  # one prefix per prompt (a 9-token prompt stores 8 tokens)
+
+    second = ComputedTokens()
+    engine = engine_with_storage(path, tmp_path, second, scheduler=sched)
+    reqs = [greedy_request(f"again{i}", p, 12) for i, p in enumerate(prompts)]
+    out = run_engine(engine, reqs)
+    assert [out[f"again{i}"] for i in range(len(prompts))] == expected
+    loaded = [(len(p) - 1) // BS * BS for p in prompts]
+    assert second.external_hits == sum(loaded)
+    assert [r.num_cached_tokens for r in reqs] == loaded
+    assert first.total - second.total == sum(loaded[:5]) - (len(prompts[5]) - loaded[5]) - 11
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == stored  # nothing new
+
+
+def test_a_corrupted_store_changes_the_tokens(model_dir: Any, hf_model: Any, tmp_path: Path) -> None:
+    """The control: the loaded KV is really used (zeroed files give other tokens)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir("llama", num_heads=4, num_kv_heads=2)
+    prompts = random_prompts([41, 33, 60], 512, seed=12)
+    run_engine(engine_with_storage(path, tmp_path, ComputedTokens()),
+               [greedy_request(str(i), p, 12) for i, p in enumerate(prompts)])
+    for f in tmp_path.glob("*.safetensors"):
+        save_file({k: torch.zeros_like(v) for k, v in load_file(str(f)).items()}, str(f))
+    out = run_engine(engine_with_storage(path, tmp_path, ComputedTokens()),
+                     [greedy_request(str(i), p, 12) for i, p in enumerate(prompts)])
+    expected = hf_greedy(hf_model(path), prompts, 12)
+    assert [out[str(i)] for i in range(3)] != expected
+
+
+def test_preempted_requests_reload_their_prefix(model_dir: Any, hf_model: Any, tmp_path: Path) -> None:
+    path = model_dir("qwen2", num_heads=4, num_kv_heads=4, tie_word_embeddings=True)
+    prompts = random_prompts([30, 45, 38, 50], 512, seed=13)
+    expected = hf_greedy(hf_model(path), prompts, 20)
+    run_engine(engine_with_storage(path, tmp_path, ComputedTokens(), num_blocks=200),
+               [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    engine = engine_with_storage(path, tmp_path, ComputedTokens(), num_blocks=26)
+    out = run_engine(engine, [greedy_request(str(i), p, 20) for i, p in enumerate(prompts)])
+    assert engine.stats()["num_preemptions"] > 0
+    assert [out[str(i)] for i in range(len(prompts))] == expected

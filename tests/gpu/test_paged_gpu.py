@@ -190,3 +190,27 @@ def test_cuda_graph_decode_matches_eager_at_every_bucket(models: dict[str, Path]
     eager = run(eager=True)
     assert run(eager=False) == eager
     assert run(eager=False, async_scheduling=True) == eager
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_kv_storage_loads_give_transformers_tokens(models: dict[str, Path], tmp_path: Path,
+                                                  async_scheduling: bool) -> None:
+    """The kv-storage connector on CUDA: prefixes saved by one engine, loaded by another."""
+    from schedkit.config import PluginConfig
+
+    path = models["llama"]
+    prompts = random_prompts([41, 17, 33, 60], 512, seed=11)
+
+    def engine() -> EngineCore:
+        config = paged_config(path, device="cuda", block_size=16, num_blocks=400,
+                              scheduler={"async_scheduling": async_scheduling})
+        return EngineCore(config.model_copy(update={"plugins": [
+            PluginConfig(name="kv-storage", settings={"path": str(tmp_path)})]}))
+
+    run_engine(engine(), [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    assert len(list(tmp_path.glob("*.safetensors"))) == len(prompts)
+    reqs = [greedy_request(str(i), p, 16) for i, p in enumerate(prompts)]
+    got = run_engine(engine(), reqs)
+    assert [r.num_cached_tokens for r in reqs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    expected = hf_greedy(load_hf_model(path, device="cuda"), prompts, 16)
+    assert [got[str(i)] for i in range(len(prompts))] == expected

@@ -1,23 +1,24 @@
-"""A KV connector that stores prompt KV in a folder and loads it back (spec 5.6):
-its scheduler side. The worker side, which moves the tensors, is
-:mod:`schedkit.runners.paged.kv_storage`.
+"""A KV connector that stores prompt KV in a folder and loads it back: its scheduler
+side. The worker side, which moves the tensors, is :mod:`schedkit.runners.paged.kv_storage`.
 
-After vLLM's example "shared storage" connector. When a request's prompt has been
-computed, the worker side saves the KV of its block-aligned prefix (all but the last
-prompt token, rounded down to whole blocks) to one file named by a hash of those tokens.
-A later request whose own prefix (taken the same way) is a stored one, in this engine or
-in another one pointed at the same folder, loads it instead of computing it: the
-scheduler side reports those tokens as external hits (a synchronous load) and the worker
-side copies them into the request's blocks before the forward pass.
+After vLLM's example "shared storage" connector (spec 5.6), with the storage cut into
+chunks as LMCache does, so that a prompt reuses the longest stored prefix. A prompt's
+tokens are split into chunks of ``chunk_blocks`` KV blocks. Chunk ``i`` is stored in one
+file named by a hash chained over chunks ``0..i``, so a file stands for its whole prefix.
+Once a step has computed a chunk of a prompt, the worker saves it, unless it is stored
+already; the prompt's last token is never part of a chunk. A waiting request then
+loads its leading stored chunks instead of computing them, whether they were saved by
+this engine or by another one on the same folder: the scheduler side reports those
+tokens as external hits (a synchronous load), and the worker side copies them into
+the request's blocks before the forward pass.
 
-Files hold K and V per layer as ``[tokens, kv_heads, head_dim]``, so they do not depend
-on the block size.
+Files hold K and V per layer as ``[chunk tokens, kv_heads, head_dim]``.
 
 Switch it on in YAML::
 
     plugins:
       - name: kv-storage
-        settings: {path: /tmp/schedkit-kv}
+        settings: {path: /tmp/schedkit-kv, chunk_blocks: 16}
 """
 
 from __future__ import annotations
@@ -32,22 +33,26 @@ from typing import Any
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
 
 
-def prefix_key(token_ids: list[int]) -> str:
-    """File stem of a stored prefix: sha256 of its token ids."""
-    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
+def chunk_keys(token_ids: list[int], chunk_tokens: int) -> list[str]:
+    """File stems of the chunks of ``token_ids``, each a sha256 chained over the chunks
+    before it (the last token is never in a chunk: a load must leave one to compute)."""
+    keys: list[str] = []
+    parent = b""
+    for end in range(chunk_tokens, len(token_ids), chunk_tokens):
+        parent = hashlib.sha256(parent + array("q", token_ids[end - chunk_tokens:end]).tobytes()).digest()
+        keys.append(parent.hex())
+    return keys
 
 
 @dataclass(slots=True)
 class Transfer:
-    """One file to load into, or save from, a request's blocks."""
+    """One chunk file to load into, or save from, a request's blocks."""
 
     key: str
     block_ids: list[int]
-    """The request's blocks covering the prefix, in order."""
-    num_tokens: int
-    """Tokens of the prefix (a multiple of the block size)."""
+    """The request's blocks holding the chunk, in order."""
     first_block: int = 0
-    """Load only from this block on (the ones before are local prefix-cache hits)."""
+    """Load only from this block of the chunk on (the ones before are local hits)."""
 
 
 @dataclass(slots=True)
@@ -62,85 +67,98 @@ class StorageConnector(KVConnectorBase):
     """Args:
         role: Scheduler or worker side.
         config: The cache config (its ``block_size``).
-        path: The folder of stored prefixes (created if missing).
+        path: The folder of stored chunks (created if missing).
+        chunk_blocks: KV blocks per stored chunk.
     """
 
-    def __init__(self, role: KVConnectorRole, config: Any, path: str | os.PathLike[str]) -> None:
+    def __init__(self, role: KVConnectorRole, config: Any, path: str | os.PathLike[str],
+                 chunk_blocks: int = 16) -> None:
         super().__init__(role, config)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.block_size: int = config.block_size
-        # scheduler side
-        self._prompts: dict[str, list[int]] = {}
-        self._to_load: dict[str, Transfer] = {}
-        self._saved: set[str] = set()
-        """Keys stored or being stored (the folder is also checked)."""
-        self._saving: dict[str, str] = {}
-        """Request id -> key whose save is scheduled once its prefix is computed."""
+        self.chunk_blocks = chunk_blocks
+        self.chunk_tokens = chunk_blocks * self.block_size
+        self._keys: dict[str, list[str]] = {}
+        """Request id -> the keys of its prompt's chunks."""
+        self._to_load: dict[str, list[Transfer]] = {}
+        self._matched: dict[str, int] = {}
+        """Request id -> the stored tokens its last lookup found."""
+        self._stored: set[str] = set()
+        """Keys whose file exists (the folder is checked for the others)."""
+        self._saving: set[str] = set()
+        """Keys a step was told to save (not loaded until their file exists)."""
 
-    # -- scheduler side --------------------------------------------------------------------
-    def _prefix_len(self, num_prompt_tokens: int) -> int:
-        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+    def file(self, key: str) -> Path:
+        return self.path / f"{key}.safetensors"
 
     def _is_stored(self, key: str) -> bool:
-        if key in self._saved:
+        if key in self._stored:
             return True
-        if (self.path / f"{key}.safetensors").is_file():
-            self._saved.add(key)
+        if self.file(key).is_file():
+            self._stored.add(key)
             return True
         return False
 
+    def _num_stored_chunks(self, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and self._is_stored(keys[n]):
+            n += 1
+        return n
+
+    def _chunk_blocks(self, rid: str, chunk: int) -> list[int]:
+        cb = self.chunk_blocks
+        return list(self.kv_cache_manager.get_block_ids(rid)[chunk * cb:(chunk + 1) * cb])
+
+    # -- scheduler side --------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        self._prompts[request.request_id] = list(request.prompt_token_ids)
+        self._keys[request.request_id] = chunk_keys(list(request.prompt_token_ids), self.chunk_tokens)
 
     def get_num_new_matched_tokens(self, request: Any, num_local_hit_tokens: int) -> tuple[int | None, bool]:
-        prompt = self._prompts.get(request.request_id)
-        if prompt is None:
+        keys = self._keys.get(request.request_id)
+        if not keys:
             return 0, False
-        n = self._prefix_len(len(prompt))
-        if n <= num_local_hit_tokens or not self._is_stored(prefix_key(prompt[:n])):
-            return 0, False
-        return n - num_local_hit_tokens, False
+        n = self._num_stored_chunks(keys) * self.chunk_tokens
+        self._matched[request.request_id] = n
+        return (n - num_local_hit_tokens, False) if n > num_local_hit_tokens else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        rid = request.request_id
         if num_external_tokens <= 0:
             return
-        prompt = self._prompts[rid]
-        n = self._prefix_len(len(prompt))
-        local = n - num_external_tokens
-        self._to_load[rid] = Transfer(prefix_key(prompt[:n]), list(block_ids[:n // self.block_size]), n,
-                                      first_block=local // self.block_size)
+        rid = request.request_id
+        keys = self._keys[rid]
+        local = self._matched[rid] - num_external_tokens
+        cb, ct, bs = self.chunk_blocks, self.chunk_tokens, self.block_size
+        loads = []
+        for chunk in range(local // ct, (local + num_external_tokens) // ct):
+            first = max(local - chunk * ct, 0) // bs
+            loads.append(Transfer(keys[chunk], list(block_ids[chunk * cb:(chunk + 1) * cb]), first))
+        self._to_load[rid] = loads
 
     def build_connector_meta(self, scheduler_output: Any) -> StorageMetadata:
         meta = StorageMetadata()
-        to_load = self._to_load
-        if to_load:
+        if self._to_load:
             for rid in scheduler_output.num_scheduled_tokens:
-                load = to_load.pop(rid, None)
-                if load is not None:
-                    meta.loads.append(load)
+                meta.loads.extend(self._to_load.pop(rid, ()))
         cached = scheduler_output.scheduled_cached_reqs
         before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for new in scheduler_output.scheduled_new_reqs:
             before[new.req_id] = new.num_computed_tokens
-        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
-            prompt = self._prompts.get(rid)
-            if prompt is None:
+        ct = self.chunk_tokens
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            keys = self._keys.get(rid)
+            if not keys:
                 continue
-            n = self._prefix_len(len(prompt))
-            if n == 0 or before[rid] >= n or before[rid] + n_sched < n:
-                continue  # the prefix is not completed by this step
-            key = prefix_key(prompt[:n])
-            if self._is_stored(key):
-                continue
-            self._saved.add(key)
-            blocks = list(self.kv_cache_manager.get_block_ids(rid))[:n // self.block_size]
-            meta.saves.append(Transfer(key, blocks, n))
+            # chunks whose last token this step computes
+            for chunk in range(before[rid] // ct, min((before[rid] + n) // ct, len(keys))):
+                if keys[chunk] not in self._saving and not self._is_stored(keys[chunk]):
+                    self._saving.add(keys[chunk])
+                    meta.saves.append(Transfer(keys[chunk], self._chunk_blocks(rid, chunk)))
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._prompts.pop(rid, None)
+        self._keys.pop(rid, None)
         self._to_load.pop(rid, None)
+        self._matched.pop(rid, None)
         return False, None

@@ -1,7 +1,7 @@
 """The ``kv-storage`` plugin: :mod:`schedkit.kv.connectors.storage` with its worker side.
 
-The worker side copies stored prefixes into the paged KV cache before a step's forward
-pass, and saves prefixes the step completed after it. It imports torch only when it
+The worker side copies stored chunks into the paged KV cache before a step's forward
+pass, and saves the chunks the step completed after it. It imports torch only when it
 moves tensors, so the plugin loads in a torch-free engine too (the simulator), where it
 only reports hits.
 """
@@ -20,8 +20,9 @@ from schedkit.kv.connectors.storage import StorageConnector, StorageMetadata
 class StorageWorker(StorageConnector):
     """The worker side: moves K and V between the stored files and the paged cache."""
 
-    def __init__(self, role: KVConnectorRole, config: Any, path: str | os.PathLike[str]) -> None:
-        super().__init__(role, config, path)
+    def __init__(self, role: KVConnectorRole, config: Any, path: str | os.PathLike[str],
+                 chunk_blocks: int = 16) -> None:
+        super().__init__(role, config, path, chunk_blocks)
         self._meta = StorageMetadata()
         self._kv_caches: Any = None
 
@@ -32,7 +33,7 @@ class StorageWorker(StorageConnector):
         self._meta = metadata if isinstance(metadata, StorageMetadata) else StorageMetadata()
 
     def start_load_kv(self, forward_context: Any) -> None:
-        """Copy each stored prefix into its request's blocks (from its first block that
+        """Copy each stored chunk into its request's blocks (from its first block that
         was not a local prefix-cache hit)."""
         if not self._meta.loads:
             return
@@ -40,16 +41,16 @@ class StorageWorker(StorageConnector):
 
         bs = self.block_size
         for load in self._meta.loads:
-            stored = load_file(str(self.path / f"{load.key}.safetensors"))
+            stored = load_file(str(self.file(load.key)))
             blocks = load.block_ids[load.first_block:]
             for i, (k_cache, v_cache) in enumerate(self._kv_caches):
                 for cache, name in ((k_cache, "k"), (v_cache, "v")):
-                    src = stored[f"{name}.{i}"][load.first_block * bs:load.num_tokens]
+                    src = stored[f"{name}.{i}"][load.first_block * bs:]
                     src = src.view(len(blocks), bs, *src.shape[1:])
                     cache[blocks] = src.to(device=cache.device, dtype=cache.dtype)
 
     def wait_for_save(self) -> None:
-        """Write the prefixes this step completed (after its forward pass)."""
+        """Write the chunks this step completed (after its forward pass computed them)."""
         if not self._meta.saves:
             return
         from safetensors.torch import save_file
@@ -58,31 +59,33 @@ class StorageWorker(StorageConnector):
             tensors = {}
             for i, (k_cache, v_cache) in enumerate(self._kv_caches):
                 for cache, name in ((k_cache, "k"), (v_cache, "v")):
-                    kv = cache[save.block_ids].flatten(0, 1)[:save.num_tokens]
-                    tensors[f"{name}.{i}"] = kv.to("cpu").contiguous()
+                    tensors[f"{name}.{i}"] = cache[save.block_ids].flatten(0, 1).to("cpu").contiguous()
             tmp = self.path / f".{save.key}.{os.getpid()}.tmp"
             save_file(tensors, str(tmp))
-            tmp.replace(self.path / f"{save.key}.safetensors")  # readers never see half a file
+            tmp.replace(self.file(save.key))  # readers never see half a file
 
 
 class KVStorage:
     """The ``kv-storage`` plugin.
 
     Args:
-        path: Folder of stored prefixes, shared by every engine that should reuse them
+        path: Folder of stored chunks, shared by every engine that should reuse them
             (default: ``kv-storage`` in schedkit's cache folder, see
             :func:`schedkit.config.cache_dir`).
+        chunk_blocks: KV blocks per stored chunk: the granularity of reuse.
     """
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, chunk_blocks: int = 16) -> None:
         if path is None:
             path = str(cache_dir() / "kv-storage")
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty folder path, got {path!r}")
+        if not isinstance(chunk_blocks, int) or isinstance(chunk_blocks, bool) or chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be an integer >= 1, got {chunk_blocks!r}")
         self.path = path
+        self.chunk_blocks = chunk_blocks
 
     @hookimpl
     def schedkit_create_kv_connector(self, role: KVConnectorRole, config: Any) -> StorageConnector:
-        if role is KVConnectorRole.WORKER:
-            return StorageWorker(role, config, self.path)
-        return StorageConnector(role, config, self.path)
+        cls = StorageWorker if role is KVConnectorRole.WORKER else StorageConnector
+        return cls(role, config, self.path, self.chunk_blocks)

@@ -1,6 +1,7 @@
 """The kv-storage connector end to end on the paged runner (CPU, float32): prompts
-computed by one engine are saved to a folder; a fresh engine on the same folder loads
-their prefixes instead of computing them, and still emits transformers' greedy tokens."""
+computed by one engine are saved to a folder in chunks; a fresh engine on the same
+folder loads the longest stored prefix of each prompt instead of computing it, and
+still emits transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from schedkit.runners.paged.testing import (  # noqa: E402
 )
 
 BS = 8
+CHUNK = 2 * BS  # chunk_blocks 2
 
 
 class ComputedTokens:
@@ -44,8 +46,8 @@ def engine_with_storage(model: Path, store: Path, counter: ComputedTokens, **kw:
     config = paged_config(model, block_size=BS, num_blocks=kw.pop("num_blocks", 200),
                           max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64),
                           max_model_len=256, **kw)
-    config = config.model_copy(update={"plugins": [PluginConfig(name="kv-storage",
-                                                                settings={"path": str(store)})]})
+    config = config.model_copy(update={"plugins": [PluginConfig(
+        name="kv-storage", settings={"path": str(store), "chunk_blocks": 2})]})
     return EngineCore(config, extra_plugins=[counter])
 
 
@@ -54,7 +56,8 @@ def test_stored_prefixes_are_loaded_and_give_the_same_tokens(
         async_scheduling: bool, model_dir: Any, hf_model: Any, tmp_path: Path) -> None:
     path = model_dir("llama", num_heads=4, num_kv_heads=2)
     prompts = random_prompts([41, 17, 33, 9, 60], 512, seed=11)
-    prompts.append(prompts[0][:40] + [5, 6, 7])  # the same 40-token prefix as prompt 0
+    prompts.append(prompts[0][:40] + [5, 6, 7])  # prompt 0's first two chunks
+    prompts.append(prompts[2] + random_prompts([20], 512, seed=12)[0])  # a later turn of prompt 2
     expected = hf_greedy(hf_model(path), prompts, 12)
     sched = {"async_scheduling": async_scheduling}
 
@@ -63,18 +66,20 @@ def test_stored_prefixes_are_loaded_and_give_the_same_tokens(
                      [greedy_request(str(i), p, 12) for i, p in enumerate(prompts[:5])])
     assert [out[str(i)] for i in range(5)] == expected[:5]
     stored = sorted(p.name for p in tmp_path.glob("*.safetensors"))
-    assert len(stored) == 5  # one prefix per prompt (a 9-token prompt stores 8 tokens)
+    assert len(stored) == sum((len(p) - 1) // CHUNK for p in prompts[:5])  # 2+1+2+0+3 chunks
 
     second = ComputedTokens()
     engine = engine_with_storage(path, tmp_path, second, scheduler=sched)
     reqs = [greedy_request(f"again{i}", p, 12) for i, p in enumerate(prompts)]
     out = run_engine(engine, reqs)
     assert [out[f"again{i}"] for i in range(len(prompts))] == expected
-    loaded = [(len(p) - 1) // BS * BS for p in prompts]
-    assert second.external_hits == sum(loaded)
+    loaded = [(len(p) - 1) // CHUNK * CHUNK for p in prompts[:6]] + [32]  # prompt 2's chunks
     assert [r.num_cached_tokens for r in reqs] == loaded
-    assert first.total - second.total == sum(loaded[:5]) - (len(prompts[5]) - loaded[5]) - 11
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == stored  # nothing new
+    assert second.external_hits == sum(loaded)
+    assert first.total - second.total == sum(loaded[:5]) - sum(
+        len(p) - n + 11 for p, n in zip(prompts[5:], loaded[5:], strict=True))
+    now = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(now) == len(stored) + 1  # the later turn's third chunk is new
 
 
 def test_a_corrupted_store_changes_the_tokens(model_dir: Any, hf_model: Any, tmp_path: Path) -> None:

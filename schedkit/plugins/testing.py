@@ -99,6 +99,25 @@ def runner_output(scheduler_output: SchedulerOutput,
         sampled_token_ids=[list(sampled.get(r, ())) for r in req_ids])
 
 
+def drive_engine(engine: Any, requests: Iterable[Request] = ()) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Add ``requests`` to an EngineCore and step until nothing is left.
+
+    Returns:
+        Tokens per request id, and the error message of each request that failed.
+    """
+    for req in requests:
+        engine.add_request(req)
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    while engine.has_requests():
+        for group in engine.step().values():
+            for out in group.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.error:
+                    errors[out.request_id] = out.error
+    return tokens, errors
+
+
 def assert_scheduler_consistent(sched: Scheduler) -> None:
     """Assert the scheduler's invariants; call between steps in plugin tests.
 

@@ -12,6 +12,7 @@ from schedkit.core.request import RequestStatus
 from schedkit.kv.connector import KVConnectorBase
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
+    drive_engine,
     make_requests,
     make_scheduler,
     runner_output,
@@ -200,12 +201,7 @@ def test_impossible_connector_answers_fail_only_that_request(answer):
     config = config_from_dict({"runner": {"kind": "fake", "vocab_size": 100}})
     engine = EngineCore(config, extra_plugins=[LiarPlugin()])
     reqs = [Request(rid, list(range(1, 11)), SamplingParams(max_tokens=3), 0.0) for rid in ("bad", "good")]
-    for r in reqs:
-        engine.add_request(r)
-    errors = {}
-    while engine.has_requests():
-        for group in engine.step().values():
-            errors.update({o.request_id: o.error for o in group.outputs if o.error})
+    _, errors = drive_engine(engine, reqs)
     assert set(errors) == {"bad"} and "get_num_new_matched_tokens" in errors["bad"]
     assert reqs[0].status is RequestStatus.FINISHED_ERROR
     assert reqs[1].status is RequestStatus.FINISHED_LENGTH_CAPPED

@@ -9,6 +9,7 @@ from schedkit.core.client import LLM
 from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, RequestStatus
 from schedkit.errors import SchedkitError
+from schedkit.plugins.testing import drive_engine
 from tests.engine.test_engine_proc import prompts_and_params, run_in_process
 
 
@@ -139,12 +140,7 @@ def test_a_step_failing_while_another_is_in_flight_fails_only_its_requests(small
     engine = EngineCore(config, runner=FailingLaunches(fail_at=3))
     prompts, params = prompts_and_params(8)
     reqs = [Request(f"r{i}", p, sp, arrival_time=engine.now()) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-    for r in reqs:
-        engine.add_request(r)
-    errors = {}
-    while engine.has_requests():
-        for group in engine.step().values():
-            errors.update({o.request_id: o.error for o in group.outputs if o.error})
+    _, errors = drive_engine(engine, reqs)
     assert errors and all("device fault" in e for e in errors.values())
     for r in reqs:
         assert r.is_finished

@@ -207,7 +207,9 @@ def test_kv_storage_loads_give_transformers_tokens(models: dict[str, Path], tmp_
         return EngineCore(config.model_copy(update={"plugins": [
             PluginConfig(name="kv-storage", settings={"path": str(tmp_path), "chunk_blocks": 1})]}))
 
-    run_engine(engine(), [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    first = engine()
+    run_engine(first, [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    first.runner.kv_connector.flush()
     assert len(list(tmp_path.glob("*.safetensors"))) == sum((len(p) - 1) // 16 for p in prompts)
     reqs = [greedy_request(str(i), p, 16) for i, p in enumerate(prompts)]
     got = run_engine(engine(), reqs)

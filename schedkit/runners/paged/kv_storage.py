@@ -1,20 +1,27 @@
 """The ``kv-storage`` plugin: :mod:`schedkit.kv.connectors.storage` with its worker side.
 
 The worker side copies stored chunks into the paged KV cache before a step's forward
-pass, and saves the chunks the step completed after it. It imports torch only when it
+pass, and saves the chunks the step completed after it: it gathers their blocks on the
+device and starts the copy to pinned host memory, and a background thread writes the
+file once the copy is done, so a save does not stall the step (nor, under async
+scheduling, the overlap of host and device work). It imports torch only when it
 moves tensors, so the plugin loads in a torch-free engine too (the simulator), where it
 only reports hits.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from schedkit.config import cache_dir
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.kv.connectors.storage import StorageConnector, StorageMetadata
+
+log = logging.getLogger("schedkit.kv_storage")
 
 
 class StorageWorker(StorageConnector):
@@ -25,6 +32,8 @@ class StorageWorker(StorageConnector):
         super().__init__(role, config, path, chunk_blocks)
         self._meta = StorageMetadata()
         self._kv_caches: Any = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-storage")
+        self._writes: list[Future[None]] = []
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         self._kv_caches = kv_caches
@@ -50,19 +59,46 @@ class StorageWorker(StorageConnector):
                     cache[blocks] = src.to(device=cache.device, dtype=cache.dtype)
 
     def wait_for_save(self) -> None:
-        """Write the chunks this step completed (after its forward pass computed them)."""
+        """Start saving the chunks this step completed (after its forward pass was
+        launched: the gathers are ordered after it on the device)."""
         if not self._meta.saves:
             return
-        from safetensors.torch import save_file
+        import torch
 
         for save in self._meta.saves:
             tensors = {}
             for i, (k_cache, v_cache) in enumerate(self._kv_caches):
                 for cache, name in ((k_cache, "k"), (v_cache, "v")):
-                    tensors[f"{name}.{i}"] = cache[save.block_ids].flatten(0, 1).to("cpu").contiguous()
-            tmp = self.path / f".{save.key}.{os.getpid()}.tmp"
-            save_file(tensors, str(tmp))
-            tmp.replace(self.file(save.key))  # readers never see half a file
+                    chunk = cache[save.block_ids].flatten(0, 1)
+                    tensors[f"{name}.{i}"] = chunk.to("cpu", non_blocking=True) if chunk.is_cuda else chunk
+            copied = None
+            if any(t.is_cuda for t in self._kv_caches[0]):
+                copied = torch.cuda.Event()
+                copied.record()
+            self._writes = [w for w in self._writes if not w.done()]
+            write = self._writer.submit(self._write, save.key, tensors, copied)
+            write.add_done_callback(_log_failure)
+            self._writes.append(write)
+
+    def _write(self, key: str, tensors: dict[str, Any], copied: Any) -> None:
+        from safetensors.torch import save_file
+
+        if copied is not None:
+            copied.synchronize()
+        tmp = self.path / f".{key}.{os.getpid()}.tmp"
+        save_file(tensors, str(tmp))
+        tmp.replace(self.file(key))  # readers never see half a file
+
+    def flush(self) -> None:
+        """Wait until every save started so far is on disk (raises a failed write)."""
+        for write in self._writes:
+            write.result()
+        self._writes = []
+
+
+def _log_failure(write: Future[None]) -> None:
+    if write.exception() is not None:  # the chunk is then never loaded: it has no file
+        log.error("kv-storage: saving a chunk failed: %s", write.exception())
 
 
 class KVStorage:

@@ -62,8 +62,9 @@ def test_stored_prefixes_are_loaded_and_give_the_same_tokens(
     sched = {"async_scheduling": async_scheduling}
 
     first = ComputedTokens()
-    out = run_engine(engine_with_storage(path, tmp_path, first, scheduler=sched),
-                     [greedy_request(str(i), p, 12) for i, p in enumerate(prompts[:5])])
+    engine = engine_with_storage(path, tmp_path, first, scheduler=sched)
+    out = run_engine(engine, [greedy_request(str(i), p, 12) for i, p in enumerate(prompts[:5])])
+    engine.runner.kv_connector.flush()  # the files are written in the background
     assert [out[str(i)] for i in range(5)] == expected[:5]
     stored = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(stored) == sum((len(p) - 1) // CHUNK for p in prompts[:5])  # 2+1+2+0+3 chunks
@@ -72,6 +73,7 @@ def test_stored_prefixes_are_loaded_and_give_the_same_tokens(
     engine = engine_with_storage(path, tmp_path, second, scheduler=sched)
     reqs = [greedy_request(f"again{i}", p, 12) for i, p in enumerate(prompts)]
     out = run_engine(engine, reqs)
+    engine.runner.kv_connector.flush()
     assert [out[f"again{i}"] for i in range(len(prompts))] == expected
     loaded = [(len(p) - 1) // CHUNK * CHUNK for p in prompts[:6]] + [32]  # prompt 2's chunks
     assert [r.num_cached_tokens for r in reqs] == loaded
@@ -88,8 +90,9 @@ def test_a_corrupted_store_changes_the_tokens(model_dir: Any, hf_model: Any, tmp
 
     path = model_dir("llama", num_heads=4, num_kv_heads=2)
     prompts = random_prompts([41, 33, 60], 512, seed=12)
-    run_engine(engine_with_storage(path, tmp_path, ComputedTokens()),
-               [greedy_request(str(i), p, 12) for i, p in enumerate(prompts)])
+    engine = engine_with_storage(path, tmp_path, ComputedTokens())
+    run_engine(engine, [greedy_request(str(i), p, 12) for i, p in enumerate(prompts)])
+    engine.runner.kv_connector.flush()
     for f in tmp_path.glob("*.safetensors"):
         save_file({k: torch.zeros_like(v) for k, v in load_file(str(f)).items()}, str(f))
     out = run_engine(engine_with_storage(path, tmp_path, ComputedTokens()),
@@ -102,9 +105,32 @@ def test_preempted_requests_reload_their_prefix(model_dir: Any, hf_model: Any, t
     path = model_dir("qwen2", num_heads=4, num_kv_heads=4, tie_word_embeddings=True)
     prompts = random_prompts([30, 45, 38, 50], 512, seed=13)
     expected = hf_greedy(hf_model(path), prompts, 20)
-    run_engine(engine_with_storage(path, tmp_path, ComputedTokens(), num_blocks=200),
-               [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    engine = engine_with_storage(path, tmp_path, ComputedTokens(), num_blocks=200)
+    run_engine(engine, [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    engine.runner.kv_connector.flush()
     engine = engine_with_storage(path, tmp_path, ComputedTokens(), num_blocks=26)
     out = run_engine(engine, [greedy_request(str(i), p, 20) for i, p in enumerate(prompts)])
     assert engine.stats()["num_preemptions"] > 0
     assert [out[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_a_failed_write_is_reported_and_never_loaded(model_dir: Any, tmp_path: Path,
+                                                     monkeypatch: Any, caplog: Any) -> None:
+    from schedkit.runners.paged.kv_storage import StorageWorker
+
+    def full_disk(self: Any, key: str, tensors: Any, copied: Any) -> None:
+        raise OSError("No space left on device")
+
+    path = model_dir("llama", num_heads=4, num_kv_heads=2)
+    prompts = random_prompts([41, 33], 512, seed=14)
+    with monkeypatch.context() as m:
+        m.setattr(StorageWorker, "_write", full_disk)
+        engine = engine_with_storage(path, tmp_path, ComputedTokens())
+        first = run_engine(engine, [greedy_request(str(i), p, 6) for i, p in enumerate(prompts)])
+        with pytest.raises(OSError, match="No space"):
+            engine.runner.kv_connector.flush()
+    assert "saving a chunk failed" in caplog.text
+    assert not list(tmp_path.glob("*.safetensors"))
+    reqs = [greedy_request(str(i), p, 6) for i, p in enumerate(prompts)]
+    assert run_engine(engine_with_storage(path, tmp_path, ComputedTokens()), reqs) == first
+    assert [r.num_cached_tokens for r in reqs] == [0, 0]  # computed, not loaded

@@ -122,7 +122,7 @@ class OutputProcessorMixin:
             else:
                 new_ids, is_stopped = self._append_tokens(req, gen)
             if req.num_output_placeholders and not stale:
-                req.num_output_placeholders -= len(gen)
+                req.num_output_placeholders -= len(new_ids)
                 if cache_after_placeholders and status is _RUNNING and not is_stopped:
                     # Blocks filled by tokens that were placeholders at allocation.
                     kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
@@ -235,7 +235,8 @@ class OutputProcessorMixin:
         """Find the requests that read blocks whose load failed (spec 5.5): loading
         requests first, then running ones in order. Each is truncated to its first bad
         block not already claimed by an earlier request (which recomputes it), or keeps
-        its count before this step if all were claimed. Returns them; under "recompute"
+        its count before the steps in flight if all were claimed; running ones drop the
+        outputs of those steps (computed on bad KV). Returns them; under "recompute"
         loading ones are marked failed (retried at promotion)."""
         bs = self.kv_cache_manager.block_size
         claimed: set[int] = set()
@@ -244,7 +245,7 @@ class OutputProcessorMixin:
         for req in loading + list(self.running):
             rid = req.request_id
             table = self.kv_cache_manager.get_block_ids(rid)
-            before = req.num_computed_tokens - scheduler_output.num_scheduled_tokens.get(rid, 0)
+            before = req.num_computed_tokens - req.num_in_flight_tokens  # before every step in flight
             bad = [i for i in range(min(-(-before // bs), len(table))) if table[i] in invalid]
             if not bad:
                 continue
@@ -252,6 +253,10 @@ class OutputProcessorMixin:
             claimed.update(table[i] for i in bad)
             req.num_computed_tokens = before if first is None else first * bs
             req.spec_token_ids = []
+            if req.status is _RUNNING:  # its outputs in flight were computed on bad KV
+                req.num_stale_output_tokens = req.num_in_flight_tokens
+                req.stale_drop = True
+                req.num_output_placeholders = 0
             affected.append(req)
             if (req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
                     and self.cache_config.kv_load_failure_policy == "recompute"):

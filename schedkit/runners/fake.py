@@ -86,8 +86,11 @@ class FakeRunner:
             num_prompt = self._parked.pop(rid)
             eos_at = self.output_len(rid) if self.output_len is not None else None
             states[rid] = _ReqState(request_seed(rid), num_prompt, list(tokens), 0, eos_at)
-        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
-            states[rid].num_computed_tokens = computed
+        for rid, computed, num_out in zip(cached.req_ids, cached.num_computed_tokens,
+                                          cached.num_output_tokens, strict=True):
+            st = states[rid]
+            st.num_computed_tokens = computed
+            del st.tokens[st.num_prompt_tokens + num_out:]  # tokens the scheduler dropped
         spec = scheduler_output.scheduled_spec_decode_tokens
         req_ids: list[str] = []
         sampled: list[list[int]] = []

@@ -154,3 +154,38 @@ def test_stale_output_is_delivered_before_resumption():  # S92
     assert out4.num_scheduled_tokens == {"1": 81}
     assert out4.scheduled_cached_reqs.resumed_req_ids == {"1"}
     assert_scheduler_consistent(sched)
+
+
+def test_bad_kv_under_async_drops_the_outputs_in_flight_and_recomputes():
+    """Spec 5.5 with two steps in flight: the outputs of both were computed on the bad
+    block, so both are dropped; the request recomputes from that block, keeps no phantom
+    placeholder, and ends with the model's own tokens."""
+    from schedkit.core.outputs import KVConnectorOutput
+    from schedkit.runners.fake import FakeRunner, _ReqState, request_seed
+
+    sched = make_scheduler(async_scheduling=True, kv_load_failure_policy="recompute")
+    (req,) = make_requests(1, num_tokens=40, max_tokens=12, eos_token_id=None)
+    sched.add_request(req)
+    runner = FakeRunner(vocab_size=1000)
+    in_flight = deque([sched.schedule()])
+    steps = 0
+    while in_flight:
+        out = sched.schedule()
+        if out.num_scheduled_tokens:
+            in_flight.append(out)
+        done = in_flight.popleft()
+        ro = runner.execute(done)
+        steps += 1
+        if steps == 5:  # block 1 (tokens 16-31) went bad; two steps were in flight
+            ro.kv_connector_output = KVConnectorOutput(
+                invalid_block_ids={sched.kv_cache_manager.get_block_ids("0")[1]})
+            had = req.num_output_tokens
+        sched.update_from_output(done, ro)
+        if steps == 5:
+            assert req.num_output_tokens == had  # that output was dropped
+            assert req.num_computed_tokens == 16 and req.num_output_placeholders == 0
+        assert_scheduler_consistent(sched)
+        assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
+    state = _ReqState(request_seed("0"), 0, [], 0)
+    assert req.output_token_ids == [runner.token_at(state, i) for i in range(12)]
+    assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED

@@ -438,13 +438,14 @@ class Scheduler(OutputProcessorMixin):
                     skipped.append(req)
                     continue
                 computed = num_local + num_ext
-                if num_ext < 0 or computed > req.num_tokens or (load_async and not num_ext):
+                limit = req.num_tokens - num_local - (0 if load_async else 1)
+                if num_ext < 0 or num_ext > limit or (load_async and not num_ext):
                     raise PluginError(
                         f"KV connector {type(self.connector).__name__!r} answered "
                         f"get_num_new_matched_tokens(request {req.request_id!r}, {num_local}) with "
-                        f"({num_ext}, {load_async}): external tokens must be >= 0, at most the "
-                        f"{req.num_tokens - num_local} tokens without a local hit, and > 0 for an "
-                        "asynchronous load", plugin=type(self.connector).__name__,
+                        f"({num_ext}, {load_async}): external tokens must be >= 0, at most "
+                        f"{limit} (a synchronous load leaves one token to compute), and > 0 for "
+                        "an asynchronous load", plugin=type(self.connector).__name__,
                         hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
             else:
                 hit_blocks, num_local, num_ext = [], 0, 0

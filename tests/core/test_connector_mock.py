@@ -181,11 +181,11 @@ def test_external_prefix_cache_metrics_with_local_cache(load_async):  # S45, loc
     assert (ext.queries, ext.hits, ext.requests, ext.preempted_requests) == (64, 32, 1, 0)
 
 
-@pytest.mark.parametrize("answer", [(-1, False), (0, True), (11, False)])
+@pytest.mark.parametrize("answer", [(-1, False), (0, True), (11, False), (10, False), (11, True)])
 def test_impossible_connector_answers_fail_only_that_request(answer):
-    """A connector answering more tokens than the prompt has, a negative count, or an
-    asynchronous load of nothing: a PluginError naming it; the engine fails that request
-    and goes on serving the others."""
+    """A connector answering a negative count, more tokens than the prompt has (a
+    synchronous load must leave one to compute), or an asynchronous load of nothing: a
+    PluginError naming it; the engine fails that request and goes on serving the others."""
     from schedkit.core.engine_core import EngineCore
     from schedkit.core.request import Request, SamplingParams
 

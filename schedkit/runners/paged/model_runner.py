@@ -264,10 +264,17 @@ class PagedModelRunner:
         assert ib is not None
         req_ids = step.req_ids
         sampled: list[list[int]] = [[] for _ in req_ids]
+        try:
+            tokens = []
+            if step.tokens is not None:
+                if step.copied is not None:
+                    step.copied.synchronize()
+                tokens = step.host_tokens.tolist()
+        finally:  # collected, even if the device failed: the pipeline must not wedge
+            self._num_uncollected -= 1
+            if self._in_flight is step:
+                self._in_flight = None
         if step.tokens is not None:
-            if step.copied is not None:
-                step.copied.synchronize()
-            tokens = step.host_tokens.tolist()
             ib.resolve(step.placeholders, tokens)
             drafts = step.drafts
             for i, (a, b) in enumerate(step.slices):
@@ -278,9 +285,6 @@ class PagedModelRunner:
                     ib.append_tokens(req_ids[i], sampled[i])
                 else:
                     sampled[i] = tokens[a:b]
-        self._num_uncollected -= 1
-        if self._in_flight is step:
-            self._in_flight = None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, step_duration=time.perf_counter() - step.t0)
 

@@ -157,9 +157,9 @@ class InputBatch:
         states = self.states
         req_ids = list(num_scheduled)
         num_reqs = len(req_ids)
-        rows = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=num_reqs)
+        count_list = list(num_scheduled.values())
+        row_list: list[int] = []
+        start_list: list[int] = []
         logits_idx: list[int] = []
         slices: list[tuple[int, int]] = []
         sample_pos: list[int] = []
@@ -168,28 +168,40 @@ class InputBatch:
         fill_src: list[int] = []
         placeholders: list[tuple[RequestState, int, int]] = []
         end_row = 0
-        for i, rid in enumerate(req_ids):
+        for rid, count in zip(req_ids, count_list, strict=True):
             st = states[rid]
-            start, count = st.num_computed_tokens, int(counts[i])
-            rows[i], starts[i] = st.row, start
+            start = st.num_computed_tokens
+            row_list.append(st.row)
+            start_list.append(start)
             end_row += count
             if st.pending_src >= 0 and start <= st.pending_pos < start + count:
                 fill_rows.append(end_row - count + st.pending_pos - start)
                 fill_src.append(st.pending_src)
-            k = len(drafts.get(rid, ()))
-            if k:
-                d = np.asarray(drafts[rid], dtype=np.int64)
-                self.token_ids[st.row, st.num_tokens:st.num_tokens + k] = np.maximum(d, 0)
             first = len(logits_idx)
+            k = len(drafts[rid]) if drafts and rid in drafts else 0
+            if not k:
+                if start + count >= st.num_tokens:  # samples one token: pending at once
+                    pos = st.num_tokens
+                    logits_idx.append(end_row - 1)
+                    sample_pos.append(pos)
+                    sample_params.append(st.sampling_params)
+                    st.pending_src, st.pending_pos = first, pos
+                    placeholders.append((st, pos, first))
+                    st.num_tokens = pos + 1
+                    slices.append((first, first + 1))
+                else:
+                    slices.append((first, first))  # a prompt chunk: nothing sampled
+                continue
+            d = np.asarray(drafts[rid], dtype=np.int64)
+            self.token_ids[st.row, st.num_tokens:st.num_tokens + k] = np.maximum(d, 0)
             if start + count - k >= st.num_tokens:
                 logits_idx.extend(range(end_row - k - 1, end_row))
                 sample_pos.extend(range(st.num_tokens, st.num_tokens + k + 1))
                 sample_params.extend([st.sampling_params] * (k + 1))
-                if not k:
-                    st.pending_src, st.pending_pos = first, st.num_tokens
-                    placeholders.append((st, st.num_tokens, first))
-                    st.num_tokens += 1
             slices.append((first, len(logits_idx)))
+        rows = np.array(row_list, dtype=np.int64)
+        starts = np.array(start_list, dtype=np.int64)
+        counts = np.array(count_list, dtype=np.int64)
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
         total = int(cu[-1])

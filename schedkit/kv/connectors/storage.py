@@ -53,6 +53,8 @@ class Transfer:
     """The request's blocks holding the chunk, in order."""
     first_block: int = 0
     """Load only from this block of the chunk on (the ones before are local hits)."""
+    req_id: str = ""
+    """The request whose blocks these are."""
 
 
 @dataclass(slots=True)
@@ -132,14 +134,14 @@ class StorageConnector(KVConnectorBase):
         loads = []
         for chunk in range(local // ct, (local + num_external_tokens) // ct):
             first = max(local - chunk * ct, 0) // bs
-            loads.append(Transfer(keys[chunk], list(block_ids[chunk * cb:(chunk + 1) * cb]), first))
+            loads.append(Transfer(keys[chunk], list(block_ids[chunk * cb:(chunk + 1) * cb]), first, rid))
         self._to_load[rid] = loads
 
     def build_connector_meta(self, scheduler_output: Any) -> StorageMetadata:
         meta = StorageMetadata()
-        if self._to_load:
-            for rid in scheduler_output.num_scheduled_tokens:
-                meta.loads.extend(self._to_load.pop(rid, ()))
+        for loads in self._to_load.values():  # allocated this step (admitted, or a load started)
+            meta.loads.extend(loads)
+        self._to_load.clear()
         cached = scheduler_output.scheduled_cached_reqs
         before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for new in scheduler_output.scheduled_new_reqs:
@@ -153,7 +155,7 @@ class StorageConnector(KVConnectorBase):
             for chunk in range(before[rid] // ct, min((before[rid] + n) // ct, len(keys))):
                 if keys[chunk] not in self._saving and not self._is_stored(keys[chunk]):
                     self._saving.add(keys[chunk])
-                    meta.saves.append(Transfer(keys[chunk], self._chunk_blocks(rid, chunk)))
+                    meta.saves.append(Transfer(keys[chunk], self._chunk_blocks(rid, chunk), req_id=rid))
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -26,7 +26,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ConfigError("runner.kind = 'paged' needs PyTorch: pip install 'schedkit[paged]'") from e
 
-from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
 from schedkit.runners.ngram import propose_ngram
 from schedkit.runners.paged.attention import AttentionMetadata
@@ -78,6 +78,8 @@ class _InFlightStep:
     host_tokens: Any = None
     copied: Any = None
     """A CUDA event recorded after the device-to-host copy (None on CPU)."""
+    finished_ids: set[str] = field(default_factory=set)
+    """Requests finished before this step (told to the connector's ``get_finished``)."""
     slices: list[tuple[int, int]] = field(default_factory=list)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     placeholders: list[tuple[RequestState, int, int]] = field(default_factory=list)
@@ -219,9 +221,10 @@ class PagedModelRunner:
         assert self._num_uncollected <= 1, "more than two steps in flight"
         self._update_states(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        step = _InFlightStep(self, req_ids, t0)
-        if not req_ids:
-            step.done = ModelRunnerOutput([], {}, [], step_duration=time.perf_counter() - t0)
+        step = _InFlightStep(self, req_ids, t0, finished_ids=scheduler_output.finished_req_ids)
+        if not req_ids:  # still polls the connector: transfers go on between steps
+            step.done = ModelRunnerOutput([], {}, [], step_duration=time.perf_counter() - t0,
+                                          kv_connector_output=self._connector_output(step))
             return step
         ib = self.input_batch
         assert ib is not None, "initialize() was not called"
@@ -286,7 +289,17 @@ class PagedModelRunner:
                 else:
                     sampled[i] = tokens[a:b]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - step.t0)
+                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - step.t0,
+                                 kv_connector_output=self._connector_output(step))
+
+    def _connector_output(self, step: _InFlightStep) -> KVConnectorOutput | None:
+        """The transfers the worker-side connector finished since the last step."""
+        if self.kv_connector is None:
+            return None
+        sending, recving = self.kv_connector.get_finished(step.finished_ids)
+        if not sending and not recving:
+            return None
+        return KVConnectorOutput(finished_sending=set(sending or ()), finished_recving=set(recving or ()))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch

@@ -134,3 +134,62 @@ def test_a_failed_write_is_reported_and_never_loaded(model_dir: Any, tmp_path: P
     reqs = [greedy_request(str(i), p, 6) for i, p in enumerate(prompts)]
     assert run_engine(engine_with_storage(path, tmp_path, ComputedTokens()), reqs) == first
     assert [r.num_cached_tokens for r in reqs] == [0, 0]  # computed, not loaded
+
+
+class AsyncLoading:
+    """kv-storage with its loads reported asynchronously (vLLM's async-load protocol, spec
+    5.4): the scheduler parks each request in ``kv_holding`` until the runner's
+    connector output lists it in ``finished_recving``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reported: list[set[str]] = []
+
+    @hookimpl
+    def schedkit_create_kv_connector(self, role: Any, config: Any) -> Any:
+        from schedkit.kv.connector import KVConnectorRole
+        from schedkit.kv.connectors.storage import StorageConnector
+        from schedkit.runners.paged.kv_storage import StorageWorker
+
+        plugin = self
+
+        class Scheduler(StorageConnector):
+            def get_num_new_matched_tokens(self, request: Any, num_local: int) -> Any:
+                n, _ = super().get_num_new_matched_tokens(request, num_local)
+                return n, bool(n)
+
+        class Worker(StorageWorker):
+            loaded: set[str] = set()
+
+            def start_load_kv(self, forward_context: Any) -> None:
+                super().start_load_kv(forward_context)
+                self.loaded = self.loaded | {load.req_id for load in self._meta.loads}
+
+            def get_finished(self, finished_req_ids: set[str]) -> Any:
+                done, self.loaded = self.loaded, set()
+                if done:
+                    plugin.reported.append(done)
+                return None, done
+
+        cls = Worker if role is KVConnectorRole.WORKER else Scheduler
+        return cls(role, config, self.path, 2)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_asynchronous_loads_through_the_runner(async_scheduling: bool, model_dir: Any,
+                                               hf_model: Any, tmp_path: Path) -> None:
+    path = model_dir("llama", num_heads=4, num_kv_heads=2)
+    prompts = random_prompts([41, 33, 60, 9], 512, seed=15)
+    sched = {"async_scheduling": async_scheduling}
+    engine = engine_with_storage(path, tmp_path, ComputedTokens(), scheduler=sched)
+    run_engine(engine, [greedy_request(str(i), p, 1) for i, p in enumerate(prompts)])
+    engine.runner.kv_connector.flush()
+    loading = AsyncLoading(tmp_path)
+    config = paged_config(path, block_size=BS, num_blocks=200, max_num_batched_tokens=64,
+                          max_model_len=256, scheduler=sched)
+    engine = EngineCore(config, extra_plugins=[loading])
+    reqs = [greedy_request(str(i), p, 10) for i, p in enumerate(prompts)]
+    out = run_engine(engine, reqs)
+    assert [out[str(i)] for i in range(len(prompts))] == hf_greedy(hf_model(path), prompts, 10)
+    assert set().union(*loading.reported) == {"0", "1", "2"}  # the 9-token prompt has no chunk
+    assert [r.num_cached_tokens for r in reqs] == [(len(p) - 1) // CHUNK * CHUNK for p in prompts]

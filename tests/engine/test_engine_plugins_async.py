@@ -55,9 +55,10 @@ def test_raising_plugin_fails_only_the_affected_request(boom_installed):
         assert llm.call_utility("stats")["num_free_blocks"] == 2047
 
 
-@pytest.mark.parametrize("transport", ["ipc", "tcp"])
-def test_async_streaming_and_cancel(transport):
-    config = config_from_dict({"scheduler": {"max_model_len": 100000}, "cache": {"num_blocks": 512}})
+@pytest.mark.parametrize("transport,async_scheduling", [("ipc", False), ("tcp", False), ("ipc", True)])
+def test_async_streaming_and_cancel(transport, async_scheduling):
+    config = config_from_dict({"scheduler": {"max_model_len": 100000, "async_scheduling": async_scheduling},
+                               "cache": {"num_blocks": 512}})
 
     async def main():
         llm = await AsyncLLM.create(config, transport=transport)

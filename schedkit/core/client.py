@@ -33,9 +33,9 @@ from schedkit.core.messages import (
     WireMetrics,
     WireOutput,
     WireRequest,
-    WireSamplingParams,
     client_encoder,
     engine_decoder,
+    sampling_to_wire,
 )
 from schedkit.core.request import SamplingParams
 from schedkit.errors import ConfigError, EngineDeadError, RequestError, SchedkitError
@@ -47,8 +47,7 @@ DEAD_AFTER_S = 3.0
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
                  cache_salt: str | None = None, final_only: bool = False) -> WireRequest:
-    sp = WireSamplingParams.from_params(params)
-    return WireRequest(request_id, list(prompt_token_ids), sp, priority=priority, tenant=tenant,
+    return WireRequest(request_id, list(prompt_token_ids), sampling_to_wire(params), priority=priority, tenant=tenant,
                        cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only)
 
 

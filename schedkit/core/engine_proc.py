@@ -51,9 +51,10 @@ from schedkit.core.messages import (
     WireRequest,
     client_decoder,
     engine_encoder,
+    sampling_from_wire,
 )
 from schedkit.core.outputs import EngineCoreOutputs
-from schedkit.core.request import EventType, Request, SamplingParams
+from schedkit.core.request import EventType, Request
 from schedkit.errors import EngineDeadError, SchedkitError
 
 log = logging.getLogger("schedkit.engine")
@@ -65,7 +66,7 @@ UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugi
 
 def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     """Build a Request (validating it) from its wire form."""
-    params = SamplingParams(**w.sampling_params.to_dict())
+    params = sampling_from_wire(w.sampling_params, w.request_id)
     return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                    priority=w.priority, client_index=client_index, tenant=w.tenant,
                    cache_salt=w.cache_salt)

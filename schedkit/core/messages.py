@@ -7,39 +7,40 @@ per-request errors, utility results) and ``Heartbeat``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
 
 from schedkit.core.outputs import EngineCoreOutput, RequestMetricsData
+from schedkit.core.request import SamplingParams
+from schedkit.errors import RequestError
 
 
-class WireSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    eos_token_id: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
+def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """The fields of ``params`` that differ from their defaults (the wire form)."""
+    return {f.name: value for f in dataclasses.fields(params)
+            if (value := getattr(params, f.name)) != f.default}
 
-    @classmethod
-    def from_params(cls, params: Any) -> WireSamplingParams:
-        """The wire form of a SamplingParams (same field names)."""
-        fields = {f: getattr(params, f) for f in cls.__struct_fields__}
-        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
-        return cls(**fields)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__struct_fields__}
+def sampling_from_wire(fields: dict[str, Any], request_id: str) -> SamplingParams:
+    """Rebuild (and validate) sampling parameters from their wire form.
+
+    Raises:
+        RequestError: An unknown field or an invalid value.
+    """
+    try:
+        return SamplingParams(**fields)
+    except TypeError as e:
+        raise RequestError(f"request {request_id!r}: invalid sampling parameters: {e}",
+                           request_id=request_id) from None
 
 
 class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: WireSamplingParams
+    sampling_params: dict[str, Any]
+    """Sampling fields that differ from their defaults (:func:`sampling_to_wire`)."""
     priority: int = 0
     tenant: str = "default"
     cache_salt: str | None = None

@@ -7,6 +7,14 @@ Definitions: TTFT = first token - arrival; TPOT = (last token - first token) /
 (outputs - 1); ITL = every gap between consecutive tokens (tokens of one step share a
 time); E2E = finish - arrival; normalized latency = E2E / outputs; queueing delay =
 first admission - arrival.
+
+Breakdown by request size (``summarize(...)["by_prompt_size"]``): the requests are split
+into three buckets by prompt length at its tertiles. With ``n`` requests and their prompt
+lengths sorted as ``x[0] <= ... <= x[n-1]``, the cut points are ``lo = x[ceil(n/3) - 1]``
+and ``hi = x[ceil(2n/3) - 1]``; ``short`` is ``length <= lo``, ``medium`` is
+``lo < length <= hi`` and ``long`` is ``length > hi``. Equal lengths always share a bucket,
+so buckets are about a third each for varied lengths and may be empty when many prompts
+have the same length (all of one length: everything is ``short``).
 """
 
 from __future__ import annotations
@@ -144,12 +152,49 @@ def _dist(values: Sequence[float]) -> dict[str, float]:
             "p99": percentile(values, 99), "max": max(values) if values else math.nan}
 
 
+SIZE_BUCKETS = ("short", "medium", "long")
+
+
+def prompt_size_edges(lengths: Sequence[int]) -> tuple[int, int]:
+    """The tertile cut points ``(lo, hi)`` of prompt lengths (module docstring); (0, 0) for none."""
+    if not lengths:
+        return 0, 0
+    xs = sorted(lengths)
+    n = len(xs)
+    return xs[math.ceil(n / 3) - 1], xs[math.ceil(2 * n / 3) - 1]
+
+
+def size_bucket(num_prompt_tokens: int, edges: tuple[int, int]) -> str:
+    lo, hi = edges
+    return "short" if num_prompt_tokens <= lo else "medium" if num_prompt_tokens <= hi else "long"
+
+
+def by_prompt_size(metrics: Sequence[RequestMetrics]) -> dict[str, dict[str, Any]]:
+    """Requests, prompt-length range, TTFT and E2E distributions per size bucket."""
+    edges = prompt_size_edges([m.num_prompt_tokens for m in metrics])
+    groups: dict[str, list[RequestMetrics]] = {b: [] for b in SIZE_BUCKETS}
+    for m in metrics:
+        groups[size_bucket(m.num_prompt_tokens, edges)].append(m)
+    out: dict[str, dict[str, Any]] = {}
+    for bucket, ms in groups.items():
+        lengths = [m.num_prompt_tokens for m in ms]
+        out[bucket] = {
+            "requests": len(ms),
+            "min_prompt_tokens": min(lengths, default=math.nan),
+            "max_prompt_tokens": max(lengths, default=math.nan),
+            "ttft_s": _dist([m.ttft for m in ms if m.ttft is not None]),
+            "e2e_s": _dist([m.e2e for m in ms if m.e2e is not None]),
+        }
+    return out
+
+
 def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
               duration: float | None = None) -> dict[str, Any]:
     """Aggregate metrics of finished requests.
 
     ``duration`` defaults to first arrival -> last finish. Goodput counts requests that
-    meet every SLO target, per second; attainment is their share.
+    meet every SLO target, per second; attainment is their share. ``by_prompt_size``
+    holds :func:`by_prompt_size` (TTFT and E2E per prompt-length tertile).
     """
     slo = slo or SLOConfig()
     if duration is None:
@@ -190,4 +235,5 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
         "goodput_req_s": per_sec(good),
         "tenants": tenants,
         "jain_fairness": jain_index([t["service_tokens"] for t in tenants.values()]),
+        "by_prompt_size": by_prompt_size(metrics),
     }

@@ -1,4 +1,9 @@
-"""Reports: a terminal table, a JSON file and PNG plots (matplotlib, optional)."""
+"""Reports: a terminal table, a JSON file and PNG plots (matplotlib, optional).
+
+Without matplotlib the plot functions return False and write nothing; the table and
+the JSON are unaffected, and :func:`format_table` ends with a note saying the plots
+were skipped. Every plot draws a profile in the same colour (:func:`profile_colours`).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from schedkit.lab.metrics import RequestMetrics
+from schedkit.lab.metrics import SIZE_BUCKETS, RequestMetrics
 
 ROWS = (
     ("requests", "requests", "{:.0f}"),
     ("output tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
     ("TTFT p50 (ms)", ("ttft_s", "p50"), "ms"),
     ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
     ("TPOT p50 (ms)", ("tpot_s", "p50"), "ms"),
@@ -25,6 +31,19 @@ ROWS = (
     ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
     ("Jain fairness", "jain_fairness", "{:.3f}"),
 )
+SIZE_ROWS = (
+    ("requests", "requests", "{:.0f}"),
+    ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
+    ("TTFT p50 (ms)", ("ttft_s", "p50"), "ms"),
+    ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
+    ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
+    ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
+)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+"""matplotlib's tab10 colours, so that colours need no matplotlib to be chosen."""
+NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install -e '.[lab]')"
+ONE_TENANT = "tenant_service.png skipped: the workload has a single tenant"
 
 
 def _get(summary: Mapping[str, Any], key: Any) -> float:
@@ -39,17 +58,68 @@ def _fmt(value: float, fmt: str) -> str:
     return f"{value * 1e3:.1f}" if fmt == "ms" else fmt.format(value)
 
 
-def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """One column per profile, one row per metric."""
-    names = list(summaries)
-    label_w = max(len(r[0]) for r in ROWS)
-    cols = [[_fmt(_get(summaries[n], key), fmt) for _, key, fmt in ROWS] for n in names]
-    widths = [max(len(n), *(len(c) for c in col)) for n, col in zip(names, cols, strict=True)]
-    lines = [" " * label_w + "  " + "  ".join(n.rjust(w) for n, w in zip(names, widths, strict=True))]
-    for i, (label, _, _) in enumerate(ROWS):
+def _grid(title: str, names: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+    """Right-aligned columns under the profile names, labels on the left."""
+    label_w = max(len(title), *(len(label) for label, _ in rows))
+    widths = [max(len(n), *(len(cells[j]) for _, cells in rows)) for j, n in enumerate(names)]
+    lines = [title.ljust(label_w) + "  " + "  ".join(n.rjust(w) for n, w in zip(names, widths, strict=True))]
+    for label, cells in rows:
         lines.append(label.ljust(label_w) + "  " + "  ".join(
-            col[i].rjust(w) for col, w in zip(cols, widths, strict=True)))
-    return "\n".join(lines)
+            c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    return lines
+
+
+def _prompt_range(bucket: Mapping[str, Any]) -> str:
+    lo, hi = bucket["min_prompt_tokens"], bucket["max_prompt_tokens"]
+    if not bucket["requests"] or lo is None or hi is None:
+        return "-"
+    return f"{lo:.0f}-{hi:.0f}"
+
+
+def format_size_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """TTFT and E2E per prompt-length tertile (short / medium / long), one column per profile.
+
+    The tertiles are those of each profile's finished requests (see
+    :mod:`schedkit.lab.metrics`); the ``prompt tokens`` rows show each bucket's range.
+    """
+    names = list(summaries)
+    rows: list[tuple[str, list[str]]] = []
+    for bucket in SIZE_BUCKETS:
+        cells = [summaries[n]["by_prompt_size"][bucket] for n in names]
+        rows.append((f"{bucket} prompt tokens", [_prompt_range(c) for c in cells]))
+        rows += [(f"{bucket} {label}", [_fmt(_get(c, key), fmt) for c in cells])
+                 for label, key, fmt in SIZE_ROWS]
+    return "\n".join(_grid("by prompt length (tertiles)", names, rows))
+
+
+def plot_notes(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Why plots of a report with these summaries are not drawn (empty when all are)."""
+    if not has_matplotlib():
+        return [NO_MATPLOTLIB]
+    tenants = {t for s in summaries.values() for t in s.get("tenants", ())}
+    return [ONE_TENANT] if len(tenants) <= 1 else []
+
+
+def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = True) -> str:
+    """One column per profile, one row per metric; then the breakdown by prompt length
+    (:func:`format_size_table`) and, with ``notes``, the plots that will be skipped."""
+    names = list(summaries)
+    rows = [(label, [_fmt(_get(summaries[n], key), fmt) for n in names]) for label, key, fmt in ROWS]
+    parts = ["\n".join(_grid("", names, rows))]
+    if names and all("by_prompt_size" in summaries[n] for n in names):
+        parts.append(format_size_table(summaries))
+    if notes:
+        parts += plot_notes(summaries)
+    return "\n\n".join(parts)
+
+
+def profile_colours(names: Sequence[str]) -> dict[str, str]:
+    """One colour per profile name, by position in ``names`` (the palette repeats after 10).
+
+    Every plot function takes the same map (by default built from the profiles it is
+    given, in order), so a profile keeps its colour in every line and every plot.
+    """
+    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(dict.fromkeys(names))}
 
 
 def _clean(obj: Any) -> Any:
@@ -67,11 +137,19 @@ def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
     Path(path).write_text(json.dumps(_clean(payload), indent=1, sort_keys=True) + "\n")
 
 
-def _plt() -> Any:
+def has_matplotlib() -> bool:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def _plt() -> Any:
+    if not has_matplotlib():
         return None
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -92,24 +170,39 @@ def _save(plt: Any, fig: Any, path: str | Path) -> bool:
     return True
 
 
-def plot_cdfs(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path) -> bool:
-    """TTFT and TPOT CDFs per profile, side by side. False if matplotlib is missing."""
-    plt = _plt()
-    if plt is None:
-        return False
+def cdf_figure(plt: Any, runs: Mapping[str, Sequence[RequestMetrics]],
+               colours: Mapping[str, str] | None = None) -> Any:
+    """The figure of :func:`plot_cdfs` (unsaved)."""
+    colours = colours or profile_colours(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, attr, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (s)")):
         for name, metrics in runs.items():
             xs = sorted(v for v in (getattr(m, attr) for m in metrics) if v is not None)
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name,
+                        color=colours[name])
         ax.set_xscale("log")
         _label(ax, label, "fraction of requests")
-    return _save(plt, fig, path)
+    return fig
+
+
+def plot_cdfs(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path,
+              colours: Mapping[str, str] | None = None) -> bool:
+    """TTFT and TPOT CDFs per profile, side by side. False if matplotlib is missing."""
+    plt = _plt()
+    if plt is None:
+        return False
+    return _save(plt, cdf_figure(plt, runs, colours), path)
 
 
 def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path) -> bool:
-    """Cumulative output tokens per tenant over time, one panel per profile."""
+    """Cumulative output tokens per tenant over time, one panel per profile.
+
+    False, with nothing written, when matplotlib is missing or the runs have a single
+    tenant (each panel would be one line: the profile's whole output).
+    """
+    if len({m.tenant for metrics in runs.values() for m in metrics}) <= 1:
+        return False
     plt = _plt()
     if plt is None:
         return False
@@ -126,19 +219,31 @@ def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str 
     return _save(plt, fig, path)
 
 
-def plot_latency_vs_load(sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
-                         path: str | Path, knob: str = "rate") -> bool:
-    """TTFT p50/p99 against the swept load knob, per profile."""
-    plt = _plt()
-    if plt is None:
-        return False
+def latency_vs_load_figure(plt: Any, sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
+                           knob: str = "rate", colours: Mapping[str, str] | None = None) -> Any:
+    """The figure of :func:`plot_latency_vs_load` (unsaved): p50 solid, p99 dashed, one
+    colour per profile."""
+    colours = colours or profile_colours(list(sweep))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, points in sweep.items():
         xs = [x for x, _ in points]
-        axes[0].plot(xs, [s["ttft_s"]["p50"] for _, s in points], marker="o", label=f"{name} p50")
-        axes[0].plot(xs, [s["ttft_s"]["p99"] for _, s in points], marker="x", ls="--", label=f"{name} p99")
-        axes[1].plot(xs, [s["slo_attainment"] for _, s in points], marker="o", label=name)
+        c = colours[name]
+        axes[0].plot(xs, [s["ttft_s"]["p50"] for _, s in points], marker="o", color=c,
+                     label=f"{name} p50")
+        axes[0].plot(xs, [s["ttft_s"]["p99"] for _, s in points], marker="x", ls="--", color=c,
+                     label=f"{name} p99")
+        axes[1].plot(xs, [s["slo_attainment"] for _, s in points], marker="o", color=c, label=name)
     axes[0].set_yscale("log")
     _label(axes[0], knob, "TTFT (s)")
     _label(axes[1], knob, "SLO attainment")
-    return _save(plt, fig, path)
+    return fig
+
+
+def plot_latency_vs_load(sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
+                         path: str | Path, knob: str = "rate",
+                         colours: Mapping[str, str] | None = None) -> bool:
+    """TTFT p50/p99 and SLO attainment against the swept load knob, per profile."""
+    plt = _plt()
+    if plt is None:
+        return False
+    return _save(plt, latency_vs_load_figure(plt, sweep, knob, colours), path)

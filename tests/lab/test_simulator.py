@@ -87,7 +87,7 @@ def test_compare_writes_byte_identical_results(tmp_path):
     assert outs[0] == outs[1]
     data = json.loads(outs[0])
     assert set(data["summaries"]) == {"fcfs", "prio"} and set(data["sustained"]) == {"fcfs", "prio"}
-    assert (tmp_path / "out0" / "latency_cdf.png").stat().st_size > 1000
+    # the plots need matplotlib: tests/lab/test_report.py::test_compare_writes_every_plot
 
 
 def test_compare_profiles_with_scheduler_overrides():

@@ -3,27 +3,39 @@
 * every hook has a ``## <name>`` section in docs/hooks.md with its exact signature;
 * every hook has a ``test_hook_<name>`` test somewhere under tests/;
 * every code block in the plugin docs marked ``<!-- from: PATH -->`` is a verbatim copy
-  of lines of PATH (a tested file), and every YAML block is a valid config.
+  of lines of PATH (a tested file), and every YAML block is a valid config;
+* docs/reference.md has a row for every public ``Request`` attribute, property and
+  method, every ``SamplingParams`` field, every ``make_scheduler`` / ``make_request``
+  parameter and every workload / compare config field, with the code's types, defaults
+  and allowed values; its python blocks run and its YAML blocks generate workloads.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
+from schedkit import config as config_models
 from schedkit import hookspecs
 from schedkit.config import config_from_dict
+from schedkit.core.request import EventType, Request, RequestStatus, SamplingParams
+from schedkit.lab.workloads import generate
+from schedkit.plugins import testing
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 HOOKS_MD = DOCS / "hooks.md"
 PLUGIN_DOCS = [HOOKS_MD, DOCS / "writing-plugins.md"]
+REFERENCE_MD = DOCS / "reference.md"
 FENCE = re.compile(r"(?:<!-- from: (?P<src>\S+) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 
 
@@ -135,3 +147,138 @@ def test_is_copied_from():
     assert is_copied_from("def f():\n    a = 1\n", source)
     assert not is_copied_from("a = 1\nb = 3\n", source)
     assert not is_copied_from("a = 1\nreturn a\n", source)
+
+
+# ---------------------------------------------------------------------- docs/reference.md
+def reference_sections() -> dict[str, str]:
+    """``##`` and ``###`` headings of docs/reference.md -> their text up to the next one."""
+    parts = re.split(r"^#{2,3} +(.+?) *$", REFERENCE_MD.read_text(), flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def table(heading: str) -> dict[str, list[str]]:
+    """The section's table: first-cell name -> every cell, backticks and ``\\|`` undone."""
+    rows = {}
+    for line in reference_sections()[heading].splitlines():
+        if re.match(r"\| `[\w.]+` \|", line):
+            cells = [c.strip().strip("`").replace("\\|", "|")
+                     for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            assert cells[0] not in rows, f"{heading}: {cells[0]} has two rows"
+            rows[cells[0]] = cells
+    assert rows, f"docs/reference.md: no table rows under {heading!r}"
+    return rows
+
+
+def same_names(heading: str, names: list[str]) -> dict[str, list[str]]:
+    rows = table(heading)
+    assert not set(names) - set(rows), f"{heading}: undocumented: {sorted(set(names) - set(rows))}"
+    assert not set(rows) - set(names), f"{heading}: not in the code: {sorted(set(rows) - set(names))}"
+    return rows
+
+
+def _annotation(a: object) -> str:
+    return a if isinstance(a, str) else inspect.formatannotation(a)
+
+
+def render_method(fn: typing.Callable) -> str:
+    """``(self, kind: EventType) -> float | None`` from the source annotations."""
+    params = []
+    for p in inspect.signature(fn).parameters.values():
+        text = p.name if p.annotation is p.empty else f"{p.name}: {_annotation(p.annotation)}"
+        params.append(text if p.default is p.empty else f"{text} = {p.default!r}")
+    return f"({', '.join(params)}) -> {_annotation(inspect.signature(fn).return_annotation)}"
+
+
+def render_default(value: object) -> str:
+    if value is inspect.Parameter.empty:
+        return "required"
+    if callable(value):
+        return f"{value.__module__}.{value.__qualname__}"  # type: ignore[attr-defined]
+    return repr(value)
+
+
+def test_reference_request_attributes():
+    fields = [f for f in dataclasses.fields(Request) if not f.name.startswith("_")]
+    rows = same_names("Request", [f.name for f in fields])
+    wrong = [(f.name, rows[f.name][1], f.type) for f in fields if rows[f.name][1] != f.type]
+    assert not wrong, f"docs/reference.md Request: (name, documented type, code type): {wrong}"
+
+
+def test_reference_request_properties_and_methods():
+    members = {n: m for n, m in vars(Request).items()
+               if not n.startswith("_") and (isinstance(m, property) or inspect.isfunction(m))}
+    rows = same_names("Request properties and methods", list(members))
+    for name, member in members.items():
+        want = (_annotation(member.fget.__annotations__["return"]) if isinstance(member, property)
+                else render_method(member))
+        assert rows[name][1] == want, f"Request.{name}: documented {rows[name][1]!r}, code {want!r}"
+
+
+def test_reference_enums():
+    same_names("RequestStatus", [m.name for m in RequestStatus])
+    same_names("EventType", [m.name for m in EventType])
+
+
+def test_reference_sampling_params():
+    fields = dataclasses.fields(SamplingParams)
+    rows = same_names("SamplingParams", [f.name for f in fields])
+    for f in fields:
+        assert rows[f.name][1:3] == [f.type, repr(f.default)], f"SamplingParams.{f.name}: {rows[f.name]}"
+
+
+@pytest.mark.parametrize("heading", ["make_scheduler", "make_request"])
+def test_reference_test_kit_parameters(heading):
+    params = inspect.signature(getattr(testing, heading)).parameters.values()
+    rows = same_names(heading, [p.name for p in params])
+    for p in params:
+        want = [_annotation(p.annotation), render_default(p.default)]
+        assert rows[p.name][1:3] == want, f"{heading}({p.name}): documented {rows[p.name][1:3]}, code {want}"
+
+
+WORKLOAD_MODELS = {
+    "workload": config_models.WorkloadConfig,
+    "workload.prompt_len, workload.output_len": config_models.LengthConfig,
+    "workload.tenants": config_models.TenantConfig,
+    "workload.priorities": config_models.PriorityClassConfig,
+    "workload.shared_prefix": config_models.SharedPrefixConfig,
+    "workload.trace": config_models.TraceConfig,
+    "workload.slo": config_models.SLOConfig,
+    "compare.profiles": config_models.ProfileConfig,
+}
+
+
+def _default(field) -> object:
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
+@pytest.mark.parametrize("heading", list(WORKLOAD_MODELS))
+def test_reference_workload_fields(heading):
+    """Every field has a row whose default, read as YAML, is the code's default and whose
+    type lists exactly the allowed values of a Literal."""
+    model = WORKLOAD_MODELS[heading]
+    rows = same_names(heading, list(model.model_fields))
+    for name, field in model.model_fields.items():
+        _, type_cell, default_cell, *_ = rows[name]
+        if typing.get_origin(field.annotation) is typing.Literal:
+            assert type_cell.split("`, `") == list(typing.get_args(field.annotation)), (
+                f"{heading}.{name}: documented values {type_cell!r}")
+        if field.is_required():
+            assert default_cell == "required", f"{heading}.{name}: required, documented {default_cell!r}"
+            continue
+        value, documented = _default(field), yaml.safe_load(default_cell)
+        if isinstance(value, BaseModel):
+            documented = type(value).model_validate(documented)
+        assert documented == value, f"{heading}.{name}: documented default {default_cell!r}, code {value!r}"
+
+
+def test_reference_examples_run():
+    blocks = code_blocks(REFERENCE_MD.read_text())
+    namespace: dict[str, object] = {}
+    for _, lang, body in blocks:
+        if lang == "python":
+            exec(compile(body, str(REFERENCE_MD), "exec"), namespace)
+        elif lang == "yaml":
+            cfg = config_from_dict(yaml.safe_load(body), source="docs/reference.md block")
+            assert len(generate(cfg.workload, cfg.runner.vocab_size, ROOT)) == cfg.workload.num_requests
+    assert sum(lang == "python" for _, lang, _ in blocks) >= 2
+    assert sum(lang == "yaml" for _, lang, _ in blocks) >= 3

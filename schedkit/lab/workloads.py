@@ -9,6 +9,9 @@ Traces (copies with their licenses under ``data/``):
 - ``mooncake``: Mooncake FAST'25 JSONL; each ``hash_id`` becomes one fixed 512-token block,
   so requests that share hash ids share a real token prefix (and prefix-cache hits).
 - ``vidur``: arxiv-summarization length pairs; arrivals are generated (Poisson, ``rate``).
+
+The YAML keys of a workload (``schedkit.config.WorkloadConfig`` and its parts) are listed
+with their defaults in docs/reference.md, which tests/test_docs.py checks against them.
 """
 
 from __future__ import annotations

@@ -27,6 +27,15 @@ class PluginError(SchedkitError):
         self.hook = hook
         self.request_id = request_id
         """The request the hook was deciding about, when there was one."""
+        self.lost_request_ids: list[str] = []
+        """Requests the scheduler could not put back in their queue while undoing the
+        failed step (its queue raised again); they fail too."""
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request this error fails: ``request_id``, then the lost ones."""
+        ids = [self.request_id] if self.request_id is not None else []
+        return ids + [r for r in self.lost_request_ids if r != self.request_id]
 
 
 class RequestError(SchedkitError, ValueError):

@@ -255,8 +255,9 @@ class EngineCore:
 
     def _on_plugin_error(self, e: PluginError) -> dict[int, EngineCoreOutputs]:
         log.error("%s", e)
-        if e.request_id is not None and e.request_id in self.scheduler.requests:
-            return self.fail_requests([e.request_id], str(e))
+        ids = [r for r in e.request_ids if r in self.scheduler.requests]
+        if ids:
+            return self.fail_requests(ids, str(e))
         self._consecutive_step_failures += 1
         if self._consecutive_step_failures < 3:
             return {}

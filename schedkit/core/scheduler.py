@@ -9,8 +9,10 @@ rejected drafts, checks stops and frees finished requests.
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from schedkit.core.outputs import (
 from schedkit.core.queues import FCFSQueue, RequestQueue
 from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestStatus
 from schedkit.core.scheduler_output import build_scheduler_output
+from schedkit.core.step_undo import StepUndo
 from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
@@ -37,6 +40,8 @@ _WAITING = RequestStatus.WAITING
 _LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 _ADMIT = AdmissionDecision.ADMIT
 _DEFER = AdmissionDecision.DEFER
+
+log = logging.getLogger("schedkit.scheduler")
 
 
 class PauseState(enum.Enum):
@@ -69,6 +74,8 @@ class StepState:
     """Requests whose asynchronous KV load began this step (they hold blocks now)."""
     rejected: list[Request] = field(default_factory=list)
     has_running_prefill: bool = False
+    undo: StepUndo = field(default_factory=lambda: StepUndo([], 0, 0))
+    """What rollback needs to restore."""
 
 
 class Scheduler(OutputProcessorMixin):
@@ -165,8 +172,19 @@ class Scheduler(OutputProcessorMixin):
             request.set_block_hasher(extend, self.block_size)
         self.requests[rid] = request
         request.record_event(EventType.QUEUED, self.clock())  # before add: queues may read it
-        self.waiting.add(request)
-        self.connector.on_new_request(request)
+        try:
+            self.waiting.add(request)
+        except BaseException:  # the queue's own error (a PluginError), nothing registered
+            del self.requests[rid]
+            request.events.clear()
+            raise
+        try:
+            self._connector_call("on_new_request", request)
+        except PluginError:
+            del self.requests[rid]
+            request.events.clear()
+            self._remove_queued([request])
+            raise
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
         """Finish requests from outside (abort, stop string). Unknown or finished ids are ignored.
@@ -189,8 +207,7 @@ class Scheduler(OutputProcessorMixin):
             self.running = [r for r in self.running if id(r) not in gone]
         queued = [r for r in reqs if r.status is not _RUNNING]
         if queued:
-            self.waiting.remove_requests(queued)
-            self.kv_holding.remove_requests(queued)
+            self._remove_queued(queued)
         now = self.clock()
         for req in reqs:
             hold = False
@@ -265,8 +282,11 @@ class Scheduler(OutputProcessorMixin):
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions if nobody was preempted."""
+        undo = StepUndo(list(self.running), self.current_step, self.num_preemptions_total)
         self.current_step += 1
-        st = StepState(budget=0, threshold=self._prefill_threshold())
+        st = StepState(budget=0, threshold=self._prefill_threshold(), undo=undo)
+        kv = self.kv_cache_manager
+        kv.begin()
         try:
             if self.pause_state is not PauseState.PAUSED_ALL:
                 st.budget = self._step_token_budget()
@@ -275,9 +295,12 @@ class Scheduler(OutputProcessorMixin):
                 self._schedule_waiting(st)
             output = build_scheduler_output(self, st)
             output.kv_connector_metadata = self._connector_call("build_connector_meta", output)
-        except BaseException:
-            self._rollback(st)
+        except BaseException as e:
+            lost = undo.rollback(self, st)
+            if lost and isinstance(e, PluginError):
+                e.lost_request_ids += [r.request_id for r in lost]
             raise
+        kv.commit()
         self._finish_rejected(st.rejected)
         self._update_after_schedule(st)
         return output
@@ -338,6 +361,7 @@ class Scheduler(OutputProcessorMixin):
                 k = n + computed - req.num_tokens - placeholders
                 if k > 0:
                     st.spec_tokens[rid] = req.spec_token_ids[:k]
+                st.undo.save(req)
                 req.spec_token_ids = []
             idx += 1
 
@@ -355,8 +379,12 @@ class Scheduler(OutputProcessorMixin):
                 idx -= 1
             if victim.request_id in st.num_scheduled:
                 self._unschedule(victim, st)
-            self._preempt(victim)
+            undo = st.undo
+            undo.save(victim)
+            if undo.preempted_before is None:
+                undo.preempted_before = set(self._preempted_ids)
             st.preempted.append(victim)
+            self._preempt(victim)
             if victim is req:
                 return None, idx
             new_blocks = self.kv_cache_manager.allocate_slots(req, n)
@@ -407,12 +435,15 @@ class Scheduler(OutputProcessorMixin):
             if not queue or (queue is waiting and not serve_waiting):
                 break
             req = queue.peek()
+            if req.is_finished:  # its queue failed to remove it when it finished
+                queue.pop()
+                continue
             if req.status is _LOADING:
                 if req.request_id not in self.finished_recving_ids:
                     st.popped.append(queue.pop())
                     kv_skipped.append(req)
                     continue
-                self._promote_loaded(req)
+                self._promote_loaded(req, st)
             elif req.num_stale_output_tokens and not req.stale_drop:
                 st.popped.append(queue.pop())  # not resumed before its stale outputs arrive
                 skipped.append(req)
@@ -465,10 +496,11 @@ class Scheduler(OutputProcessorMixin):
                 break
             self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id), num_ext)
             if did_lookup:
-                self._record_lookup(req, num_local, num_ext)
+                self._record_lookup(req, num_local, num_ext, st)
             if load_async:
                 st.popped.append(queue.pop())
                 st.loads_started.append(req)
+                st.undo.save(req)
                 req.status = _LOADING
                 req.num_computed_tokens = computed
                 kv_skipped.append(req)
@@ -476,23 +508,34 @@ class Scheduler(OutputProcessorMixin):
             self._admit(queue.pop(), n, computed, st, now)
             if n > 1 and req.num_tokens - computed == 1:
                 st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
+        st.returned = kv_skipped + skipped
+        self._defer(st.returned, st)
         if kv_skipped:
             kv_holding.prepend_requests(kv_skipped)
-            self.deferred_ids.update(r.request_id for r in kv_skipped)
         if skipped:
             waiting.prepend_requests(skipped)
-            self.deferred_ids.update(r.request_id for r in skipped)
-        st.returned = kv_skipped + skipped
 
-    def _record_lookup(self, req: Request, num_local: int, num_ext: int) -> None:
+    def _defer(self, reqs: list[Request], st: StepState) -> None:
+        deferred = self.deferred_ids
+        newly = st.undo.newly_deferred
+        for req in reqs:
+            rid = req.request_id
+            if rid not in deferred:
+                deferred.add(rid)
+                newly.append(rid)
+
+    def _record_lookup(self, req: Request, num_local: int, num_ext: int, st: StepState) -> None:
         """Prefix-cache statistics of an admission (or load start) that looked up hits:
         the local cache's, then the connector's for the tokens the cache did not have."""
         preempted = req.num_preemptions > 0
         if not req.skip_reading_prefix_cache:
             self.kv_cache_manager.record_prefix_cache_hits(req.num_tokens, num_local, preempted)
         queries = req.num_tokens - num_local
-        if self._connector_stats is not None and queries:
-            self._connector_stats.record(queries, num_ext, preempted)
+        stats = self._connector_stats
+        if stats is not None and queries:
+            if st.undo.connector_stats is None:
+                st.undo.connector_stats = copy.copy(stats)
+            stats.record(queries, num_ext, preempted)
 
     def take_connector_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """This step's connector lookups, then start new ones (None without a connector)."""
@@ -501,12 +544,14 @@ class Scheduler(OutputProcessorMixin):
             self._connector_stats = PrefixCacheStats()
         return stats
 
-    def _promote_loaded(self, req: Request) -> None:
+    def _promote_loaded(self, req: Request, st: StepState) -> None:
         """An asynchronous load finished: cache the blocks loaded before the first
         failure, if any (a load that left nothing valid drops its blocks and the request
         starts over), and make the request admissible. The last prompt token is always
         recomputed, for its logits."""
         rid = req.request_id
+        st.undo.save(req)
+        st.undo.promoted.append((rid, rid in self.finished_recving_ids, rid in self.failed_recving_ids))
         self.finished_recving_ids.discard(rid)
         self.failed_recving_ids.discard(rid)  # failures already truncated its count
         if req.num_computed_tokens == 0:
@@ -551,7 +596,11 @@ class Scheduler(OutputProcessorMixin):
 
     def _admit(self, req: Request, n: int, computed: int, st: StepState, now: float) -> None:
         st.popped.append(req)
-        self.deferred_ids.discard(req.request_id)
+        rid = req.request_id
+        st.undo.save(req)
+        if rid in self.deferred_ids:
+            self.deferred_ids.discard(rid)
+            st.undo.undeferred.append(rid)
         self.running.append(req)
         (st.new_reqs if req.status is _WAITING else st.resumed_reqs).append(req)
         req.status = _RUNNING
@@ -562,28 +611,14 @@ class Scheduler(OutputProcessorMixin):
         st.num_scheduled[req.request_id] = n
         st.budget -= n
 
-    def _rollback(self, st: StepState) -> None:
-        """Undo this step's admissions and load starts after a hook raised, so no
-        request is half-admitted."""
-        undone = {id(r) for r in st.new_reqs} | {id(r) for r in st.resumed_reqs}
-        if undone:
-            self.running = [r for r in self.running if id(r) not in undone]
-        undone |= {id(r) for r in st.loads_started}
-        if st.returned:  # they go back with the others, in their original order
-            self.kv_holding.remove_requests(st.returned)
-            self.waiting.remove_requests(st.returned)
-        for req in reversed(st.popped):
-            if id(req) in undone:
-                self.kv_cache_manager.free(req)
-                req.status = _WAITING if req.num_preemptions == 0 else RequestStatus.PREEMPTED
-                req.num_computed_tokens = 0
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = -1
-                if req.events and req.events[-1][0] is EventType.SCHEDULED:
-                    req.events.pop()
-            self._enqueue(req, front=True)
-        for req in st.running_reqs:
-            req.spec_token_ids = []
+    def _remove_queued(self, reqs: list[Request]) -> None:
+        """Take finished requests out of the queues. If the policy's queue raises, they
+        stay in it and are dropped when they reach its head."""
+        try:
+            self.waiting.remove_requests(reqs)
+        except PluginError as e:
+            log.error("%s; the finished requests leave the queue when they reach its head", e)
+        self.kv_holding.remove_requests(reqs)
 
     def _holds_blocks(self, req: Request) -> bool:
         return self.kv_cache_manager.get_num_blocks(req.request_id) > 0

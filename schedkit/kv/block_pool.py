@@ -8,6 +8,12 @@ Free-queue order (spec 4.4): allocation pops from the head; a freed batch puts i
 unhashed blocks at the head (batch order, first one becomes the head) and appends its
 hashed blocks at the tail (LRU eviction of cached blocks). Free hashed blocks keep their
 hash and can still be hit until they are popped for reuse.
+
+Transactions: between ``begin()`` and ``commit()`` every change is journaled, and
+``rollback()`` undoes them in reverse, leaving reference counts, the free queue, the
+prefix-cache map and the buffered events exactly as at ``begin()`` (the scheduler uses
+this when a plugin raises mid-step). Outside a transaction the journal costs one
+``is None`` test per call.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from schedkit.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCa
 from schedkit.kv.hashing import BlockHash
 
 NULL_BLOCK_ID = 0
+
+# Journal entry kinds (see BlockPool.begin).
+_NEW, _TOUCH, _FREE, _CACHE, _EVICT = range(5)
 
 
 class BlockPool:
@@ -47,6 +56,8 @@ class BlockPool:
         "_next",
         "_sentinel",
         "_events",
+        "_journal",
+        "_events_mark",
     )
 
     def __init__(
@@ -87,6 +98,8 @@ class BlockPool:
         self._prev[s] = p
         self.num_free_blocks = num_blocks - 1
         self._events: list[KVCacheEvent] = []
+        self._journal: list[tuple] | None = None
+        self._events_mark = 0
 
     # Queries ------------------------------------------------------------------------
 
@@ -137,16 +150,23 @@ class BlockPool:
         hashes = self._hash
         s = self._sentinel
         out = [0] * num_blocks
+        journal = self._journal
+        evicted: list[tuple[int, BlockHash, int]] = []
         b = nxt[s]
         for i in range(num_blocks):
             out[i] = b
             ref[b] = 1
-            if hashes[b] is not None:
+            h = hashes[b]
+            if h is not None:
+                if journal is not None:
+                    evicted.append((b, h, self.cached_block_map.index_of(h, b)))
                 self._evict(b)
             b = nxt[b]
         nxt[s] = b
         self._prev[b] = s
         self.num_free_blocks -= num_blocks
+        if journal is not None:
+            journal.append((_NEW, out, evicted))
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -154,9 +174,12 @@ class BlockPool:
         ref = self._ref_cnt
         nxt = self._next
         prev = self._prev
+        journal = self._journal
+        touched: list[tuple[int, int, int]] = []
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
+            p = n = -1
             if ref[b] == 0:
                 p = prev[b]
                 n = nxt[b]
@@ -164,6 +187,10 @@ class BlockPool:
                 prev[n] = p
                 self.num_free_blocks -= 1
             ref[b] += 1
+            if journal is not None:
+                touched.append((b, p, n))
+        if journal is not None:
+            journal.append((_TOUCH, touched))
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the given order (spec 4.4).
@@ -178,6 +205,10 @@ class BlockPool:
         s = self._sentinel
         front: list[int] = []
         num_freed = 0
+        journal = self._journal
+        if journal is not None:
+            block_ids = [b for b in block_ids if b != NULL_BLOCK_ID]
+            journal.append((_FREE, block_ids))
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
@@ -237,6 +268,8 @@ class BlockPool:
             hashes[b] = h
             insert(h, b)
             stored.append(h)
+            if self._journal is not None:
+                self._journal.append((_CACHE, b, h))
         if self.enable_kv_events and stored:
             assert token_ids is not None
             bs = self.block_size
@@ -261,7 +294,10 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the given blocks' hashes from the prefix cache; ref counts are untouched."""
         for b in block_ids:
-            if self._hash[b] is not None:
+            h = self._hash[b]
+            if h is not None:
+                if self._journal is not None:
+                    self._journal.append((_EVICT, b, h, self.cached_block_map.index_of(h, b)))
                 self._evict(b)
 
     def reset_prefix_cache(self) -> bool:
@@ -270,6 +306,7 @@ class BlockPool:
         Returns:
             True on success; False (nothing changed) while any block is in use.
         """
+        assert self._journal is None, "prefix-cache reset inside a transaction"
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         self.cached_block_map.clear()
@@ -283,3 +320,68 @@ class BlockPool:
         events = self._events
         self._events = []
         return events
+
+    # Transactions ----------------------------------------------------------------------
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._journal is not None
+
+    def begin(self) -> None:
+        """Start journaling every change (see the module docstring)."""
+        assert self._journal is None, "nested transaction"
+        self._journal = []
+        self._events_mark = len(self._events)
+
+    def commit(self) -> None:
+        """Keep the changes since ``begin()`` and stop journaling."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every change since ``begin()``, last first, and stop journaling."""
+        journal = self._journal
+        assert journal is not None, "rollback outside a transaction"
+        self._journal = None
+        ref, hashes, nxt, prev, s = self._ref_cnt, self._hash, self._next, self._prev, self._sentinel
+        cmap = self.cached_block_map
+        for entry in reversed(journal):
+            kind = entry[0]
+            if kind == _CACHE:
+                _, b, h = entry
+                hashes[b] = None
+                cmap.pop(h, b)
+            elif kind == _EVICT:
+                _, b, h, pos = entry
+                hashes[b] = h
+                cmap.insert_at(h, b, pos)
+            elif kind == _FREE:
+                for b in entry[1]:
+                    if ref[b] == 0:  # it went back to the queue: take it out again
+                        p, n = prev[b], nxt[b]
+                        nxt[p] = n
+                        prev[n] = p
+                        self.num_free_blocks -= 1
+                    ref[b] += 1
+            elif kind == _TOUCH:
+                for b, p, n in reversed(entry[1]):
+                    ref[b] -= 1
+                    if p >= 0:  # it was free, between p and n
+                        nxt[p] = b
+                        prev[b] = p
+                        nxt[b] = n
+                        prev[n] = b
+                        self.num_free_blocks += 1
+            else:  # _NEW: back to the head of the queue, hashes restored
+                _, out, evicted = entry
+                for b, h, pos in reversed(evicted):
+                    hashes[b] = h
+                    cmap.insert_at(h, b, pos)
+                for b in reversed(out):
+                    ref[b] = 0
+                    head = nxt[s]
+                    nxt[s] = b
+                    prev[b] = s
+                    nxt[b] = head
+                    prev[head] = b
+                self.num_free_blocks += len(out)
+        del self._events[self._events_mark:]

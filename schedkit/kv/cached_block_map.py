@@ -42,6 +42,16 @@ class CachedBlockMap:
         else:
             v[block_id] = None
 
+    def index_of(self, block_hash: BlockHash, block_id: int) -> int:
+        """Position of ``block_id`` among the blocks of ``block_hash`` (insertion order)."""
+        return self.get_all(block_hash).index(block_id)
+
+    def insert_at(self, block_hash: BlockHash, block_id: int, index: int) -> None:
+        """Put ``block_id`` back under ``block_hash`` at ``index`` (undo of a removal)."""
+        ids = self.get_all(block_hash)
+        ids.insert(index, block_id)
+        self._map[block_hash] = ids[0] if len(ids) == 1 else dict.fromkeys(ids)
+
     def pop(self, block_hash: BlockHash, block_id: int) -> int | None:
         """Remove ``block_id`` from ``block_hash``; a non-matching id is a no-op.
 

@@ -11,6 +11,7 @@ operations.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class KVCacheManager:
         "_watermark_blocks",
         "_reqs",
         "_stats",
+        "_journal",
+        "_saved_stats",
     )
 
     def __init__(
@@ -104,6 +107,11 @@ class KVCacheManager:
         self._reqs: dict[str, RequestBlocks] = {}
         self._stats = PrefixCacheStats()
         self.prefix_cache_totals = PrefixCacheStats()
+        self._journal: dict[str, tuple[RequestBlocks | None, int, int]] | None = None
+        """In a transaction: each request's table as it was at ``begin()`` (the state
+        object, its length, its cached count), recorded before its first change; the
+        key ``""`` holds the statistics."""
+        self._saved_stats = (self._stats, self.prefix_cache_totals)
 
     # Queries ------------------------------------------------------------------------
 
@@ -237,6 +245,8 @@ class KVCacheManager:
             wm = self._watermark_blocks if apply_watermark else 0
             if num_new + wm > pool.num_free_blocks - reserved_blocks:
                 return None
+            if self._journal is not None:
+                self._remember(request.request_id, state)
             new_blocks = pool.get_new_blocks(num_new)
             if state is None:
                 state = self._reqs[request.request_id] = RequestBlocks(new_blocks.copy())
@@ -288,6 +298,8 @@ class KVCacheManager:
         if num_blocks + wm > free - reserved_blocks:
             return None
 
+        if self._journal is not None:
+            self._remember(rid, state)
         if state is None:
             state = self._reqs[rid] = RequestBlocks([])
         table = state.block_ids
@@ -312,6 +324,8 @@ class KVCacheManager:
 
     def _cache(self, request: KVRequest, state: RequestBlocks, num_full: int) -> None:
         assert num_full <= len(state.block_ids), (num_full, len(state.block_ids))
+        if self._journal is not None:
+            self._remember(request.request_id, state)
         pool = self.block_pool
         token_ids = request.all_token_ids if pool.enable_kv_events else None
         pool.cache_full_blocks(
@@ -335,6 +349,8 @@ class KVCacheManager:
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks, last block first, and forget its table."""
         state = self._reqs.pop(request.request_id, None)
+        if self._journal is not None and state is not None:
+            self._remember(request.request_id, state)
         if state is not None and state.block_ids:
             self.block_pool.free_blocks(reversed(state.block_ids))
 
@@ -360,10 +376,50 @@ class KVCacheManager:
         """Return and clear buffered KV events ([] when events are disabled)."""
         return self.block_pool.take_events()
 
+    # Transactions -------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Journal every change until ``commit()`` or ``rollback()`` (one scheduler step)."""
+        self._journal = {}
+        self.block_pool.begin()
+
+    def commit(self) -> None:
+        self._journal = None
+        self.block_pool.commit()
+
+    def rollback(self) -> None:
+        """Undo every change since ``begin()``: block tables, cached counts, the pool
+        (references, free queue, prefix-cache hashes, events) and the statistics."""
+        journal = self._journal
+        assert journal is not None, "rollback outside a transaction"
+        self._journal = None
+        self.block_pool.rollback()
+        stats = journal.pop("", None)
+        if stats is not None:
+            self._stats, self.prefix_cache_totals = self._saved_stats
+        reqs = self._reqs
+        for rid, (state, length, num_cached) in journal.items():
+            if state is None:
+                reqs.pop(rid, None)
+            else:
+                del state.block_ids[length:]
+                state.num_cached_blocks = num_cached
+                reqs[rid] = state
+
+    def _remember(self, rid: str, state: RequestBlocks | None) -> None:
+        journal = self._journal
+        assert journal is not None
+        if rid not in journal:
+            journal[rid] = (state, len(state.block_ids), state.num_cached_blocks) if state else (None, 0, 0)
+
     # Statistics ---------------------------------------------------------------------
 
     def record_prefix_cache_hits(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
         """Record one admitted request's lookup: ``num_tokens`` queried, ``num_hits`` hit."""
+        journal = self._journal
+        if journal is not None and "" not in journal:
+            journal[""] = (None, 0, 0)
+            self._saved_stats = (copy.copy(self._stats), copy.copy(self.prefix_cache_totals))
         self._stats.record(num_tokens, num_hits, preempted)
         self.prefix_cache_totals.record(num_tokens, num_hits, preempted)
 

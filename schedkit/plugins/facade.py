@@ -25,6 +25,7 @@ from schedkit.errors import PluginError
 from schedkit.hookspecs import HOOK_NAMES
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
 from schedkit.kv.kv_cache_manager import KVCacheManager
+from schedkit.plugins.queue_guard import GuardedQueue
 
 _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
                   "remove_request", "remove_requests", "__len__", "__iter__")
@@ -99,7 +100,7 @@ class HookFacade:
         missing = [m for m in _QUEUE_METHODS if not hasattr(queue, m)]
         if queue is None or missing:
             raise self._bad_answer(name, plugin, queue, f"not a waiting queue (missing {missing})")
-        return queue
+        return GuardedQueue(queue, plugin)
 
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request:
         name = "schedkit_select_preemption_victim"

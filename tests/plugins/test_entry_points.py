@@ -129,7 +129,7 @@ def test_installed_is_not_enabled(spf_site):
     pm = get_plugin_manager(config_from_dict({}))
     assert pm.get_plugin("spf") is None
     sched = make_scheduler(max_num_seqs=1)
-    assert isinstance(sched.waiting, FCFSQueue)
+    assert isinstance(sched.waiting.policy_queue, FCFSQueue)
     _add_requests(sched)
     assert _admission_order(sched) == ["long", "short", "mid"]  # FCFS
 

@@ -52,7 +52,7 @@ def test_hook_schedkit_create_waiting_queue():
     plugin = LongestPromptFirst()
     sched = make_scheduler(plugins=[plugin], max_num_seqs=1)
     assert plugin.configs == [sched.scheduler_config]  # once, when the Scheduler is built
-    assert isinstance(sched.waiting, KeyedQueue)
+    assert isinstance(sched.waiting.policy_queue, KeyedQueue)
     for req in make_requests(3, prompts=prompts, max_tokens=2):
         sched.add_request(req)
     assert [r.request_id for r in sched.waiting] == ["1", "2", "0"]

@@ -35,7 +35,7 @@ def starving(kind: str, until: float = 2.0) -> list:
 def test_composed_with_sjf_the_wrapper_bounds_the_wait():
     res = run(starving("sjf"), [ShortestJobFirst(), AgingWrapper(max_wait_s=MAX_WAIT)],
               max_num_seqs=1, check=True, num_blocks=128)
-    assert isinstance(res.sched.waiting, MaxWaitQueue)
+    assert isinstance(res.sched.waiting.policy_queue, MaxWaitQueue)
     assert isinstance(res.sched.waiting.inner, LazyKeyedQueue)
     assert MAX_WAIT < res.wait("victim") <= MAX_WAIT + SERVICE + 0.01
     assert res.sched.waiting.num_overdue_served >= 1

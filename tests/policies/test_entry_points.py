@@ -92,13 +92,13 @@ def test_every_policy_has_a_doc_section_listing_each_setting_and_a_yaml_example(
 def test_doc_yaml_examples_build_a_scheduler(installed, block):
     sched = build(config_from_dict(yaml.safe_load(block), source="docs/policies.md"))
     if "name: aging" in block:
-        assert isinstance(sched.waiting, MaxWaitQueue)
+        assert isinstance(sched.waiting.policy_queue, MaxWaitQueue)
 
 
 def test_the_plugin_listed_last_answers_the_victim_hook(installed):
     config = config_from_dict({"plugins": [{"name": "mlfq"}, {"name": "least-computed"}]})
     sched = build(config)
-    assert isinstance(sched.waiting, LevelQueue)  # mlfq still orders the queue
+    assert isinstance(sched.waiting.policy_queue, LevelQueue)  # mlfq still orders the queue
     a, b = make_request("a", [1] * 8), make_request("b", [2] * 8)
     a.num_computed_tokens, b.num_computed_tokens = 5, 50
     for r in (a, b):

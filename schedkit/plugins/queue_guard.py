@@ -1,0 +1,110 @@
+"""The waiting queue as the scheduler sees it: the policy's queue behind a guard.
+
+A policy's queue is plugin code (its methods, and the key functions a
+:class:`~schedkit.core.queues.KeyedQueue` calls), so anything it raises becomes a
+:class:`PluginError` naming the plugin that created the queue, the method, and the
+request the call was about. Other attributes are read through to the policy's queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from schedkit.core.queues import RequestQueue
+from schedkit.core.request import Request
+from schedkit.errors import PluginError
+
+_HOOK = "schedkit_create_waiting_queue"
+
+
+class GuardedQueue:
+    """Delegates the :class:`RequestQueue` methods to ``policy_queue``.
+
+    Attributes:
+        policy_queue: The queue the plugin's ``schedkit_create_waiting_queue`` returned.
+        plugin: That plugin's name.
+    """
+
+    __slots__ = ("policy_queue", "plugin")
+
+    def __init__(self, policy_queue: RequestQueue, plugin: str | None) -> None:
+        self.policy_queue = policy_queue
+        self.plugin = plugin
+
+    def _error(self, method: str, e: Exception, request: Request | None = None) -> PluginError:
+        qname = type(self.policy_queue).__name__
+        rid = request.request_id if request is not None else None
+        about = f" for request {rid!r}" if rid is not None else ""
+        return PluginError(
+            f"plugin {self.plugin!r}: its waiting queue ({qname}.{method}) raised{about}: "
+            f"{type(e).__name__}: {e}", plugin=self.plugin, hook=f"{_HOOK} ({qname}.{method})",
+            request_id=rid)
+
+    def add(self, request: Request) -> None:
+        try:
+            self.policy_queue.add(request)
+        except Exception as e:
+            raise self._error("add", e, request) from e
+
+    def peek(self) -> Request:
+        try:
+            return self.policy_queue.peek()
+        except Exception as e:
+            raise self._error("peek", e) from e
+
+    def pop(self) -> Request:
+        try:
+            return self.policy_queue.pop()
+        except Exception as e:
+            raise self._error("pop", e) from e
+
+    def prepend_request(self, request: Request) -> None:
+        try:
+            self.policy_queue.prepend_request(request)
+        except Exception as e:
+            raise self._error("prepend_request", e, request) from e
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        try:
+            self.policy_queue.prepend_requests(requests)
+        except Exception as e:
+            raise self._error("prepend_requests", e) from e
+
+    def remove_request(self, request: Request) -> None:
+        try:
+            self.policy_queue.remove_request(request)
+        except Exception as e:
+            raise self._error("remove_request", e, request) from e
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        try:
+            self.policy_queue.remove_requests(requests)
+        except Exception as e:
+            raise self._error("remove_requests", e) from e
+
+    def __len__(self) -> int:
+        try:
+            return len(self.policy_queue)
+        except Exception as e:
+            raise self._error("__len__", e) from e
+
+    def __bool__(self) -> bool:
+        try:
+            return bool(self.policy_queue)
+        except Exception as e:
+            raise self._error("__bool__", e) from e
+
+    def __iter__(self) -> Iterator[Request]:
+        try:
+            yield from self.policy_queue
+        except Exception as e:
+            raise self._error("__iter__", e) from e
+
+    def __getattr__(self, name: str) -> Any:
+        if name in GuardedQueue.__slots__:  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.policy_queue, name)
+
+    def __repr__(self) -> str:
+        return f"GuardedQueue({self.policy_queue!r}, plugin={self.plugin!r})"

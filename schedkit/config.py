@@ -1,24 +1,29 @@
 """Configuration: strict pydantic models and one YAML loader.
 
-Every field has a type, a range, a default and a docstring. Unknown keys are errors.
-``load_config(path)`` turns any validation failure into a :class:`ConfigError` that
+Every field has a type, a range, a default and a docstring. Unknown keys are errors,
+and so is a value of the wrong type: no coercion (``'8'`` or ``8.0`` is not an int,
+``'off'`` is not a bool; an int is a valid float). A key given twice in one mapping is an
+error too. ``load_config(path)`` turns any of these into a :class:`ConfigError` that
 names the key, the offending value, the file and the line.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from schedkit.errors import ConfigError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True,
+                              use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
@@ -292,15 +297,153 @@ class Config(_Strict):
     compare: CompareConfig | None = None
     """Policy profiles for ``schedkit compare`` (default: just this config's policy)."""
 
+    _origin: ConfigOrigin | None = PrivateAttr(default=None)
+
+    def where(self, *loc: int | str) -> str | None:
+        """``file:line`` of the key at ``loc`` (``where("scheduler", "policy")``), the
+        file alone when the key is not in it, None for a config not read from a file."""
+        if self._origin is None:
+            return None
+        line = _line_of(self._origin.root, loc) if loc else None
+        return self._origin.source if line is None else f"{self._origin.source}:{line}"
+
+    def where_switched_on(self, name: str) -> str | None:
+        """``file:line`` where the YAML switches plugin (or policy) ``name`` on: the first
+        ``scheduler.policy``, ``plugins[i].name``, ``compare.profiles[k].policy`` or
+        ``compare.profiles[k].plugins[j].name`` that names it; else as :meth:`where`."""
+        if self._origin is None:
+            return None
+        for loc, node in _scalars(self._origin.root):
+            if node.value == name and _switches_on(loc):
+                return f"{self._origin.source}:{node.start_mark.line + 1}"
+        return self._origin.source
+
     @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:
         names = [p.name for p in self.plugins]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"plugin listed twice: {sorted(dup)}")
-        for profile in self.compare.profiles if self.compare is not None else ():
-            profile_scheduler(self.scheduler, profile)  # raises ValueError naming the profile
+        for k, profile in enumerate(self.compare.profiles if self.compare is not None else ()):
+            try:
+                profile_scheduler(self.scheduler, profile)
+            except LocatedValueError as e:  # re-anchored at the profile's key
+                raise LocatedValueError(str(e), ("compare", "profiles", k, *e.loc), e.value) from None
         return self
+
+
+class LocatedValueError(ValueError):
+    """A validator's ValueError about one key below the model (``loc``, with its value), so
+    that :func:`format_validation_error` can name that key and its line."""
+
+    def __init__(self, message: str, loc: tuple[int | str, ...], value: Any):
+        super().__init__(message)
+        self.loc, self.value = loc, value
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOrigin:
+    """Where a :class:`Config` was read from: the file and its YAML node tree (lines)."""
+
+    source: str
+    root: yaml.Node | None
+
+
+def _switches_on(loc: tuple[int | str, ...]) -> bool:
+    """Whether the YAML value at ``loc`` names a policy or plugin to switch on."""
+    if loc == ("scheduler", "policy"):
+        return True
+    if len(loc) == 3 and loc[0] == "plugins" and loc[2] == "name":
+        return True
+    if loc[:2] == ("compare", "profiles"):
+        return (len(loc) == 4 and loc[3] == "policy"
+                or len(loc) == 6 and loc[3] == "plugins" and loc[5] == "name")
+    return False
+
+
+def _scalars(root: yaml.Node | None) -> Iterator[tuple[tuple[int | str, ...], yaml.ScalarNode]]:
+    """Every scalar value of the tree with its key path, in document order."""
+    stack: list[tuple[tuple[int | str, ...], yaml.Node]] = [((), root)] if root is not None else []
+    seen: set[int] = set()
+    while stack:
+        loc, node = stack.pop()
+        if id(node) in seen:  # an alias met again
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            yield loc, node
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(reversed([((*loc, k.value), v) for k, v in node.value]))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed([((*loc, i), v) for i, v in enumerate(node.value)]))
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, mapping: yaml.MappingNode, key: Any, value: Any, line: int, first_line: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.mapping, self.key, self.value = mapping, key, value
+        self.line, self.first_line = line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a key given twice in one mapping (PyYAML would silently
+    keep the last). Keys brought in by a ``<<`` merge may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                if seen is not key_node:
+                    raise _DuplicateKey(node, key, self.construct_object(value_node, deep=True),
+                                        key_node.start_mark.line + 1, seen.start_mark.line + 1)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _path_to(root: yaml.Node | None, target: yaml.Node) -> tuple[int | str, ...]:
+    """Key path of ``target`` in the tree (() when it is the root or not found)."""
+    stack: list[tuple[tuple[int | str, ...], yaml.Node]] = [((), root)] if root is not None else []
+    seen: set[int] = set()
+    while stack:
+        loc, node = stack.pop()
+        if node is target:
+            return loc
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack.extend(((*loc, k.value), v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(((*loc, i), v) for i, v in enumerate(node.value))
+    return ()
+
+
+def load_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """Parse YAML (safe tags only) into its data and its node tree (for line numbers).
+
+    Raises:
+        ConfigError: Not valid YAML, or a key given twice in one mapping (named with its
+            path, its second value and ``source:line``).
+    """
+    loader = _UniqueKeyLoader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except _DuplicateKey as e:
+        key = ".".join(str(p) for p in (*_path_to(root, e.mapping), e.key))
+        raise ConfigError(f"{source}:{e.line}: {key} = {e.value!r}: duplicate key (already set "
+                          f"at line {e.first_line}; YAML would keep only the last)") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from e
+    finally:
+        loader.dispose()
+    return data, root
 
 
 def profile_scheduler(base: SchedulerConfig, profile: ProfileConfig) -> SchedulerConfig:
@@ -310,15 +453,20 @@ def profile_scheduler(base: SchedulerConfig, profile: ProfileConfig) -> Schedule
         ValueError: An override that SchedulerConfig rejects (named with the profile).
     """
     if "policy" in profile.scheduler:
-        raise ValueError(f"compare profile {profile.name!r}: set the policy with its 'policy' "
-                         "key, not under 'scheduler'")
+        raise LocatedValueError(f"compare profile {profile.name!r}: set the policy with its "
+                                "'policy' key, not under 'scheduler'", ("scheduler", "policy"),
+                                profile.scheduler["policy"])
     try:
         return SchedulerConfig.model_validate(
             {**base.model_dump(), **profile.scheduler, "policy": profile.policy})
     except ValidationError as e:
         why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'scheduler'}: {err['msg']}"
                         for err in e.errors())
-        raise ValueError(f"compare profile {profile.name!r}: bad scheduler override: {why}") from None
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        value = err.get("input") if loc else profile.scheduler
+        raise LocatedValueError(f"compare profile {profile.name!r}: bad scheduler override: {why}",
+                                ("scheduler", *loc), value) from None
 
 
 def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
@@ -347,6 +495,10 @@ def format_validation_error(err: ValidationError, source: str, root: yaml.Node |
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
+        value = e.get("input")
+        located = (e.get("ctx") or {}).get("error")
+        if isinstance(located, LocatedValueError):
+            loc, value = (*loc, *located.loc), located.value
         key = ".".join(str(p) for p in loc) or "<root>"
         where = source
         line = _line_of(root, loc)
@@ -355,7 +507,6 @@ def format_validation_error(err: ValidationError, source: str, root: yaml.Node |
         if e["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key '{key}'")
         else:
-            value = e.get("input")
             lines.append(f"{where}: {key} = {value!r}: {e['msg']}")
     return "\n".join(lines)
 
@@ -390,14 +541,12 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
-    try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    data, root = load_yaml(text, str(path))
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     try:
-        return Config.model_validate(data or {})
+        config = Config.model_validate(data or {})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(path), root)) from e
+    config._origin = ConfigOrigin(str(path), root)
+    return config

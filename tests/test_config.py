@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from schedkit.config import Config, load_config
+from schedkit.config import Config, load_config, load_yaml
 from schedkit.errors import ConfigError
 
 
@@ -62,3 +62,54 @@ def test_every_shipped_config_is_valid():
     assert len(files) >= 4
     for f in files:
         load_config(f)
+
+
+@pytest.mark.parametrize("line, key, shown", [
+    ("scheduler:\n  max_num_seqs: '8'\n", "scheduler.max_num_seqs", "'8'"),
+    ("scheduler:\n  max_num_seqs: 8.0\n", "scheduler.max_num_seqs", "8.0"),
+    ("scheduler:\n  async_scheduling: 'off'\n", "scheduler.async_scheduling", "'off'"),
+    ("cache:\n  enable_prefix_caching: 1\n", "cache.enable_prefix_caching", "1"),
+    ("workload:\n  prompt_len: ['8', 64]\n", "workload.prompt_len.min", "'8'"),
+    ("runner:\n  step_time_ms: '10'\n", "runner.step_time_ms", "'10'"),
+])
+def test_strict_types_are_not_coerced(tmp_path, line, key, shown):
+    p = write(tmp_path, line)
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    assert f"{p}:2: {key} = {shown}" in msg
+
+
+def test_int_is_a_valid_float_and_yaml_booleans_stay_booleans(tmp_path):
+    cfg = load_config(write(tmp_path, "runner: {step_time_ms: 5}\nworkload: {rate: 2}\n"
+                                      "scheduler: {async_scheduling: off}\n"))
+    assert cfg.runner.step_time_ms == 5.0 and cfg.workload.rate == 2.0
+    assert cfg.scheduler.async_scheduling is False
+
+
+def test_strict_compare_profile_override(tmp_path):
+    p = write(tmp_path, "compare:\n  profiles:\n    - name: a\n    - name: b\n"
+                        "      scheduler:\n        max_num_seqs: '8'\n")
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    assert f"{p}:6: compare.profiles.1.scheduler.max_num_seqs = '8'" in msg
+    assert "compare profile 'b'" in msg
+
+
+@pytest.mark.parametrize("text, where, key, value", [
+    ("scheduler:\n  max_num_seqs: 4\n  policy: fcfs\n  max_num_seqs: 8\n", 4,
+     "scheduler.max_num_seqs", "8"),
+    ("scheduler: {policy: fcfs}\ncache: {}\nscheduler: {policy: priority}\n", 3,
+     "scheduler", "{'policy': 'priority'}"),
+    ("plugins:\n  - name: vtc\n    settings: {w: 1, w: 2}\n", 3, "plugins.0.settings.w", "2"),
+    ("compare:\n  profiles:\n    - name: a\n      policy: fcfs\n      policy: priority\n", 5,
+     "compare.profiles.0.policy", "'priority'"),
+])
+def test_duplicate_key_is_an_error(tmp_path, text, where, key, value):
+    p = write(tmp_path, text)
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    assert msg.startswith(f"{p}:{where}: {key} = {value}: duplicate key"), msg
+
+
+def test_merge_keys_may_still_be_overridden():
+    text = ("x-base: &b {max_num_seqs: 4, max_num_batched_tokens: 64}\n"
+            "scheduler:\n  <<: *b\n  max_num_seqs: 8\n")
+    data, _ = load_yaml(text, "m.yaml")
+    assert data["scheduler"] == {"max_num_seqs": 8, "max_num_batched_tokens": 64}

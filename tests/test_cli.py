@@ -35,3 +35,14 @@ def test_plugins_lists_builtins(capsys):
     assert main(["plugins"]) == 0
     text = capsys.readouterr().out
     assert "fcfs" in text and "schedkit_select_preemption_victim" in text
+
+
+def test_disabled_policy_is_refused_by_check_and_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "sjf")
+    cfg = tmp_path / "sjf.yaml"
+    cfg.write_text("workload: {num_requests: 4}\nscheduler:\n  policy: sjf\n")
+    for command in ("check", "run"):
+        assert main([command, str(cfg)]) == 2
+        out, err = capsys.readouterr()
+        assert f"{cfg}:3: scheduler.policy = 'sjf' is disabled by SCHEDKIT_DISABLE_PLUGINS=sjf" in err
+        assert "ok" not in out and "policy" not in out  # nothing ran, no summary printed

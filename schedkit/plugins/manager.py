@@ -3,16 +3,21 @@
 Order: hookspecs -> blocked names (``SCHEDKIT_DISABLE_PLUGINS``) -> built-in defaults and
 policies (``trylast``) -> the plugins the config switches on, loaded from the
 ``schedkit`` entry-point group (installed is not enabled) -> plugin objects passed in
-code -> ``check_pending`` (a misspelt hook name fails here, naming the plugin).
+code -> ``check_pending`` (a misspelt hook name fails here, naming the plugin, the
+closest hook name and the config line that switched the plugin on).
+A blocked name that the config needs (its policy, a plugin it lists, the built-ins every
+scheduler needs) is a ConfigError, never a silent fallback to FCFS; blocking only ever
+applies to plugin objects passed in code.
 The engine-core process calls the same function, so loading is idempotent per process.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -23,6 +28,7 @@ from schedkit.config import Config, SchedulerConfig
 from schedkit.errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "schedkit"
+DISABLE_ENV = "SCHEDKIT_DISABLE_PLUGINS"
 DEFAULTS_PLUGIN = ("defaults", "schedkit.policies.defaults")
 BUILTIN_POLICIES: Mapping[str, str] = {
     "fcfs": "schedkit.policies.fcfs",
@@ -70,30 +76,78 @@ def discover_plugins() -> dict[str, EntryPoint]:
     return found
 
 
-def _instantiate(name: str, obj: Any, settings: Mapping[str, Any]) -> Any:
+def _instantiate(name: str, obj: Any, settings: Mapping[str, Any], where: str | None = None) -> Any:
     """A module is the plugin itself; a class or factory is called with the settings."""
+    at = _at(where)
     if isinstance(obj, types.ModuleType):
         if settings:
-            raise PluginError(f"plugin {name!r} is a module and takes no settings, got "
+            raise PluginError(f"{at}plugin {name!r} is a module and takes no settings, got "
                               f"{sorted(settings)}", plugin=name)
         return obj
     if callable(obj):
         try:
             return obj(**settings)
         except (TypeError, ValueError) as e:
-            raise PluginError(f"plugin {name!r}: invalid settings {dict(settings)!r}: {e}",
+            raise PluginError(f"{at}plugin {name!r}: invalid settings {dict(settings)!r}: {e}",
                               plugin=name) from e
-    raise PluginError(f"plugin {name!r}: entry point must name a module, class or factory, "
+    raise PluginError(f"{at}plugin {name!r}: entry point must name a module, class or factory, "
                       f"got {type(obj).__name__}", plugin=name)
 
 
-def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+def _at(where: str | None) -> str:
+    """``"file:line: "`` to start a message with, or nothing for a config from code."""
+    return f"{where}: " if where else ""
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, name: str, where: str | None = None) -> None:
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as e:
-        raise PluginError(f"plugin {name!r} is invalid: {e}", plugin=name) from e
+        raise PluginError(f"{_at(where)}plugin {name!r} is invalid: {e}", plugin=name) from e
     except ValueError as e:  # already registered under this name
-        raise PluginError(f"plugin {name!r}: {e}", plugin=name) from e
+        raise PluginError(f"{_at(where)}plugin {name!r}: {e}", plugin=name) from e
+
+
+def _blocked() -> list[str]:
+    """The names in ``SCHEDKIT_DISABLE_PLUGINS`` (comma-separated)."""
+    return [n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()]
+
+
+def _check_not_blocked(blocked: list[str], policy: str, wanted: Iterable[str],
+                       where: Callable[[str], str | None]) -> None:
+    """A config never runs without what it switches on: refuse instead of falling back."""
+    env = f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV, '')}"
+    if policy in blocked:
+        raise ConfigError(f"{_at(where(policy))}scheduler.policy = {policy!r} is disabled by "
+                          f"{env}; it would run without its policy: unset the variable or "
+                          "choose another policy")
+    for name in wanted:
+        if name in blocked and name != policy:
+            raise ConfigError(f"{_at(where(name))}plugins: {name!r} is switched on here but "
+                              f"disabled by {env}: remove it from the config or unset the variable")
+    for name in (DEFAULTS_PLUGIN[0], "fcfs"):
+        if name in blocked:
+            raise ConfigError(f"{env} disables the built-in {name!r}, which every scheduler "
+                              "needs (it answers what other plugins leave open)")
+
+
+def _unknown_hook_error(pm: pluggy.PluginManager, err: pluggy.PluginValidationError,
+                        where: Callable[[str], str | None]) -> PluginError:
+    """The misspelt hook names of a plugin, each with the closest real hook name."""
+    plugin = err.plugin
+    name = pm.get_name(plugin) if plugin is not None else None
+    unknown = sorted(h.name for h in pm.get_hookcallers(plugin) or () if not h.has_spec())
+    if name is None or not unknown:
+        return PluginError(f"plugin {name!r}: {err}", plugin=name)
+    what = []
+    for hook in unknown:
+        close = difflib.get_close_matches(hook, hookspecs.HOOK_NAMES, n=1)
+        what.append(f"{hook!r} (did you mean {close[0]!r}?)" if close else repr(hook))
+    hint = "" if all("did you mean" in w for w in what) else (
+        f"; the hooks are {', '.join(hookspecs.HOOK_NAMES)}")
+    return PluginError(f"{_at(where(name))}plugin {name!r} implements unknown "
+                       f"hook{'s' if len(what) > 1 else ''} {', '.join(what)}{hint}",
+                       plugin=name, hook=unknown[0])
 
 
 def get_plugin_manager(
@@ -114,7 +168,8 @@ def get_plugin_manager(
             else, so they win; used by tests and embedding code.
 
     Raises:
-        ConfigError: The policy or a listed plugin is not installed.
+        ConfigError: The policy or a listed plugin is not installed, or is blocked by
+            ``SCHEDKIT_DISABLE_PLUGINS`` (as are the built-ins ``defaults`` and ``fcfs``).
         PluginError: A plugin fails to load, takes bad settings or implements an unknown
             hook (the message names the plugin).
     """
@@ -128,10 +183,15 @@ def get_plugin_manager(
     if policy not in BUILTIN_POLICIES:
         wanted.setdefault(policy, {})
 
+    def where(name: str) -> str | None:
+        return config.where_switched_on(name) if config is not None else None
+
+    blocked = _blocked()
+    _check_not_blocked(blocked, policy, wanted, where)
     pm = SchedkitPluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    for name in filter(None, os.environ.get("SCHEDKIT_DISABLE_PLUGINS", "").split(",")):
-        pm.set_blocked(name.strip())
+    for name in blocked:  # what is left to block: plugin objects passed in code
+        pm.set_blocked(name)
     _register(pm, importlib.import_module(DEFAULTS_PLUGIN[1]), DEFAULTS_PLUGIN[0])
     # Among trylast impls pluggy calls the EARLIEST registered first, so the selected
     # built-in policy goes in before fcfs, which stays as the fallback for what it lacks.
@@ -142,19 +202,20 @@ def get_plugin_manager(
     if wanted:
         installed = discover_plugins()
         for name, settings in wanted.items():
+            at = _at(where(name))
             if name in BUILTIN_POLICIES:
-                raise ConfigError(f"plugin {name!r} is a built-in policy; select it with "
+                raise ConfigError(f"{at}plugin {name!r} is a built-in policy; select it with "
                                   f"scheduler.policy instead of listing it under plugins")
             ep = installed.get(name)
             if ep is None:
-                raise ConfigError(f"plugin {name!r} is not installed (entry-point group "
+                raise ConfigError(f"{at}plugin {name!r} is not installed (entry-point group "
                                   f"'{ENTRY_POINT_GROUP}'); installed: {sorted(installed) or 'none'}")
             try:
                 obj = ep.load()
             except Exception as e:
-                raise PluginError(f"plugin {name!r} failed to load from {ep.value}: {e}",
+                raise PluginError(f"{at}plugin {name!r} failed to load from {ep.value}: {e}",
                                   plugin=name) from e
-            _register(pm, _instantiate(name, obj, settings), name)
+            _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
     for i, plugin in enumerate(extra_plugins):
         name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
@@ -163,8 +224,7 @@ def get_plugin_manager(
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as e:
-        bad = pm.get_name(e.plugin) if e.plugin is not None else None
-        raise PluginError(f"plugin {bad!r}: {e}", plugin=bad) from e
+        raise _unknown_hook_error(pm, e, where) from e
     return pm
 
 

@@ -203,6 +203,18 @@ class Tracer:
         pass
 
 
+class Typo:
+    """Misspells a hook name (``selct``) and names a real one."""
+
+    @hookimpl
+    def schedkit_selct_preemption_victim(self, running):
+        return running[0]
+
+    @hookimpl
+    def schedkit_on_step_end(self, scheduler_output):
+        pass
+
+
 def make_budget_plugin(max_tokens: int) -> object:
     """A factory entry point: any callable returning a plugin object."""
 
@@ -220,6 +232,7 @@ def fake_installed(monkeypatch):
     monkeypatch.setattr(finish_log_plugin, "finished", [])
     host = types.ModuleType("fake_plugin_host")
     host.Tracer = Tracer
+    host.Typo = Typo
     host.make_budget_plugin = make_budget_plugin
     monkeypatch.setitem(sys.modules, "fake_module_plugin", finish_log_plugin)
     monkeypatch.setitem(sys.modules, "fake_plugin_host", host)
@@ -228,6 +241,7 @@ def fake_installed(monkeypatch):
         ("budget", "fake_plugin_host:make_budget_plugin"),
         ("finish-log", "fake_module_plugin"),
         ("broken", "fake_plugin_host:DoesNotExist"),
+        ("typo", "fake_plugin_host:Typo"),
     ]]
     calls = []
 
@@ -243,7 +257,7 @@ def fake_installed(monkeypatch):
 
 def test_fake_installed_plugins_are_not_enabled(fake_installed):
     third_party = set(discover_plugins()) - set(BUNDLED_PLUGINS)
-    assert sorted(third_party) == ["broken", "budget", "finish-log", "tracer"]
+    assert sorted(third_party) == ["broken", "budget", "finish-log", "tracer", "typo"]
     fake_installed.calls.clear()
     pm = get_plugin_manager(config_from_dict({}))
     assert [name for name, _ in pm.list_name_plugin()] == ["defaults", "fcfs"]
@@ -314,8 +328,80 @@ def test_autoload_switch_hides_installed_plugins(fake_installed, monkeypatch):
 
 
 def test_blocked_plugin_is_not_called(fake_installed, monkeypatch):
-    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "budget")
-    config = config_from_dict({"plugins": [{"name": "budget", "settings": {"max_tokens": 5}}]})
-    sched = Scheduler(config.scheduler, config.cache, HookFacade(get_plugin_manager(config)))
-    sched.add_request(make_request("r", [1] * 20))
-    assert sched.schedule().total_num_scheduled_tokens == 20
+    """Blocking still applies to plugin objects passed in code (nothing a config asked for)."""
+    quiet = types.ModuleType("quiet")
+    quiet.schedkit_on_step_end = lambda scheduler_output: None
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "quiet")
+    pm = get_plugin_manager(config_from_dict({}), extra_plugins=[quiet])
+    assert pm.get_plugin("quiet") is None
+    assert [name for name, p in pm.list_name_plugin() if p is not None] == ["defaults", "fcfs"]
+
+
+def test_blocked_plugin_the_config_switches_on_is_refused(fake_installed, monkeypatch, tmp_path):
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "tracer,budget")
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler: {max_num_seqs: 4}\nplugins:\n  - name: tracer\n"
+                    "  - name: budget\n    settings: {max_tokens: 5}\n")
+    with pytest.raises(ConfigError) as exc:
+        get_plugin_manager(load_config(path))
+    msg = str(exc.value)
+    assert msg.startswith(f"{path}:3: plugins: 'tracer' is switched on here but disabled by "
+                          "SCHEDKIT_DISABLE_PLUGINS=tracer,budget"), msg
+    assert Tracer.made == []  # refused before anything loads
+    with pytest.raises(ConfigError, match="'budget' is switched on here.*SCHEDKIT_DISABLE_PLUGINS"):
+        get_plugin_manager(config_from_dict({"plugins": [{"name": "budget",
+                                                          "settings": {"max_tokens": 5}}]}))
+
+
+@pytest.mark.parametrize("policy", ["tracer", "priority", "fcfs"])
+def test_blocked_policy_is_refused_not_replaced_by_fcfs(fake_installed, monkeypatch, tmp_path, policy):
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", policy)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"cache: {{num_blocks: 64}}\nscheduler:\n  policy: {policy}\n")
+    with pytest.raises(ConfigError) as exc:
+        get_plugin_manager(load_config(path))
+    assert str(exc.value).startswith(
+        f"{path}:3: scheduler.policy = {policy!r} is disabled by SCHEDKIT_DISABLE_PLUGINS={policy}")
+
+
+@pytest.mark.parametrize("builtin", ["defaults", "fcfs"])
+def test_blocking_a_builtin_every_scheduler_needs_is_refused(monkeypatch, builtin):
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", builtin)
+    with pytest.raises(ConfigError, match=f"SCHEDKIT_DISABLE_PLUGINS={builtin} disables the "
+                                          f"built-in '{builtin}'"):
+        get_plugin_manager(config_from_dict({"scheduler": {"policy": "priority"}}))
+
+
+def test_unknown_hook_names_the_yaml_line_and_the_closest_hook(fake_installed, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  policy: fcfs\nplugins:\n  - name: tracer\n  - name: typo\n")
+    with pytest.raises(PluginError) as exc:
+        get_plugin_manager(load_config(path))
+    msg = str(exc.value)
+    assert msg == (f"{path}:5: plugin 'typo' implements unknown hook "
+                   "'schedkit_selct_preemption_victim' (did you mean "
+                   "'schedkit_select_preemption_victim'?)"), msg
+    assert exc.value.plugin == "typo" and exc.value.hook == "schedkit_selct_preemption_victim"
+
+
+def test_unknown_hook_from_a_compare_profile_names_the_profile_line(fake_installed, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("compare:\n  profiles:\n    - name: a\n    - name: b\n      plugins:\n"
+                    "        - name: typo\n")
+    from schedkit.lab.compare import profile_config, profiles_of
+
+    config = load_config(path)
+    with pytest.raises(PluginError, match=f"^{re.escape(str(path))}:6: plugin 'typo' implements"):
+        get_plugin_manager(profile_config(config, profiles_of(config)[1]))
+
+
+def test_unknown_hook_without_a_close_name_lists_the_hooks():
+    class Odd:
+        def schedkit_zzz(self):
+            pass
+
+    with pytest.raises(PluginError) as exc:
+        get_plugin_manager(extra_plugins=[Odd()])
+    msg = str(exc.value)
+    assert msg.startswith("plugin 'Odd-0' implements unknown hook 'schedkit_zzz'; the hooks are ")
+    assert "schedkit_admit_request" in msg and " object at 0x" not in msg

@@ -119,7 +119,13 @@ def _check(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     get_plugin_manager(config)
-    print(f"{args.config}: ok (policy {config.scheduler.policy}, runner {config.runner.kind})")
+    profiles = ""
+    if config.compare is not None:
+        from schedkit.lab.compare import check_profiles
+
+        check_profiles(config)
+        profiles = f", {len(config.compare.profiles)} compare profiles"
+    print(f"{args.config}: ok (policy {config.scheduler.policy}, runner {config.runner.kind}{profiles})")
     return 0
 
 

@@ -46,3 +46,44 @@ def test_disabled_policy_is_refused_by_check_and_run(tmp_path, capsys, monkeypat
         out, err = capsys.readouterr()
         assert f"{cfg}:3: scheduler.policy = 'sjf' is disabled by SCHEDKIT_DISABLE_PLUGINS=sjf" in err
         assert "ok" not in out and "policy" not in out  # nothing ran, no summary printed
+
+
+COMPARE_WITH_A_MISSING_POLICY = """\
+workload: {num_requests: 8, rate: 50, prompt_len: [8, 32], output_len: [2, 8]}
+cache: {num_blocks: 128}
+compare:
+  profiles:
+    - name: first
+      policy: fcfs
+    - name: second
+      policy: no-such-policy
+"""
+
+
+def test_check_validates_every_compare_profile(tmp_path, capsys):
+    cfg = tmp_path / "cmp.yaml"
+    cfg.write_text(COMPARE_WITH_A_MISSING_POLICY)
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg}:8: plugin 'no-such-policy' is not installed" in err
+    assert "(compare profile 'second')" in err
+
+
+def test_compare_fails_before_running_any_profile(tmp_path, capsys, monkeypatch):
+    import schedkit.lab.compare as compare
+    from schedkit.lab.simulate import RunResult
+
+    ran = []
+
+    def run_workload(cfg, *args, **kwargs):
+        ran.append(cfg.scheduler.policy)
+        return RunResult([])
+
+    monkeypatch.setattr(compare, "run_workload", run_workload)
+    cfg = tmp_path / "cmp.yaml"
+    cfg.write_text(COMPARE_WITH_A_MISSING_POLICY)
+    for extra in ([], ["--sweep", "rate=10,20", "--sweep-only"]):
+        assert main(["compare", str(cfg), "-o", str(tmp_path / "out"), *extra]) == 2
+        assert "'no-such-policy' is not installed" in capsys.readouterr().err
+    assert ran == []
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from schedkit.config import Config, ProfileConfig, profile_scheduler
-from schedkit.errors import ConfigError
+from schedkit.errors import ConfigError, PluginError
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.simulate import run_workload
 from schedkit.lab.workloads import generate
+from schedkit.plugins.manager import get_plugin_manager
 
 SWEEP_KNOBS = ("rate", "time_scale")
 
@@ -30,6 +31,24 @@ def profiles_of(config: Config) -> list[ProfileConfig]:
     return [ProfileConfig(name=config.scheduler.policy, policy=config.scheduler.policy)]
 
 
+def check_profiles(config: Config) -> None:
+    """Build every profile's plugins before anything runs, so that a profile naming an
+    uninstalled or broken policy fails at once, not after the profiles before it ran.
+
+    Raises:
+        ConfigError, PluginError: The first bad profile's error (which names the file
+            and line), with the profile's name appended.
+    """
+    for profile in profiles_of(config):
+        try:
+            get_plugin_manager(profile_config(config, profile))
+        except ConfigError as e:
+            raise ConfigError(f"{e} (compare profile {profile.name!r})") from e
+        except PluginError as e:
+            raise PluginError(f"{e} (compare profile {profile.name!r})", plugin=e.plugin,
+                              hook=e.hook, request_id=e.request_id) from e
+
+
 @dataclass(slots=True)
 class CompareResult:
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -40,7 +59,9 @@ class CompareResult:
 
 
 def compare(config: Config, *, base_dir: str | Path | None = None) -> CompareResult:
-    """Run every profile on the same (generated once) workload."""
+    """Run every profile on the same (generated once) workload (every profile is checked
+    first: :func:`check_profiles`)."""
+    check_profiles(config)
     workload = generate(config.workload, config.runner.vocab_size, base_dir)
     result = CompareResult()
     for profile in profiles_of(config):
@@ -73,6 +94,7 @@ def sweep(config: Config, knob: str, values: list[float], *, base_dir: str | Pat
     arrival times (smaller is more load), so the sustained load is reported as its
     inverse. A load is sustained when the SLO attainment reaches ``slo.attainment``.
     """
+    check_profiles(config)
     result = result or CompareResult()
     wl = config.workload
     if knob == "time_scale":

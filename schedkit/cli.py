@@ -1,4 +1,4 @@
-"""``schedkit run | check | plugins``."""
+"""``schedkit run | compare | check | plugins``."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="schedkit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="schedkit")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run the YAML's workload through the engine")
     p.add_argument("config")
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plugins", help="list installed and enabled plugins")
     p.add_argument("config", nargs="?")
     p.set_defaults(func=_plugins)
+    parser.description = ("A pluggable scheduling-policy framework for LLM inference serving. "
+                          f"Commands: {', '.join(sub.choices)}.")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from schedkit import cli
 from schedkit.cli import main
 
 
@@ -87,3 +90,14 @@ def test_compare_fails_before_running_any_profile(tmp_path, capsys, monkeypatch)
         assert "'no-such-policy' is not installed" in capsys.readouterr().err
     assert ran == []
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_help_names_every_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]  # after the usage line, before the argument list
+    for command in ("run", "compare", "check", "plugins"):
+        assert command in description, description
+    assert "compare" in (cli.__doc__ or "")

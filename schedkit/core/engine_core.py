@@ -32,7 +32,7 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.request import FinishReason, Request, RequestStatus
 from schedkit.core.scheduler import PauseState, Scheduler
-from schedkit.errors import ConfigError, PluginError
+from schedkit.errors import ConfigError, PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import describe_plugins, get_plugin_manager
@@ -56,6 +56,22 @@ def _merge(first: dict[int, EngineCoreOutputs], second: dict[int, EngineCoreOutp
         else:
             first[client] = group
     return first
+
+
+MAX_ARRIVAL_OFFSET = 1e9
+"""Seconds (about 31 years): later offsets would cost the engine clock its microsecond
+resolution for good once it reached them."""
+
+
+def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
+    """Raise RequestError unless the offset is None or finite seconds in [0, MAX_ARRIVAL_OFFSET]."""
+    if arrival_offset is None:
+        return
+    if (isinstance(arrival_offset, bool) or not isinstance(arrival_offset, (int, float))
+            or not 0.0 <= arrival_offset <= MAX_ARRIVAL_OFFSET):
+        raise RequestError(f"request {request_id!r}: arrival_offset must be a finite number of "
+                           f"seconds in [0, {MAX_ARRIVAL_OFFSET:g}], got {arrival_offset!r}",
+                           request_id=request_id)
 
 
 class StepHandle(Protocol):
@@ -106,6 +122,9 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = float("-inf")
         self._launch_async = self._depth > 1 and hasattr(self.runner, "execute_async")
+        self._vocab_size: int | None = getattr(self.runner, "vocab_size", None) if getattr(
+            self.runner, "checks_token_ids", False) else None
+        """Prompt token ids must be below it (runners that index embeddings with them)."""
 
     @staticmethod
     def _build_runner(config: Config) -> Any:
@@ -131,8 +150,17 @@ class EngineCore:
         """Add now, or hold until ``start_time + arrival_offset`` (then stamped as arrival).
 
         Raises:
-            RequestError: Invalid request (checked at once, even for a future arrival).
+            RequestError: Invalid request (checked at once, even for a future arrival):
+                besides the scheduler's checks, a prompt token id outside the model's
+                vocabulary, or an arrival offset that is not a finite number of seconds
+                in [0, MAX_ARRIVAL_OFFSET].
         """
+        check_arrival_offset(request.request_id, arrival_offset)
+        vocab = self._vocab_size
+        if vocab is not None and max(request.prompt_token_ids) >= vocab:
+            bad = next(t for t in request.prompt_token_ids if t >= vocab)
+            raise RequestError(f"request {request.request_id!r}: prompt token id {bad} is outside "
+                               f"the model's vocabulary of {vocab} tokens", request_id=request.request_id)
         if arrival_offset is None or self.start_time + arrival_offset <= self.now():
             # The engine owns the clock (virtual with the fake runner and the simulator):
             # a request arrives when the engine receives it.

@@ -54,6 +54,19 @@ class PauseState(enum.Enum):
     """Nothing is scheduled; requests keep their state and blocks."""
 
 
+def _fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> int:
+    """``max_model_len``, capped (with a warning) at what the whole KV cache holds: a
+    longer sequence could never finish and would be preempted forever."""
+    capacity = (cache_config.num_blocks - 1) * cache_config.block_size
+    if scheduler_config.max_model_len <= capacity:
+        return scheduler_config.max_model_len
+    log.warning("scheduler.max_model_len = %d does not fit in the KV cache (cache.num_blocks - 1 "
+                "= %d usable blocks of cache.block_size = %d tokens = %d tokens): sequences are "
+                "capped at %d tokens", scheduler_config.max_model_len, cache_config.num_blocks - 1,
+                cache_config.block_size, capacity, capacity)
+    return capacity
+
+
 @dataclass(slots=True)
 class StepState:
     """Everything one schedule() call decides, before it becomes a SchedulerOutput."""
@@ -101,7 +114,7 @@ class Scheduler(OutputProcessorMixin):
         self.max_num_active_seqs = scheduler_config.max_num_active_seqs or self.max_num_seqs
         self.pause_state = PauseState.UNPAUSED
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
-        self.max_model_len = scheduler_config.max_model_len
+        self.max_model_len = _fit_max_model_len(scheduler_config, cache_config)
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.async_scheduling = scheduler_config.async_scheduling
@@ -155,7 +168,9 @@ class Scheduler(OutputProcessorMixin):
         if request.num_prompt_tokens >= self.max_model_len:
             raise RequestError(
                 f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens; it must be "
-                f"shorter than max_model_len ({self.max_model_len})", request_id=rid)
+                f"shorter than max_model_len ({self.max_model_len}"
+                f"{', what the KV cache holds' if self.max_model_len < self.scheduler_config.max_model_len else ''})",
+                request_id=rid)
         usable = self.kv_cache_manager.num_blocks - 1
         needed = -(-request.num_prompt_tokens // self.block_size)
         if needed > usable:

@@ -119,6 +119,14 @@ class PagedModelRunner:
         self.kv_connector: Any = None
         """The worker side of the KV connector, if one is configured."""
 
+    checks_token_ids = True
+    """Prompt token ids index the embedding: the engine rejects those >= vocab_size."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary."""
+        return self.args.vocab_size
+
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Any) -> PagedModelRunner:

@@ -90,3 +90,18 @@ def test_kv_cache_that_does_not_fit_memory(model_dir: Any) -> None:
     with pytest.raises(KVCacheAllocationError, match="KV cache .* needs .* GiB") as err:
         _start(model_dir("llama"), num_blocks=2_000_000_000)
     assert isinstance(err.value, ConfigError)
+
+
+def test_out_of_vocabulary_prompt_is_rejected_at_add(model_dir: Any) -> None:
+    """A token id >= the vocabulary used to be accepted and then fail the whole step
+    (IndexError in the embedding), failing every request in it (issue 10, defect 6)."""
+    from schedkit.errors import RequestError
+    from schedkit.runners.paged.testing import greedy_request, run_engine
+
+    engine = _start(model_dir("llama"))
+    vocab = engine.runner.vocab_size
+    with pytest.raises(RequestError, match=f"token id {vocab} is outside the model's vocabulary of {vocab}"):
+        engine.add_request(greedy_request("oov", [1, 2, vocab], 3))
+    assert "oov" not in engine.scheduler.requests
+    outs = run_engine(engine, [greedy_request(f"ok{i}", [1 + i, 2, 3], 3) for i in range(3)])
+    assert all(len(v) == 3 for v in outs.values())

@@ -299,18 +299,11 @@ class Config(_Strict):
 
     _origin: ConfigOrigin | None = PrivateAttr(default=None)
 
-    def where(self, *loc: int | str) -> str | None:
-        """``file:line`` of the key at ``loc`` (``where("scheduler", "policy")``), the
-        file alone when the key is not in it, None for a config not read from a file."""
-        if self._origin is None:
-            return None
-        line = _line_of(self._origin.root, loc) if loc else None
-        return self._origin.source if line is None else f"{self._origin.source}:{line}"
-
     def where_switched_on(self, name: str) -> str | None:
         """``file:line`` where the YAML switches plugin (or policy) ``name`` on: the first
         ``scheduler.policy``, ``plugins[i].name``, ``compare.profiles[k].policy`` or
-        ``compare.profiles[k].plugins[j].name`` that names it; else as :meth:`where`."""
+        ``compare.profiles[k].plugins[j].name`` that names it; else the file alone (None for
+        a config not read from a file)."""
         if self._origin is None:
             return None
         for loc, node in _scalars(self._origin.root):

@@ -222,7 +222,8 @@ class EngineCore:
 
         Failures never escape and never lose a request silently: a plugin that raises
         while deciding about one request fails that request; a plugin that fails the
-        whole step three times in a row fails every unfinished request; a runner error
+        whole step three times in a row (no step scheduled, no request failed in
+        between) fails every unfinished request; a runner error
         fails the requests of that step. Each failed request gets an output with
         finish_reason "error" and a message naming the plugin and hook (or the runner).
         """
@@ -240,6 +241,7 @@ class EngineCore:
             except PluginError as e:
                 _merge(outputs, self._on_plugin_error(e))
             else:
+                self._consecutive_step_failures = 0
                 try:
                     handle = self._launch(scheduler_output)
                 except Exception as e:
@@ -284,7 +286,8 @@ class EngineCore:
     def _on_plugin_error(self, e: PluginError) -> dict[int, EngineCoreOutputs]:
         log.error("%s", e)
         ids = [r for r in e.request_ids if r in self.scheduler.requests]
-        if ids:
+        if ids:  # progress: these requests leave; the step-failure count starts over
+            self._consecutive_step_failures = 0
             return self.fail_requests(ids, str(e))
         self._consecutive_step_failures += 1
         if self._consecutive_step_failures < 3:

@@ -4,6 +4,11 @@ A policy's queue is plugin code (its methods, and the key functions a
 :class:`~schedkit.core.queues.KeyedQueue` calls), so anything it raises becomes a
 :class:`PluginError` naming the plugin that created the queue, the method, and the
 request the call was about. Other attributes are read through to the policy's queue.
+
+The guard also keeps the set of request ids it holds, so its length (which the
+scheduler reads outside a step too, in ``has_requests`` and the step statistics) never
+runs plugin code: a request is in once an ``add`` or ``prepend`` returned, and out once
+``pop`` returned it or a ``remove`` returned.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ class GuardedQueue:
         plugin: That plugin's name.
     """
 
-    __slots__ = ("policy_queue", "plugin")
+    __slots__ = ("policy_queue", "plugin", "_ids")
 
     def __init__(self, policy_queue: RequestQueue, plugin: str | None) -> None:
         self.policy_queue = policy_queue
         self.plugin = plugin
+        self._ids: set[str] = set()
 
     def _error(self, method: str, e: Exception, request: Request | None = None) -> PluginError:
         qname = type(self.policy_queue).__name__
@@ -46,6 +52,7 @@ class GuardedQueue:
             self.policy_queue.add(request)
         except Exception as e:
             raise self._error("add", e, request) from e
+        self._ids.add(request.request_id)
 
     def peek(self) -> Request:
         try:
@@ -55,45 +62,50 @@ class GuardedQueue:
 
     def pop(self) -> Request:
         try:
-            return self.policy_queue.pop()
+            req = self.policy_queue.pop()
         except Exception as e:
             raise self._error("pop", e) from e
+        self._ids.discard(req.request_id)
+        return req
 
     def prepend_request(self, request: Request) -> None:
         try:
             self.policy_queue.prepend_request(request)
         except Exception as e:
             raise self._error("prepend_request", e, request) from e
+        self._ids.add(request.request_id)
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
+        requests = list(requests)
         try:
             self.policy_queue.prepend_requests(requests)
         except Exception as e:
             raise self._error("prepend_requests", e) from e
+        self._ids.update(r.request_id for r in requests)
 
     def remove_request(self, request: Request) -> None:
         try:
             self.policy_queue.remove_request(request)
         except Exception as e:
             raise self._error("remove_request", e, request) from e
+        self._ids.discard(request.request_id)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
+        requests = list(requests)
         try:
             self.policy_queue.remove_requests(requests)
         except Exception as e:
             raise self._error("remove_requests", e) from e
+        self._ids.difference_update(r.request_id for r in requests)
 
     def __len__(self) -> int:
-        try:
-            return len(self.policy_queue)
-        except Exception as e:
-            raise self._error("__len__", e) from e
+        return len(self._ids)
 
     def __bool__(self) -> bool:
-        try:
-            return bool(self.policy_queue)
-        except Exception as e:
-            raise self._error("__bool__", e) from e
+        return bool(self._ids)
+
+    def __contains__(self, request: Request) -> bool:
+        return request.request_id in self._ids
 
     def __iter__(self) -> Iterator[Request]:
         try:

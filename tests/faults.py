@@ -1,0 +1,172 @@
+"""Fault injection for the failure-path property tests: a plugin that implements every
+per-step hook and the waiting queue (its methods and its key function), and raises at
+random calls. It records which requests each raise concerned, so a test can check that
+only those fail."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+from schedkit import AdmissionDecision, hookimpl
+from schedkit.core.queues import FCFSQueue, KeyedQueue
+from schedkit.core.request import Request, RequestStatus
+from schedkit.core.scheduler import Scheduler
+
+QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests", "remove_request",
+                 "remove_requests", "__iter__", "key")
+HOOKS = ("schedkit_step_token_budget", "schedkit_select_preemption_victim",
+         "schedkit_prefill_chunk_limit", "schedkit_admit_request", "schedkit_on_step_end",
+         "schedkit_on_request_finished")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FaultInjector:
+    """Raises at a call with probability ``rate`` (0 never raises: the control run).
+
+    A raise that concerns no request (budget, peek, pop, batch prepends ...) fails the
+    step; the injector never does that twice in a row, so the engine's rule "three
+    failed steps in a row fail everything" never triggers and every failure can be
+    traced to the requests a raise concerned (``touched``).
+    """
+
+    def __init__(self, seed: int, rate: float, keyed: bool) -> None:
+        self.rng = random.Random(seed)
+        self.defer_rng = random.Random(seed + 1)
+        self.rate = rate
+        self.keyed = keyed
+        self.touched: set[str] = set()
+        self.raised: Counter[str] = Counter()
+        self._stepwide_last = False
+        self._stepwide_now = False
+
+    def maybe_raise(self, where: str, request: Request | None = None) -> None:
+        if not self.rate or self.rng.random() >= self.rate:
+            return
+        if request is None:
+            if self._stepwide_last or self._stepwide_now:
+                return
+            self._stepwide_now = True
+        else:
+            self.touched.add(request.request_id)
+        self.raised[where] += 1
+        raise InjectedFault(f"injected fault in {where}"
+                            + (f" for {request.request_id}" if request else ""))
+
+    def _new_step(self) -> None:
+        self._stepwide_last, self._stepwide_now = self._stepwide_now, False
+
+    # -- hooks -----------------------------------------------------------------------
+    @hookimpl
+    def schedkit_create_waiting_queue(self):
+        return FaultyQueue(self)
+
+    @hookimpl
+    def schedkit_step_token_budget(self):
+        self._new_step()
+        self.maybe_raise("schedkit_step_token_budget")
+
+    @hookimpl
+    def schedkit_select_preemption_victim(self, request):
+        self.maybe_raise("schedkit_select_preemption_victim", request)
+
+    @hookimpl
+    def schedkit_prefill_chunk_limit(self, request):
+        self.maybe_raise("schedkit_prefill_chunk_limit", request)
+
+    @hookimpl
+    def schedkit_admit_request(self, request):
+        self.maybe_raise("schedkit_admit_request", request)
+        if self.defer_rng.random() < 0.1:  # skipped requests go back with prepend_requests
+            return AdmissionDecision.DEFER
+        return None
+
+    @hookimpl
+    def schedkit_on_step_end(self):
+        self.maybe_raise("schedkit_on_step_end")
+
+    @hookimpl
+    def schedkit_on_request_finished(self, request):
+        self.maybe_raise("schedkit_on_request_finished", request)
+
+
+class FaultyQueue:
+    """FCFS, or (``keyed``) a heap on a key function that raises too."""
+
+    def __init__(self, faults: FaultInjector) -> None:
+        self.faults = faults
+        self.inner = KeyedQueue(self._key) if faults.keyed else FCFSQueue()
+
+    def _key(self, req: Request) -> tuple[float, str]:
+        self.faults.maybe_raise("key", req)
+        return (req.arrival_time, req.request_id)
+
+    def add(self, request: Request) -> None:
+        self.faults.maybe_raise("add", request)
+        self.inner.add(request)
+
+    def peek(self) -> Request:
+        self.faults.maybe_raise("peek")
+        return self.inner.peek()
+
+    def pop(self) -> Request:
+        self.faults.maybe_raise("pop")
+        return self.inner.pop()
+
+    def prepend_request(self, request: Request) -> None:
+        self.faults.maybe_raise("prepend_request", request)
+        self.inner.prepend_request(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self.faults.maybe_raise("prepend_requests")
+        self.inner.prepend_requests(requests)
+
+    def remove_request(self, request: Request) -> None:
+        self.faults.maybe_raise("remove_request", request)
+        self.inner.remove_request(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        self.faults.maybe_raise("remove_requests")
+        self.inner.remove_requests(requests)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __bool__(self) -> bool:
+        return bool(self.inner)
+
+    def __iter__(self) -> Iterator[Request]:
+        self.faults.maybe_raise("__iter__")
+        return iter(self.inner)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Every unfinished request is in exactly one of running / waiting / kv_holding with
+    a status to match; reference counts equal the block tables; nothing else holds a block."""
+    running = [r.request_id for r in sched.running]
+    waiting = [r.request_id for r in sched.waiting.policy_queue.inner if not r.is_finished]
+    holding = [r.request_id for r in sched.kv_holding]
+    every = running + waiting + holding
+    assert len(every) == len(set(every)), f"a request is in two places: {every}"
+    live = {rid for rid, r in sched.requests.items() if not r.is_finished}
+    assert set(every) == live, (sorted(every), sorted(live))
+    for rid in running:
+        assert sched.requests[rid].status is RequestStatus.RUNNING, sched.requests[rid]
+    for rid in waiting:
+        assert sched.requests[rid].status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    holders: Counter[int] = Counter()
+    for rid in sched.requests:
+        holders.update(kv.get_block_ids(rid))
+    assert kv.num_tracked_requests == sum(1 for rid in sched.requests if kv.get_num_blocks(rid))
+    for b in range(1, kv.num_blocks):
+        assert pool.ref_cnt(b) == holders[b], f"block {b}: ref {pool.ref_cnt(b)}, held {holders[b]}"
+    used = sum(1 for b in range(1, kv.num_blocks) if pool.ref_cnt(b))
+    assert pool.num_free_blocks + used == kv.num_blocks - 1
+    for rid in waiting:
+        assert not kv.get_num_blocks(rid), f"waiting {rid} holds blocks"

@@ -1,0 +1,57 @@
+"""A third-party queue whose key function raises, inside the engine process: only the
+requests whose key raised fail, the engine stays alive and serves later calls (issue 10,
+defect 2: the engine process used to die with EngineDeadError)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from schedkit.config import config_from_dict
+from schedkit.core.client import LLM
+from schedkit.core.request import SamplingParams
+
+PLUGIN = textwrap.dedent('''
+    from schedkit import hookimpl
+    from schedkit.core.queues import KeyedQueue
+
+    def key(request):
+        if request.prompt_token_ids[0] == 666:
+            raise RuntimeError("no key for 666")
+        return request.arrival_time
+
+    class BadKey:
+        @hookimpl
+        def schedkit_create_waiting_queue(self):
+            return KeyedQueue(key)
+''')
+
+
+@pytest.fixture
+def badkey_installed(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "badkey_plugin").mkdir(parents=True)
+    (site / "badkey_plugin" / "__init__.py").write_text(PLUGIN)
+    dist = site / "badkey_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: badkey-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[schedkit]\nbadkey = badkey_plugin:BadKey\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{':'.join(p for p in sys.path if p)}")
+    return "badkey"
+
+
+def test_raising_key_fails_only_its_request_in_the_engine_process(badkey_installed):
+    config = config_from_dict({"plugins": [{"name": badkey_installed}]})
+    with LLM(config) as llm:
+        outs = llm.generate([[5, 6, 7], [666, 1, 2], [8, 9]], SamplingParams(max_tokens=3),
+                            use_tqdm=False)
+        assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+        assert "'badkey'" in outs[1].error and "KeyedQueue.add" in outs[1].error
+        assert "no key for 666" in outs[1].error
+        again = llm.generate([[4, 4]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert again[0].finish_reason == "length"
+        stats = llm.call_utility("stats")
+        assert stats["num_waiting"] == 0 and stats["num_running"] == 0

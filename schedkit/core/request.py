@@ -7,6 +7,7 @@ attributes (``num_tokens`` is kept up to date on append instead of being a prope
 from __future__ import annotations
 
 import enum
+import math
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -59,6 +60,18 @@ class EventType(enum.Enum):
     FINISHED = "finished"
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is no token count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to sample and when to stop. Validated at construction.
@@ -89,22 +102,31 @@ class SamplingParams:
         def bad(name: str, why: str) -> RequestError:
             return RequestError(f"invalid sampling value {name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
+        if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
             raise bad("eos_token_id", "must be a non-negative integer or None")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature:
-            raise bad("temperature", "must be >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be -1, 0 (off) or a positive integer")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer or None")
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not _INT64_MIN <= value <= _INT64_MAX:
+                raise bad(name, "must fit in 64 bits")
+        if any(t > _INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must fit in 64 bits")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
@@ -171,20 +193,39 @@ class Request:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)) or len(prompt) == 0:
             raise RequestError(f"request {self.request_id!r}: prompt must be a non-empty list of "
                                "token ids", request_id=self.request_id)
-        try:
-            ok = min(array("q", prompt)) >= 0  # C-speed type and range check
+        try:  # C-speed type and range checks (bools and numpy ints are not token ids)
+            ok = set(map(type, prompt)) == {int} and min(array("q", prompt)) >= 0
         except (TypeError, OverflowError):
             ok = False
         if not ok:
             raise RequestError(f"request {self.request_id!r}: prompt token ids must be "
                                "non-negative integers", request_id=self.request_id)
         self.prompt_token_ids = list(prompt)
+        self._check_fields()
         sp = self.sampling_params
         self.all_token_ids = list(prompt)
         self.num_tokens = self.num_prompt_tokens = len(prompt)
         self.max_tokens = sp.max_tokens
         self.eos_token_id = None if sp.ignore_eos else sp.eos_token_id
         self.stop_token_ids = frozenset(sp.stop_token_ids)
+
+    def _check_fields(self) -> None:
+        rid = self.request_id
+        checks = (
+            ("sampling_params", isinstance(self.sampling_params, SamplingParams), "a SamplingParams"),
+            ("priority", _is_int(self.priority) and _INT64_MIN <= self.priority <= _INT64_MAX,
+             "an integer (64-bit)"),
+            ("client_index", _is_int(self.client_index) and self.client_index >= 0, "an integer >= 0"),
+            ("tenant", isinstance(self.tenant, str), "a string"),
+            ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "a string or None"),
+            ("skip_reading_prefix_cache", isinstance(self.skip_reading_prefix_cache, bool), "a bool"),
+            ("arrival_time", _is_number(self.arrival_time) and math.isfinite(self.arrival_time),
+             "a finite number"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise RequestError(f"request {rid!r}: {name} must be {what}, got "
+                                   f"{getattr(self, name)!r}", request_id=rid)
 
     # -- block hashes ------------------------------------------------------------------
     def set_block_hasher(self, hasher: BlockHasherFn, block_size: int) -> None:

@@ -27,7 +27,8 @@ def test_empty_prompt_is_an_error():
         make_request("empty", [])
 
 
-@pytest.mark.parametrize("bad", [[1, -2], [1, 2.5], "abc", [None]])
+@pytest.mark.parametrize("bad", [[1, -2], [1, 2.5], "abc", [None], [1, True], ["7"], [2**64],
+                                 [2**63], (i for i in [1, 2])])
 def test_bad_token_ids_are_errors(bad):
     with pytest.raises(RequestError):
         Request("r", bad, SamplingParams(), arrival_time=0.0)
@@ -47,6 +48,9 @@ def test_duplicate_request_id_is_an_error_and_keeps_the_first():
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 99), ("temperature", -0.1),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("stop_token_ids", (-1,)),
     ("eos_token_id", -5), ("seed", 1.5),
+    ("max_tokens", True), ("max_tokens", 2**64), ("max_tokens", 16.0), ("temperature", float("inf")),
+    ("temperature", float("nan")), ("temperature", True), ("top_p", float("nan")), ("top_k", True),
+    ("seed", 2**70), ("stop_token_ids", "ab"), ("stop_token_ids", (True,)), ("ignore_eos", "no"),
 ])
 def test_invalid_sampling_values(field, value):
     with pytest.raises(RequestError, match=field):
@@ -72,3 +76,25 @@ def test_engine_keeps_serving_after_a_rejected_request():
         out = sched.schedule()
         sched.update_from_output(out, runner_output(out, {r: [7] for r in out.num_scheduled_tokens}))
     assert not sched.requests and sched.kv_cache_manager.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("field,value", [
+    ("priority", "high"), ("priority", 1.5), ("priority", True), ("priority", 2**64), ("tenant", 3),
+    ("client_index", -1), ("cache_salt", 5), ("arrival_time", float("nan")),
+    ("sampling_params", {"max_tokens": 3}), ("skip_reading_prefix_cache", 1),
+])
+def test_badly_typed_request_fields_are_errors(field, value):
+    """Issue 10, defect 4: these used to be accepted in process, and to kill the whole
+    message at the engine-process boundary."""
+    kwargs = {"request_id": "r", "prompt_token_ids": [1, 2], "sampling_params": SamplingParams(),
+              "arrival_time": 0.0, field: value}
+    with pytest.raises(RequestError, match=f"'r': {field} must be") as e:
+        Request(**kwargs)
+    assert e.value.request_id == "r"
+
+
+def test_numpy_prompts_are_errors():
+    np = pytest.importorskip("numpy")
+    for bad in (np.array([1, 2, 3]), [np.int64(1), np.int64(2)]):
+        with pytest.raises(RequestError, match="prompt"):
+            Request("r", bad, SamplingParams(), arrival_time=0.0)

@@ -13,6 +13,7 @@ from schedkit.config import config_from_dict
 from schedkit.core.engine_core import MAX_ARRIVAL_OFFSET, EngineCore
 from schedkit.core.request import Request, SamplingParams
 from schedkit.errors import RequestError
+from tests.core.test_queue_errors import drive as _drive
 
 
 def _engine(**cache) -> EngineCore:
@@ -27,17 +28,6 @@ def _engine(**cache) -> EngineCore:
 def _req(rid: str, n: int = 8, max_tokens: int = 4) -> Request:
     return Request(rid, [1 + i % 50 for i in range(n)], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    arrival_time=0.0)
-
-
-def _drive(engine: EngineCore, max_steps: int = 500) -> dict[str, list]:
-    results: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not engine.has_requests():
-            return results
-        for group in engine.step().values():
-            for o in group.outputs:
-                results.setdefault(o.request_id, []).append(o)
-    raise AssertionError(f"the engine still has requests after {max_steps} steps (livelock)")
 
 
 def test_pool_smaller_than_max_model_len_caps_sequences(caplog):

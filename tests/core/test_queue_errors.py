@@ -48,7 +48,8 @@ def test_raising_key_at_add_registers_nothing():
     assert [o.request_id for o in done] == ["ok"] and ok.is_finished
 
 
-def _drive(engine: EngineCore, max_steps: int = 2000) -> dict[str, list]:
+def drive(engine: EngineCore, max_steps: int = 2000) -> dict[str, list]:
+    """Step until the engine is idle; every output per request. A livelock fails."""
     results: dict[str, list] = {}
     for _ in range(max_steps):
         if not engine.has_requests():
@@ -56,7 +57,7 @@ def _drive(engine: EngineCore, max_steps: int = 2000) -> dict[str, list]:
         for group in engine.step().values():
             for o in group.outputs:
                 results.setdefault(o.request_id, []).append(o)
-    raise AssertionError("the engine did not finish")
+    raise AssertionError(f"the engine still has requests after {max_steps} steps (livelock)")
 
 
 def _engine(*plugins, num_blocks=2048, block_size=16) -> EngineCore:
@@ -78,7 +79,7 @@ def test_engine_fails_a_request_whose_key_raises_at_arrival():
     for rid in ("a", "b"):
         engine.add_request(_req(rid), arrival_offset=0.5)
     engine.add_request(_req("bad"), arrival_offset=0.5)  # held: its key runs on arrival
-    res = _drive(engine)
+    res = drive(engine)
     assert res["bad"][-1].finish_reason == "error" and "no key for bad" in res["bad"][-1].error
     assert [res[r][-1].finish_reason for r in ("a", "b")] == ["length", "length"]
     assert not engine.scheduler.requests and engine.scheduler.kv_cache_manager.usage == 0
@@ -90,7 +91,7 @@ def test_key_raising_for_preempted_requests_fails_only_them():
     reqs = [_req(f"r{i}", n=7, max_tokens=12) for i in range(4)]
     for r in reqs:
         engine.add_request(r)
-    res = _drive(engine)
+    res = drive(engine)
     errors = [rid for rid, outs in res.items() if outs[-1].finish_reason == "error"]
     assert errors, "nobody was preempted"
     for rid in errors:
@@ -175,6 +176,6 @@ def test_engine_fails_everything_after_three_step_failures_and_stays_idle():
     engine = _engine(BrokenPop())
     for rid in ("a", "b"):
         engine.add_request(_req(rid))
-    res = _drive(engine, max_steps=10)
+    res = drive(engine, max_steps=10)
     assert all(outs[-1].finish_reason == "error" for outs in res.values())
     assert not engine.has_requests()

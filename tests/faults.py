@@ -1,18 +1,18 @@
 """Fault injection for the failure-path property tests: a plugin that implements every
 per-step hook and the waiting queue (its methods and its key function), and raises at
 random calls. It records which requests each raise concerned, so a test can check that
-only those fail."""
+only those fail. The invariants are the test kit's ``assert_scheduler_consistent``."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
 from schedkit import AdmissionDecision, hookimpl
 from schedkit.core.queues import FCFSQueue, KeyedQueue
-from schedkit.core.request import Request, RequestStatus
-from schedkit.core.scheduler import Scheduler
+from schedkit.core.request import Request
 
 QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests", "remove_request",
                  "remove_requests", "__iter__", "key")
@@ -43,6 +43,15 @@ class FaultInjector:
         self.raised: Counter[str] = Counter()
         self._stepwide_last = False
         self._stepwide_now = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No faults inside (while a test reads the scheduler's state)."""
+        rate, self.rate = self.rate, 0.0
+        try:
+            yield
+        finally:
+            self.rate = rate
 
     def maybe_raise(self, where: str, request: Request | None = None) -> None:
         if not self.rate or self.rng.random() >= self.rate:
@@ -142,31 +151,3 @@ class FaultyQueue:
     def __iter__(self) -> Iterator[Request]:
         self.faults.maybe_raise("__iter__")
         return iter(self.inner)
-
-
-def check_invariants(sched: Scheduler) -> None:
-    """Every unfinished request is in exactly one of running / waiting / kv_holding with
-    a status to match; reference counts equal the block tables; nothing else holds a block."""
-    running = [r.request_id for r in sched.running]
-    waiting = [r.request_id for r in sched.waiting.policy_queue.inner if not r.is_finished]
-    holding = [r.request_id for r in sched.kv_holding]
-    every = running + waiting + holding
-    assert len(every) == len(set(every)), f"a request is in two places: {every}"
-    live = {rid for rid, r in sched.requests.items() if not r.is_finished}
-    assert set(every) == live, (sorted(every), sorted(live))
-    for rid in running:
-        assert sched.requests[rid].status is RequestStatus.RUNNING, sched.requests[rid]
-    for rid in waiting:
-        assert sched.requests[rid].status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-    kv = sched.kv_cache_manager
-    pool = kv.block_pool
-    holders: Counter[int] = Counter()
-    for rid in sched.requests:
-        holders.update(kv.get_block_ids(rid))
-    assert kv.num_tracked_requests == sum(1 for rid in sched.requests if kv.get_num_blocks(rid))
-    for b in range(1, kv.num_blocks):
-        assert pool.ref_cnt(b) == holders[b], f"block {b}: ref {pool.ref_cnt(b)}, held {holders[b]}"
-    used = sum(1 for b in range(1, kv.num_blocks) if pool.ref_cnt(b))
-    assert pool.num_free_blocks + used == kv.num_blocks - 1
-    for rid in waiting:
-        assert not kv.get_num_blocks(rid), f"waiting {rid} holds blocks"

@@ -131,7 +131,11 @@ def assert_scheduler_consistent(sched: Scheduler) -> None:
     from schedkit.core.request import RequestStatus
 
     running_ids = [r.request_id for r in sched.running]
-    waiting_ids = [r.request_id for r in sched.waiting]
+    queued = list(sched.waiting)
+    assert len(queued) == len(sched.waiting), "the waiting queue lost or duplicated a request"
+    # A finished request whose removal the policy's queue refused stays until it
+    # reaches the head, where the scheduler drops it.
+    waiting_ids = [r.request_id for r in queued if not r.is_finished]
     holding = list(sched.kv_holding)
     holding_ids = [r.request_id for r in holding]
     assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
@@ -142,7 +146,7 @@ def assert_scheduler_consistent(sched: Scheduler) -> None:
     for req in holding:  # (a promoted request whose failed load left nothing may stay)
         assert req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS or sched.kv_cache_manager.get_num_blocks(
             req.request_id), f"{req.request_id} is loading without KV blocks"
-    for req in sched.waiting:
+    for req in queued:
         assert not sched.kv_cache_manager.get_num_blocks(req.request_id), (
             f"{req.request_id} holds KV blocks but is in waiting")
     waiting_ids += holding_ids
@@ -164,6 +168,8 @@ def assert_scheduler_consistent(sched: Scheduler) -> None:
         assert pool.ref_cnt(b) == held[b], f"block {b}: ref_cnt {pool.ref_cnt(b)} != {held[b]} tables"
     used = sum(1 for b in range(1, kv.num_blocks) if held[b])
     assert kv.num_free_blocks + used == kv.num_blocks - 1
+    assert kv.num_tracked_requests == sum(1 for rid in sched.requests if kv.get_num_blocks(rid)), (
+        "the KV cache manager tracks a block table of no request")
 
 
 # ---------------------------------------------------------------------- pytest fixtures

@@ -17,7 +17,8 @@ from schedkit.config import Config, config_from_dict
 from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, SamplingParams
 from schedkit.errors import PluginError
-from tests.faults import HOOKS, FaultInjector, check_invariants
+from schedkit.plugins.testing import assert_scheduler_consistent
+from tests.faults import HOOKS, FaultInjector
 
 
 def make_trace(seed: int, vocab: int = 1000) -> list[tuple[str, list[int], int, float]]:
@@ -65,7 +66,8 @@ def run_trace(config: dict | Config, trace, faults: FaultInjector, max_steps: in
                 tokens[o.request_id] += o.new_token_ids
                 if o.finish_reason == "error":
                     failed[o.request_id] = o.error
-        check_invariants(engine.scheduler)
+        with faults.paused():
+            assert_scheduler_consistent(engine.scheduler)
     else:
         raise AssertionError(f"not finished after {max_steps} steps")
     sched = engine.scheduler

@@ -4,7 +4,8 @@
 Each client connects two DEALER sockets (one identity) to the engine's input and output
 ROUTER sockets, over ``ipc://`` by default or ``tcp://127.0.0.1``. A dead engine surfaces
 as :class:`EngineDeadError` within a few seconds (process exit or missing heartbeats),
-never as a hang.
+never as a hang. Heartbeats that arrive while a client is idle count: they wait on the
+socket and are read before the client decides the engine is silent.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from schedkit.core.engine_proc import START_TIMEOUT_S, EngineProcess
 from schedkit.core.messages import (
     AbortRequests,
     AddRequests,
+    Heartbeat,
     Hello,
     OutputBatch,
     Ready,
@@ -62,6 +65,8 @@ class EngineClient:
         self.out_sock = self._connect(output_addr, identity)
         self._call_ids = itertools.count()
         self._last_seen = time.monotonic()
+        self._inbox: deque[Any] = deque()
+        """Messages read off the socket by :meth:`check_alive`, not yet returned."""
         self.out_sock.send(client_encoder.encode(Hello()))
         while True:
             msg = self._recv_one(START_TIMEOUT_S)
@@ -83,18 +88,38 @@ class EngineClient:
         return sock
 
     def check_alive(self) -> None:
+        """Raise EngineDeadError if the engine process exited or has sent nothing, not
+        even a heartbeat, for ``DEAD_AFTER_S`` (heartbeats queued while idle count)."""
         if self.engine is not None and not self.engine.is_alive():
             raise EngineDeadError(f"the engine process exited (code {self.engine.exitcode})")
         if time.monotonic() - self._last_seen > DEAD_AFTER_S:
-            raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
+            self._drain()
+            if time.monotonic() - self._last_seen > DEAD_AFTER_S:
+                raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
+
+    def _take(self) -> Any:
+        """Decode the next message (the socket is readable); any message proves liveness."""
+        self._last_seen = time.monotonic()
+        return engine_decoder.decode(self.out_sock.recv(copy=False).buffer)
+
+    def _drain(self) -> None:
+        """Read what arrived while nobody listened: heartbeats are dropped, anything else
+        waits in the inbox for the next receive."""
+        while self.out_sock.poll(0):
+            msg = self._take()
+            if not isinstance(msg, Heartbeat):
+                self._inbox.append(msg)
 
     def _recv_one(self, timeout: float) -> Any:
+        if self._inbox:
+            return self._inbox.popleft()
         deadline = time.monotonic() + timeout
         while True:
             if self.out_sock.poll(100):
-                self._last_seen = time.monotonic()
-                return engine_decoder.decode(self.out_sock.recv(copy=False).buffer)
+                return self._take()
             self.check_alive()
+            if self._inbox:
+                return self._inbox.popleft()
             if time.monotonic() > deadline:
                 return None
 
@@ -351,7 +376,8 @@ class AsyncLLM:
                     continue
                 if not self.engine.is_alive():
                     raise EngineDeadError(f"the engine process exited (code {self.engine.exitcode})")
-                if time.monotonic() - last_seen > DEAD_AFTER_S:
+                # A loop blocked for a while can time the poll out with messages queued.
+                if time.monotonic() - last_seen > DEAD_AFTER_S and not self._readable():
                     raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
         except EngineDeadError as e:
             self._dead = e
@@ -360,6 +386,11 @@ class AsyncLLM:
             for fut in self._calls.values():
                 if not fut.done():
                     fut.set_exception(e)
+
+    def _readable(self) -> bool:
+        """A message waits on the output socket (read without awaiting)."""
+        events = self.out_sock.get(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
 
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                        *, request_id: str | None = None, priority: int = 0,

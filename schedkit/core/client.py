@@ -6,6 +6,10 @@ ROUTER sockets, over ``ipc://`` by default or ``tcp://127.0.0.1``. A dead engine
 as :class:`EngineDeadError` within a few seconds (process exit or missing heartbeats),
 never as a hang. Heartbeats that arrive while a client is idle count: they wait on the
 socket and are read before the client decides the engine is silent.
+
+Requests are validated here (:func:`schedkit.core.messages.check_request`) before they
+are sent, so a badly typed field raises :class:`RequestError` naming the field and the
+request instead of reaching the engine.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from schedkit.core.messages import (
     WireMetrics,
     WireOutput,
     WireRequest,
+    check_request,
     client_encoder,
     engine_decoder,
     sampling_to_wire,
@@ -50,8 +55,21 @@ DEAD_AFTER_S = 3.0
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
                  cache_salt: str | None = None, final_only: bool = False) -> WireRequest:
-    return WireRequest(request_id, list(prompt_token_ids), sampling_to_wire(params), priority=priority, tenant=tenant,
-                       cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only)
+    """The wire form of one request, validated.
+
+    Raises:
+        RequestError: A badly typed or out-of-range field (named in the message).
+    """
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"request {request_id!r}: sampling_params must be a SamplingParams, "
+                           f"got {type(params).__name__}", request_id=request_id)
+    ids: Any = prompt_token_ids
+    if isinstance(ids, Sequence) and not isinstance(ids, str | bytes):
+        ids = list(ids)  # anything else (an ndarray, an int) fails the check below
+    w = WireRequest(request_id, ids, sampling_to_wire(params), priority=priority, tenant=tenant,
+                    cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only)
+    check_request(w)
+    return w
 
 
 class EngineClient:
@@ -183,10 +201,11 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def _prompt_ids(prompt: str | Sequence[int], owner: Any) -> list[int]:
-    """Token ids of a prompt; text goes through the owner's tokenizer (loaded on first use)."""
+def _prompt_ids(prompt: str | Sequence[int], owner: Any) -> Sequence[int]:
+    """Token ids of a prompt; text goes through the owner's tokenizer (loaded on first use).
+    Anything else is returned as it is, for :func:`wire_request` to check."""
     if not isinstance(prompt, str):
-        return list(prompt)
+        return prompt
     if owner.tokenizer is None:
         owner.tokenizer = load_tokenizer(owner.config)
         if owner.tokenizer is None:
@@ -249,28 +268,38 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
-        A request that fails (invalid input, a plugin error) has ``finish_reason == "error"``
-        and ``error`` set; the others are unaffected.
+        A request that fails in the engine (too long, a plugin error) has
+        ``finish_reason == "error"`` and ``error`` set; the others are unaffected.
+
+        Raises:
+            RequestError: A badly typed or out-of-range input (a token id that is not a
+                non-negative int, a priority that is not an int, a non-finite arrival
+                offset...), naming the prompt and the field; nothing is sent.
         """
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for name, values in (("sampling params", params), ("priorities", priorities),
+                             ("arrival offsets", arrival_offsets)):
+            if values is not None and len(values) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(values)} {name}")
         results: dict[str, RequestOutput] = {}
-        order, wire = [], []
+        wire = []
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{self.client.client_index}-{next(self._ids)}"
-            ids = _prompt_ids(prompt, self)
-            order.append(rid)
-            results[rid] = RequestOutput(rid, ids)
-            wire.append(wire_request(rid, ids, sp, priority=priorities[i] if priorities else 0,
-                                     arrival_offset=arrival_offsets[i] if arrival_offsets else None,
-                                     final_only=True))
+            try:
+                w = wire_request(rid, _prompt_ids(prompt, self), sp,
+                                 priority=priorities[i] if priorities else 0,
+                                 arrival_offset=arrival_offsets[i] if arrival_offsets else None,
+                                 final_only=True)
+            except RequestError as e:
+                raise RequestError(f"prompts[{i}]: {e}", request_id=rid) from None
+            results[rid] = RequestOutput(rid, w.prompt_token_ids)
+            wire.append(w)
         self.client.add_requests(wire)
         self._collect(results, use_tqdm)
-        return [results[rid] for rid in order]
+        return list(results.values())
 
     def _collect(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         remaining = len(results)
@@ -395,16 +424,22 @@ class AsyncLLM:
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                        *, request_id: str | None = None, priority: int = 0,
                        tenant: str = "default") -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; raises RequestError if the engine rejects it."""
+        """Stream one request's outputs.
+
+        Raises:
+            RequestError: Invalid input (naming the field), or the engine rejected the
+                request.
+        """
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
-        rid = request_id or f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        ids = _prompt_ids(prompt, self)
+        rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
+        req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
+                           priority=priority, tenant=tenant)
+        ids = req.prompt_token_ids
         q: asyncio.Queue[WireOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         finished = False
         try:
-            req = wire_request(rid, ids, sampling_params or SamplingParams(), priority=priority, tenant=tenant)
             await self.in_sock.send(client_encoder.encode(AddRequests([req])))
             while not finished:
                 item = await q.get()

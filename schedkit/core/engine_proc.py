@@ -3,7 +3,9 @@
 Threads of the engine process:
 
 - input thread: receives ``[identity, payload]`` on a ROUTER socket, decodes the msgspec
-  payload and puts it on the input queue; a malformed message is logged and dropped.
+  payload and puts it on the input queue; a malformed message is logged and dropped. The
+  requests of an add message stay encoded until the busy loop decodes them one by one: a
+  badly typed request fails alone, with an error output.
 - busy loop (main thread): blocks on the input queue only while there is no work;
   otherwise drains it without blocking (ADD / ABORT / UTILITY), runs one step and puts
   each client's outputs on the output queue.
@@ -39,19 +41,20 @@ from schedkit.config import Config
 from schedkit.core.engine_core import EngineCore
 from schedkit.core.messages import (
     AbortRequests,
-    AddRequests,
     Heartbeat,
     Hello,
     OutputBatch,
+    RawAddRequests,
     Ready,
     UtilityCall,
     UtilityResult,
     WireMetrics,
     WireOutput,
     WireRequest,
+    check_request,
     client_decoder,
+    decode_request,
     engine_encoder,
-    sampling_from_wire,
 )
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import EventType, Request
@@ -66,7 +69,7 @@ UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugi
 
 def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     """Build a Request (validating it) from its wire form."""
-    params = sampling_from_wire(w.sampling_params, w.request_id)
+    params = check_request(w)
     return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                    priority=w.priority, client_index=client_index, tenant=w.tenant,
                    cache_salt=w.cache_salt)
@@ -205,7 +208,7 @@ class EngineCoreProc:
 
     def _handle(self, identity: bytes, msg: Any) -> None:
         client = self.client_index(identity)
-        if isinstance(msg, AddRequests):
+        if isinstance(msg, RawAddRequests):
             self._add(client, msg.requests)
         elif isinstance(msg, AbortRequests):
             aborted = self.engine.abort_requests(msg.request_ids)
@@ -224,10 +227,18 @@ class EngineCoreProc:
         else:  # a type the decoder knows but we do not handle is a bug
             raise AssertionError(type(msg))
 
-    def _add(self, client: int, requests: list[WireRequest]) -> None:
+    def _add(self, client: int, requests: list[msgspec.Raw]) -> None:
         errors = []
         engine = self.engine
-        for w in requests:
+        for raw in requests:
+            w, rid, why = decode_request(raw)
+            if w is None:
+                if not isinstance(rid, str):  # no id to answer to
+                    self._malformed(f"a request without a readable id: {why}")
+                    continue
+                errors.append(WireOutput(rid, finish_reason="error",
+                                         error=f"request {rid!r}: malformed request: {why}"))
+                continue
             try:
                 req = request_from_wire(w, client, engine.now())
                 if w.request_id in self._live:

@@ -3,11 +3,17 @@
 Client -> engine (input socket): ``AddRequests``, ``AbortRequests``, ``UtilityCall``.
 Engine -> client (output socket): ``OutputBatch`` (token deltas, finishes with metrics,
 per-request errors, utility results) and ``Heartbeat``.
+
+:func:`check_request` validates one request's wire form; the client runs it before
+sending, and the engine again on every request it decodes (the engine decodes the
+requests of an ``AddRequests`` one by one, so a bad one fails alone).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from array import array
 from typing import Any
 
 import msgspec
@@ -23,17 +29,114 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
             if (value := getattr(params, f.name)) != f.default}
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integers on the wire are signed 64-bit (msgpack); anything wider is rejected."""
+
+MAX_ARRIVAL_OFFSET_S = 1e9
+"""The latest arrival offset a request may ask for, in seconds (about 31 years; the engine
+core holds the same bound). Later ones would cost the engine clock its resolution."""
+
+_SAMPLING_TYPES = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+"""Annotation of each SamplingParams field (source strings), read by :func:`_check_sampling_types`."""
+
+
+def _is_int64(value: Any) -> bool:
+    return type(value) is int and INT64_MIN <= value <= INT64_MAX
+
+
+def _describe(value: Any) -> str:
+    """``repr (type)``, the repr cut to 40 characters."""
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    text = repr(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({name})"
+
+
+def _bad(request_id: Any, field: str, value: Any, want: str) -> RequestError:
+    rid = request_id if isinstance(request_id, str) else None
+    return RequestError(f"request {request_id!r}: {field} must be {want}, got {_describe(value)}",
+                        request_id=rid)
+
+
+def _check_sampling_types(fields: dict[str, Any], request_id: str) -> None:
+    """Types SamplingParams leaves to its caller: bools are not ints, ints fit 64 bits,
+    floats are finite, flags are bools. Ranges stay SamplingParams' own checks."""
+    for name, value in fields.items():
+        kind = _SAMPLING_TYPES.get(name)
+        if kind is None or (value is None and "None" in kind):
+            continue  # unknown names fail in SamplingParams(**fields)
+        field = f"sampling_params.{name}"
+        if kind.startswith("tuple[int"):
+            if not isinstance(value, list | tuple) or not all(_is_int64(v) for v in value):
+                raise _bad(request_id, field, value, "a list of 64-bit integers")
+        elif kind == "bool":
+            if type(value) is not bool:
+                raise _bad(request_id, field, value, "a bool")
+        elif kind.startswith("int"):
+            if not _is_int64(value):
+                raise _bad(request_id, field, value, "a 64-bit integer" + (" or None" if "None" in kind else ""))
+        elif kind.startswith("float"):
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise _bad(request_id, field, value, "a finite number")
+
+
 def sampling_from_wire(fields: dict[str, Any], request_id: str) -> SamplingParams:
     """Rebuild (and validate) sampling parameters from their wire form.
 
     Raises:
-        RequestError: An unknown field or an invalid value.
+        RequestError: An unknown field, a badly typed or an invalid value.
     """
+    if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+        raise _bad(request_id, "sampling_params", fields, "a map of field names to values")
+    _check_sampling_types(fields, request_id)
     try:
         return SamplingParams(**fields)
     except TypeError as e:
         raise RequestError(f"request {request_id!r}: invalid sampling parameters: {e}",
                            request_id=request_id) from None
+    except RequestError as e:
+        raise RequestError(f"request {request_id!r}: {e}", request_id=request_id) from None
+
+
+def _check_token_ids(ids: Any, request_id: str) -> None:
+    if not isinstance(ids, list):
+        raise _bad(request_id, "prompt_token_ids", ids, "a list of token ids")
+    try:  # fast path: exact ints, and array("q") checks the 64-bit range at C speed
+        if all(type(t) is int for t in ids) and (not ids or min(array("q", ids)) >= 0):
+            return
+    except OverflowError:
+        pass
+    for i, t in enumerate(ids):
+        if not (_is_int64(t) and t >= 0):
+            raise _bad(request_id, f"prompt_token_ids[{i}]", t, "a non-negative 64-bit integer")
+
+
+def check_request(w: WireRequest) -> SamplingParams:
+    """Validate the types and wire ranges of one request; returns its sampling parameters.
+
+    Semantic checks that need the engine (prompt length, duplicate ids) happen there.
+
+    Raises:
+        RequestError: Naming the request and the field that is wrong.
+    """
+    rid = w.request_id
+    if not isinstance(rid, str) or not rid:
+        raise _bad(rid, "request_id", rid, "a non-empty string")
+    _check_token_ids(w.prompt_token_ids, rid)
+    if not _is_int64(w.priority):
+        raise _bad(rid, "priority", w.priority, "a 64-bit integer")
+    if not isinstance(w.tenant, str):
+        raise _bad(rid, "tenant", w.tenant, "a string")
+    if w.cache_salt is not None and not isinstance(w.cache_salt, str):
+        raise _bad(rid, "cache_salt", w.cache_salt, "a string or None")
+    offset = w.arrival_offset
+    if offset is not None and (type(offset) not in (int, float)
+                               or not 0.0 <= offset <= MAX_ARRIVAL_OFFSET_S):  # False for NaN
+        raise _bad(rid, "arrival_offset", offset,
+                   f"None or a finite number of seconds in [0, {MAX_ARRIVAL_OFFSET_S:g}]")
+    if type(w.final_only) is not bool:
+        raise _bad(rid, "final_only", w.final_only, "a bool")
+    return sampling_from_wire(w.sampling_params, rid)
 
 
 class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -56,6 +159,13 @@ class AddRequests(msgspec.Struct, tag="add", frozen=True):
     requests: list[WireRequest]
 
 
+class RawAddRequests(msgspec.Struct, tag="add", frozen=True):
+    """``AddRequests`` as the engine decodes it: each request stays encoded until
+    :func:`decode_request`, so one badly typed request fails alone."""
+
+    requests: list[msgspec.Raw]
+
+
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
     request_ids: list[str]
 
@@ -71,6 +181,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 
 ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello
+EngineInput = RawAddRequests | AbortRequests | UtilityCall | Hello
+"""What the engine decodes: the client messages, with requests left encoded."""
 
 
 WireMetrics = RequestMetricsData
@@ -100,6 +212,32 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
 EngineMessage = OutputBatch | Heartbeat | Ready
 
 client_encoder = msgspec.msgpack.Encoder()
-client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+client_decoder = msgspec.msgpack.Decoder(EngineInput)
+request_decoder = msgspec.msgpack.Decoder(WireRequest)
+
+
+class _RequestId(msgspec.Struct):
+    request_id: Any = None
+
+
+_request_id_decoder = msgspec.msgpack.Decoder(_RequestId)
+
+
+def decode_request(raw: msgspec.Raw) -> tuple[WireRequest | None, Any, str | None]:
+    """Decode one request of a :class:`RawAddRequests`.
+
+    Returns ``(request, request_id, None)``, or ``(None, request_id, why)`` when the request
+    does not decode (``request_id`` is then whatever id could be read, or None).
+    """
+    try:
+        w = request_decoder.decode(raw)
+        return w, w.request_id, None
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        why = str(e)
+    try:
+        rid = _request_id_decoder.decode(raw).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        rid = None
+    return None, rid, why
 engine_encoder = msgspec.msgpack.Encoder()
 engine_decoder = msgspec.msgpack.Decoder(EngineMessage)

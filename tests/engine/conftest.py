@@ -18,3 +18,23 @@ def small_config():
         })
 
     return make
+
+
+LONG = {"cache": {"num_blocks": 512}, "scheduler": {"max_model_len": 100000}}
+"""Room for long-running requests (the fake runner)."""
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """One engine process shared by a module's tests (each leaves it idle)."""
+    from schedkit.core.client import LLM
+
+    with LLM(config_from_dict(LONG)) as engine_llm:
+        yield engine_llm
+
+
+def assert_engine_idle(llm) -> None:
+    """The engine holds no request: nothing running, waiting or tracked as live."""
+    stats = llm.call_utility("stats")
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert llm.call_utility("num_unfinished") == 0

@@ -427,14 +427,17 @@ class AsyncLLM:
         """Stream one request's outputs.
 
         Raises:
-            RequestError: Invalid input (naming the field), or the engine rejected the
-                request.
+            RequestError: Invalid input (naming the field), an id already streaming in
+                this client, or the engine rejected the request.
         """
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
         req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
                            priority=priority, tenant=tenant)
+        if rid in self._queues:
+            raise RequestError(f"request {rid!r} is already streaming in this client "
+                               "(request ids must be unique)", request_id=rid)
         ids = req.prompt_token_ids
         q: asyncio.Queue[WireOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q

@@ -156,6 +156,13 @@ class EngineClient:
     def abort(self, request_ids: Iterable[str]) -> None:
         self.in_sock.send(client_encoder.encode(AbortRequests(list(request_ids))))
 
+    def abort_quietly(self, request_ids: Iterable[str]) -> None:
+        """Abort without blocking or raising (cleanup on the way out of a failed call)."""
+        try:
+            self.in_sock.send(client_encoder.encode(AbortRequests(list(request_ids))), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     def call_utility(self, method: str, *args: Any, timeout: float = 30.0,
                      pending: list[OutputBatch] | None = None) -> Any:
         """Run a utility method in the engine; outputs received meanwhile go to ``pending``."""
@@ -269,7 +276,9 @@ class LLM:
         """Generate for every prompt; results come back in input order.
 
         A request that fails in the engine (too long, a plugin error) has
-        ``finish_reason == "error"`` and ``error`` set; the others are unaffected.
+        ``finish_reason == "error"`` and ``error`` set; the others are unaffected. If the
+        call ends early (an exception, KeyboardInterrupt), its unfinished requests are
+        aborted, so they do not keep the engine busy.
 
         Raises:
             RequestError: A badly typed or out-of-range input (a token id that is not a
@@ -297,8 +306,14 @@ class LLM:
                 raise RequestError(f"prompts[{i}]: {e}", request_id=rid) from None
             results[rid] = RequestOutput(rid, w.prompt_token_ids)
             wire.append(w)
-        self.client.add_requests(wire)
-        self._collect(results, use_tqdm)
+        try:
+            self.client.add_requests(wire)
+            self._collect(results, use_tqdm)
+        except EngineDeadError:
+            raise
+        except BaseException:  # KeyboardInterrupt included: free the engine of our requests
+            self.client.abort_quietly([rid for rid, r in results.items() if not r.finished])
+            raise
         return list(results.values())
 
     def _collect(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:

@@ -392,7 +392,10 @@ class AsyncLLM:
     @classmethod
     async def create(cls, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> AsyncLLM:
         cfg = _resolve(config)
-        engine = await asyncio.to_thread(EngineProcess, cfg, transport=transport)
+        # Spawned from the loop's thread (the engine's parent-death signal follows the
+        # spawning thread; see EngineProcess); the slow wait for ready runs off the loop.
+        engine = EngineProcess(cfg, transport=transport, wait=False)
+        await asyncio.to_thread(engine.wait_ready)
         llm = cls(cfg, engine)
         await llm.out_sock.send(client_encoder.encode(Hello()))
         llm._reader = asyncio.create_task(llm._read_outputs())

@@ -14,10 +14,16 @@ Threads of the engine process:
   engine from a slow one.
 
 Each socket is used by one thread only (ZMQ sockets are not thread-safe).
+
+The process leaves (removing its socket files) when its parent goes: stdin EOF, the
+parent's death signal (Linux ``PR_SET_PDEATHSIG``, asked for when the parent started us
+from its main thread), or a changed parent pid, checked every ``PARENT_CHECK_S``. The last
+two also work when the parent forked children that inherited our stdin pipe.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -63,6 +69,8 @@ from schedkit.errors import EngineDeadError, SchedkitError
 log = logging.getLogger("schedkit.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
+PARENT_CHECK_S = 0.25
+"""How often the engine process checks that its parent is still its parent."""
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugins", "shutdown",
                    "num_unfinished")
 
@@ -336,9 +344,14 @@ class EngineProcess:
 
     The config and its plugins are checked in this process first, so a bad YAML or a
     plugin that is not installed stops the launch before any process starts.
+
+    Args:
+        wait: Wait for the engine's ``ready`` here; False leaves it to :meth:`wait_ready`
+            (so that a caller can spawn from its own thread and wait in another).
     """
 
-    def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING") -> None:
+    def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING",
+                 wait: bool = True) -> None:
         from schedkit.plugins.manager import get_plugin_manager
         from schedkit.runners import runner_class
 
@@ -356,20 +369,34 @@ class EngineProcess:
             raise SchedkitError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         # A fresh interpreter (not multiprocessing): no re-import of the caller's __main__,
         # so scripts need no ``if __name__ == "__main__"`` guard.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "schedkit.core.engine_proc", "--input", self.input_addr,
-             "--output", self.output_addr, "--log-level", log_level],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-m", "schedkit.core.engine_proc", "--input", self.input_addr,
+                "--output", self.output_addr, "--log-level", log_level,
+                "--parent-pid", str(os.getpid())]
+        if threading.current_thread() is threading.main_thread():
+            # The kernel's parent-death signal fires when the spawning *thread* exits:
+            # safe only from the main thread, which lives as long as the process.
+            argv.append("--parent-death-signal")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(config.model_dump(mode="json")) + "\n")
         self.proc.stdin.flush()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine answers ``ready``.
+
+        Raises:
+            EngineDeadError: It answered an error, exited, or said nothing in START_TIMEOUT_S.
+        """
+        assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
         line = self.proc.stdout.readline().strip() if ready else ""
         if not line.startswith("ready"):
             self.shutdown()
             detail = line.removeprefix("error ") or f"no answer (exit code {self.proc.returncode})"
             raise EngineDeadError(f"the engine process failed to start: {detail}")
-        self.pid = self.proc.pid
 
     def is_alive(self) -> bool:
         return self.proc.poll() is None
@@ -405,11 +432,35 @@ def _remove_ipc_files(*addrs: str) -> None:
 
 def _exit_when_parent_goes(stdin: Any, addrs: tuple[str, ...]) -> None:
     """The parent keeps our stdin open; EOF means it closed it or died: leave at once,
-    taking our socket files with us."""
+    taking our socket files with us. (A child the parent forked keeps the pipe open too:
+    :func:`_watch_parent_pid` covers that case.)"""
     while stdin.read(4096):
         pass
     _remove_ipc_files(*addrs)
     os._exit(0)
+
+
+def _watch_parent_pid(parent_pid: int, addrs: tuple[str, ...]) -> None:
+    """Leave once we are no longer ``parent_pid``'s child (it died; we were reparented)."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_S)
+    _remove_ipc_files(*addrs)
+    os._exit(0)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _ask_for_parent_death_signal(sig: int) -> bool:
+    """Linux: have the kernel send ``sig`` when the thread that spawned us exits. Unlike a
+    pipe, this is not inherited by the parent's forks. False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -422,6 +473,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="exit when no longer this process's child (default: the parent now)")
+    ap.add_argument("--parent-death-signal", action="store_true",
+                    help="ask the kernel for SIGTERM when the spawning thread exits (Linux)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(message)s")
     addrs = (args.input, args.output)
@@ -431,6 +486,11 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if args.parent_death_signal:
+        _ask_for_parent_death_signal(signal.SIGTERM)
+    parent_pid = os.getppid() if args.parent_pid is None else args.parent_pid
+    # Started after the death signal was asked for: a parent gone before is seen here.
+    threading.Thread(target=_watch_parent_pid, args=(parent_pid, addrs), daemon=True).start()
     try:
         config = Config.model_validate(json.loads(sys.stdin.readline()))
         proc = EngineCoreProc(config, args.input, args.output)

@@ -369,7 +369,10 @@ class AsyncLLM:
 
     Use ``await AsyncLLM.create(config)``; then ``async for out in llm.generate(...)``
     yields one :class:`RequestOutput` delta per engine step (new tokens only); the last
-    one has ``finish_reason`` set. Cancelling the iteration aborts the request.
+    one has ``finish_reason`` set. Cancelling the iteration aborts the request, and so
+    does closing the generator: ``break`` out of an ``async for`` over
+    ``llm.generate(...)`` aborts once the generator is garbage collected, but a generator
+    you keep a reference to keeps its request running until you ``await gen.aclose()``.
     """
 
     def __init__(self, config: Config, engine: EngineProcess) -> None:
@@ -443,6 +446,10 @@ class AsyncLLM:
                        *, request_id: str | None = None, priority: int = 0,
                        tenant: str = "default") -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs.
+
+        Leaving the iteration early aborts the request when the generator closes: at once
+        on cancellation or ``await gen.aclose()``; after ``break``, only once the generator
+        is garbage collected (never while you still hold a reference to it).
 
         Raises:
             RequestError: Invalid input (naming the field), an id already streaming in

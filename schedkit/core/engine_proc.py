@@ -3,9 +3,10 @@
 Threads of the engine process:
 
 - input thread: receives ``[identity, payload]`` on a ROUTER socket, decodes the msgspec
-  payload and puts it on the input queue; a malformed message is logged and dropped. The
-  requests of an add message stay encoded until the busy loop decodes them one by one: a
-  badly typed request fails alone, with an error output.
+  payload and puts it on the input queue; a malformed message is counted, logged (at most
+  one line per ``MALFORMED_LOG_INTERVAL_S``) and dropped. The requests of an add message
+  stay encoded until the busy loop decodes them one by one: a badly typed request fails
+  alone, with an error output.
 - busy loop (main thread): blocks on the input queue only while there is no work;
   otherwise drains it without blocking (ADD / ABORT / UTILITY), runs one step and puts
   each client's outputs on the output queue.
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,8 @@ from schedkit.errors import EngineDeadError, SchedkitError
 log = logging.getLogger("schedkit.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
+MALFORMED_LOG_INTERVAL_S = 10.0
+"""At most one log line per this many seconds about malformed messages."""
 PARENT_CHECK_S = 0.25
 """How often the engine process checks that its parent is still its parent."""
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugins", "shutdown",
@@ -81,6 +85,28 @@ def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                    priority=w.priority, client_index=client_index, tenant=w.tenant,
                    cache_salt=w.cache_salt)
+
+
+class RateLimitedLog:
+    """Logs a warning at most once per ``interval`` seconds; the next line logged says
+    how many were suppressed in between."""
+
+    def __init__(self, logger: logging.Logger, interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.interval, self.clock = logger, interval, clock
+        self.suppressed = 0
+        self._next = float("-inf")
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = self.clock()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            msg += f" ({self.suppressed} more suppressed in the last {self.interval:g} s)"
+            self.suppressed = 0
+        self.logger.warning(msg, *args)
+        self._next = now + self.interval
 
 
 def metrics_of(req: Request) -> WireMetrics:
@@ -110,6 +136,7 @@ class EngineCoreProc:
         self._live: dict[str, Request] = {}
         self._final_only: set[str] = set()
         self.num_malformed = 0
+        self._malformed_log = RateLimitedLog(log, MALFORMED_LOG_INTERVAL_S)
         self._in_sock = self._bind(input_addr)
         self._out_sock = self._bind(output_addr)
         self._threads = [threading.Thread(target=self._input_loop, name="schedkit-input", daemon=True),
@@ -152,7 +179,7 @@ class EngineCoreProc:
 
     def _malformed(self, why: str) -> None:
         self.num_malformed += 1
-        log.warning("dropped a malformed message on the input socket: %s", why)
+        self._malformed_log.warning("dropped a malformed message on the input socket: %s", why)
 
     def _output_loop(self) -> None:
         sock = self._out_sock

@@ -1,0 +1,44 @@
+"""The engine's log line about malformed messages is rate limited (issue 10)."""
+
+from __future__ import annotations
+
+import logging
+
+from schedkit.core.engine_proc import EngineCoreProc, RateLimitedLog
+
+
+def test_rate_limited_log_counts_what_it_suppresses(caplog):
+    now = [100.0]
+    logger = logging.getLogger("schedkit.test.ratelimit")
+    limited = RateLimitedLog(logger, 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        for i in range(5):
+            limited.warning("bad message %d", i)
+        now[0] += 10.0
+        limited.warning("bad message %d", 5)
+        limited.warning("bad message %d", 6)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["bad message 0", "bad message 5 (4 more suppressed in the last 10 s)"]
+    assert limited.suppressed == 1
+
+
+def test_malformed_messages_are_counted_but_logged_at_most_once_per_interval(tmp_path, small_config,
+                                                                             caplog):
+    proc = EngineCoreProc(small_config(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    try:
+        with caplog.at_level(logging.WARNING, logger="schedkit.engine"):
+            for _ in range(50):  # a flood, well within one interval
+                proc._malformed("garbage")
+            logged = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+            assert len(logged) == 1 and proc.num_malformed == 50
+            limiter = proc._malformed_log
+            later = limiter.clock() + limiter.interval
+            limiter.clock = lambda: later  # the interval has passed
+            proc._malformed("garbage")
+        logged = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+        assert len(logged) == 2 and "49 more suppressed" in logged[1]
+        assert proc.num_malformed == 51
+    finally:
+        proc._in_sock.close(0)
+        proc._out_sock.close(0)
+        proc.ctx.term()

@@ -390,6 +390,9 @@ class AsyncLLM:
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.client_index: int | None = None
+        """Set by the engine's ``Ready``, which :meth:`create` waits for."""
         self.tokenizer: Any = None
 
     @classmethod
@@ -402,6 +405,15 @@ class AsyncLLM:
         llm = cls(cfg, engine)
         await llm.out_sock.send(client_encoder.encode(Hello()))
         llm._reader = asyncio.create_task(llm._read_outputs())
+        try:
+            # The engine's output socket drops messages to a client it does not know yet;
+            # its Ready (the answer to our Hello) says it knows us.
+            await asyncio.wait_for(llm._ready.wait(), START_TIMEOUT_S)
+            if llm._dead is not None:
+                raise EngineDeadError(str(llm._dead))
+        except BaseException:
+            await llm.close()
+            raise
         return llm
 
     async def _read_outputs(self) -> None:
@@ -423,6 +435,9 @@ class AsyncLLM:
                                     fut.set_exception(SchedkitError(f"utility: {res.error}"))
                                 else:
                                     fut.set_result(res.result)
+                    elif isinstance(msg, Ready):
+                        self.client_index = msg.client_index
+                        self._ready.set()
                     continue
                 if not self.engine.is_alive():
                     raise EngineDeadError(f"the engine process exited (code {self.engine.exitcode})")
@@ -431,6 +446,7 @@ class AsyncLLM:
                     raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
         except EngineDeadError as e:
             self._dead = e
+            self._ready.set()
             for q in self._queues.values():
                 q.put_nowait(e)
             for fut in self._calls.values():

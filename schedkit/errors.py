@@ -27,6 +27,10 @@ class PluginError(SchedkitError):
         self.hook = hook
         self.request_id = request_id
         """The request the hook was deciding about, when there was one."""
+        self.outputs: dict | None = None
+        """Raised by an observer after a step was applied: that step's outputs, per client."""
+        self.finished_requests: list | None = None
+        """Raised by an observer of ``finish_requests``: the requests that did finish."""
         self.lost_request_ids: list[str] = []
         """Requests the scheduler could not put back in their queue while undoing the
         failed step (its queue raised again); they fail too."""

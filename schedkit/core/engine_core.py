@@ -206,7 +206,7 @@ class EngineCore:
             return self.scheduler.finish_requests(request_ids, status)
         except PluginError as e:  # an observer raised; the requests did finish
             log.error("%s", e)
-            return list(getattr(e, "finished_requests", ()))
+            return list(e.finished_requests or ())
 
     def has_requests(self) -> bool:
         return bool(self._future) or self.scheduler.has_requests() or bool(self._in_flight)
@@ -263,7 +263,7 @@ class EngineCore:
             step_outputs = sched.update_from_output(scheduler_output, runner_output)
         except PluginError as e:  # an observer raised after the step was applied
             log.error("%s", e)
-            step_outputs = getattr(e, "outputs", {})
+            step_outputs = e.outputs or {}
         if sched.num_spec_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
         self.num_steps += 1

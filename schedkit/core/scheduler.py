@@ -20,15 +20,21 @@ from typing import Any
 
 from schedkit.config import CacheConfig, SchedulerConfig
 from schedkit.core.hooks import AdmissionDecision, SchedulerHooks
-from schedkit.core.output_processor import OutputProcessorMixin, connector_error
+from schedkit.core.kv_loads import KVLoads
 from schedkit.core.outputs import (
     EngineCoreOutput,
+    EngineCoreOutputs,
+    KVConnectorOutput,
+    ModelRunnerOutput,
     SchedulerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
 )
-from schedkit.core.queues import FCFSQueue, RequestQueue
+from schedkit.core.queues import RequestQueue
 from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestStatus
 from schedkit.core.scheduler_output import build_scheduler_output
 from schedkit.core.step_undo import StepUndo
+from schedkit.core.stop import check_stop
 from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
@@ -36,6 +42,7 @@ from schedkit.kv.kv_cache_manager import KVCacheManager
 from schedkit.kv.metrics import PrefixCacheStats
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 _ADMIT = AdmissionDecision.ADMIT
@@ -91,7 +98,7 @@ class StepState:
     """What rollback needs to restore."""
 
 
-class Scheduler(OutputProcessorMixin):
+class Scheduler:
     """Owns the requests, the waiting queue, the running list and the KV cache manager.
 
     Args:
@@ -134,16 +141,17 @@ class Scheduler(OutputProcessorMixin):
         self.waiting = hooks.create_waiting_queue(scheduler_config=scheduler_config,
                                                   kv_cache_manager=self.kv_cache_manager,
                                                   clock=clock)
-        self.kv_holding: RequestQueue = FCFSQueue()
+        self.kv_loads = KVLoads(self.kv_cache_manager, self.requests,
+                                recompute_failed=cache_config.kv_load_failure_policy == "recompute")
+        """Asynchronous KV loads: the requests holding loaded blocks, and their state."""
+        self.kv_holding: RequestQueue = self.kv_loads.holding
         """Waiting requests that hold KV blocks (an asynchronous load in progress or
         done), in the order their loads started; served before ``waiting``."""
-        self.running: list[Request] = []
-        self.finished_recving_ids: set[str] = set()
-        """Requests whose asynchronous load the worker reported complete."""
-        self.failed_recving_ids: set[str] = set()
+        self.finished_recving_ids = self.kv_loads.finished
+        """Requests whose asynchronous load the worker reported complete (vLLM's name)."""
+        self.failed_recving_ids = self.kv_loads.failed
         """Requests whose asynchronous load failed: they start over at promotion."""
-        self._held_for_load: set[str] = set()
-        """Finished (aborted) requests whose blocks a load still in progress writes into."""
+        self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.deferred_ids: set[str] = set()
         """Waiting requests the last schedule() passed over (vLLM's deferred_waiting)."""
@@ -225,22 +233,15 @@ class Scheduler(OutputProcessorMixin):
             self._remove_queued(queued)
         now = self.clock()
         for req in reqs:
-            hold = False
-            if req.status is _LOADING:
-                # The worker may still be writing into its blocks: keep them until it
-                # reports the load finished.
-                rid = req.request_id
-                hold = rid not in self.finished_recving_ids
-                if hold:
-                    self._held_for_load.add(rid)
-                self.finished_recving_ids.discard(rid)
-                self.failed_recving_ids.discard(rid)
+            # A load may still be writing into a loading request's blocks: they are
+            # kept until the worker reports the load ended.
+            hold = req.status is _LOADING and self.kv_loads.end(req)
             req.status = finished_status
             self._free_request(req, now, hold_blocks=hold)
         try:
             self._notify_finished(reqs, now)
         except PluginError as e:
-            e.finished_requests = reqs  # type: ignore[attr-defined]  # they did finish
+            e.finished_requests = reqs  # they did finish
             raise
         return reqs
 
@@ -454,11 +455,12 @@ class Scheduler(OutputProcessorMixin):
                 queue.pop()
                 continue
             if req.status is _LOADING:
-                if req.request_id not in self.finished_recving_ids:
+                if not self.kv_loads.is_done(req):
                     st.popped.append(queue.pop())
                     kv_skipped.append(req)
                     continue
-                self._promote_loaded(req, st)
+                st.undo.save(req)
+                st.undo.promoted.append((req.request_id, *self.kv_loads.promote(req)))
             elif req.num_stale_output_tokens and not req.stale_drop:
                 st.popped.append(queue.pop())  # not resumed before its stale outputs arrive
                 skipped.append(req)
@@ -497,7 +499,8 @@ class Scheduler(OutputProcessorMixin):
                 hit_blocks, num_local, num_ext = [], 0, 0
                 computed = req.num_computed_tokens
             if load_async:
-                n, reserved = 0, self._blocks_reserved_for_prefills()
+                n, reserved = 0, self.kv_loads.blocks_reserved(self.running, self.max_model_len,
+                                                               self.num_spec_tokens)
             else:
                 n, reserved = self._num_tokens_to_admit(req, computed, st), 0
                 if n == 0:
@@ -558,38 +561,6 @@ class Scheduler(OutputProcessorMixin):
         if stats is not None:
             self._connector_stats = PrefixCacheStats()
         return stats
-
-    def _promote_loaded(self, req: Request, st: StepState) -> None:
-        """An asynchronous load finished: cache the blocks loaded before the first
-        failure, if any (a load that left nothing valid drops its blocks and the request
-        starts over), and make the request admissible. The last prompt token is always
-        recomputed, for its logits."""
-        rid = req.request_id
-        st.undo.save(req)
-        st.undo.promoted.append((rid, rid in self.finished_recving_ids, rid in self.failed_recving_ids))
-        self.finished_recving_ids.discard(rid)
-        self.failed_recving_ids.discard(rid)  # failures already truncated its count
-        if req.num_computed_tokens == 0:
-            self.kv_cache_manager.free(req)
-        else:
-            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
-            if req.num_computed_tokens >= req.num_tokens:
-                req.num_computed_tokens = req.num_tokens - 1
-        req.status = RequestStatus.PREEMPTED if req.num_preemptions else _WAITING
-
-    def _blocks_reserved_for_prefills(self) -> int:
-        """Free blocks a new asynchronous load must leave for the loads and prefills
-        already under way to reach their full sequence (plus one speculative step)."""
-        bs, k = self.block_size, self.num_spec_tokens
-        extra = 1 + k if k else 0
-        kv = self.kv_cache_manager
-        reserved = -(-extra // bs)
-        in_flight = [r for r in self.kv_holding if r.status is _LOADING]
-        in_flight += [r for r in self.running if r.is_prefill_chunk]
-        for req in in_flight:
-            full = min(req.num_tokens, self.max_model_len) + extra
-            reserved += max(-(-full // bs) - len(kv.get_block_ids(req.request_id)), 0)
-        return reserved
 
     def _num_tokens_to_admit(self, req: Request, computed: int, st: StepState) -> int:
         """Tokens for a waiting request this step; 0 means stop admitting (head-of-line)."""
@@ -674,6 +645,240 @@ class Scheduler(OutputProcessorMixin):
         # lose this step's output (its admissions must reach the runner).
         self._pending_finished.extend(rejected)
 
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Apply one step's sampled tokens. Returns the outputs grouped by client index.
+
+        Phases: the worker's load failures (before tokens, which bad KV voids), the
+        sampled tokens, the requests that finished, the loads and sends the worker
+        completed, statistics, then the observers.
+
+        Raises:
+            PluginError: An observer (or a connector's ``request_finished``) raised; the
+                step itself was applied and its outputs are ``error.outputs``.
+        """
+        kv_out = runner_output.kv_connector_output
+        bad_loads = self._apply_failed_loads(kv_out, scheduler_output)
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for req, out in self._pending_outputs:
+            by_client.setdefault(req.client_index, []).append(out)
+        self._pending_outputs = []
+        spec_stats = (SpecDecodingStats() if scheduler_output.scheduled_spec_decode_tokens
+                      and self.log_stats else None)
+        stopped, stopped_waiting = self._append_sampled(
+            scheduler_output, runner_output, {r.request_id for r in bad_loads}, by_client, spec_stats)
+        now = self.clock()
+        if bad_loads and not self.kv_loads.recompute_failed:
+            assert kv_out is not None
+            self._fail_bad_loads(bad_loads, kv_out.invalid_block_ids, now, by_client)
+        if stopped:
+            self._finish_stopped(stopped, stopped_waiting, now, by_client)
+        self._apply_finished_transfers(kv_out)
+        outputs = {c: EngineCoreOutputs(outputs=o) for c, o in by_client.items()}
+        stats = self._make_stats(spec_stats) if self.log_stats else None
+        if stats is not None:
+            outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
+        if self._pending_finished:
+            stopped = self._pending_finished + stopped
+            self._pending_finished = []
+        try:
+            self._notify_finished(stopped, now)
+            self.hooks.on_step_end(scheduler_output=scheduler_output, outputs=outputs,
+                                   stats=stats, now=now)
+            if self._deferred_errors:
+                err, self._deferred_errors = self._deferred_errors[0], []
+                raise err
+        except PluginError as e:
+            e.outputs = outputs  # the step itself succeeded
+            raise
+        return outputs
+
+    def _apply_failed_loads(self, kv_out: KVConnectorOutput | None,
+                            scheduler_output: SchedulerOutput) -> list[Request]:
+        """Whole loads that failed, and blocks whose load failed; returns the requests
+        that read bad blocks (their tokens of this step are void)."""
+        if kv_out is None:
+            return []
+        if kv_out.failed_recving:
+            fail, release = self.kv_loads.on_failed(kv_out.failed_recving)
+            for req in release:
+                self._release_blocks(req)
+            now = self.clock()
+            for req in fail:  # their outputs go out with this step's
+                self._pending_outputs.append((req, self._fail_request(
+                    req, now, "the KV connector failed to load its KV cache")))
+        if kv_out.invalid_block_ids:
+            return self.kv_loads.on_invalid_blocks(kv_out.invalid_block_ids, self.running)
+        return []
+
+    def _append_sampled(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                        skip: set[str], by_client: dict[int, list[EngineCoreOutput]],
+                        spec_stats: SpecDecodingStats | None) -> tuple[list[Request], list[Request]]:
+        """Append each request's sampled tokens, roll back rejected drafts, check stops.
+        Returns the requests that stopped, and those of them that were waiting."""
+        sampled = runner_output.sampled_token_ids
+        index = runner_output.req_id_to_index
+        requests = self.requests
+        spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        max_model_len = self.max_model_len
+        stopped: list[Request] = []
+        stopped_waiting: list[Request] = []
+        kv = self.kv_cache_manager
+        cache_after_placeholders = kv.enable_caching
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            maybe = requests.get(rid)
+            if maybe is None:
+                continue  # finished while the step ran
+            req = maybe
+            req.num_in_flight_tokens -= n
+            stale = req.num_stale_output_tokens > 0
+            if stale:  # scheduled before the request's last preemption
+                req.num_stale_output_tokens -= n
+                if req.stale_drop:
+                    continue
+            status = req.status
+            if (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
+                continue  # finished while the step ran, or read bad KV: void
+            i = index.get(rid)
+            gen = sampled[i] if i is not None else None
+            if not gen:
+                continue  # a prefill chunk that sampled nothing
+            if spec_sched and not stale:
+                drafts = spec_sched.get(rid)
+                if drafts:
+                    self._apply_spec_result(req, drafts, len(gen), spec_stats)
+            had_outputs = bool(req.output_token_ids)
+            if len(gen) == 1:
+                req.append_output_token_ids(gen[0])
+                is_stopped = check_stop(req, max_model_len)
+                new_ids = gen
+            else:
+                new_ids, is_stopped = self._append_tokens(req, gen)
+            if req.num_output_placeholders and not stale:
+                req.num_output_placeholders -= len(new_ids)
+                if cache_after_placeholders and status is _RUNNING and not is_stopped:
+                    # Blocks filled by tokens that were placeholders at allocation.
+                    kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
+            if not had_outputs:
+                req.record_event(EventType.FIRST_TOKEN, self.clock())
+            if is_stopped:
+                stopped.append(req)
+                if status is _PREEMPTED:
+                    stopped_waiting.append(req)
+                out = EngineCoreOutput(rid, new_ids, FINISH_REASONS[req.status], req.stop_reason,
+                                       req.num_cached_tokens)
+            else:
+                out = EngineCoreOutput(rid, new_ids, None, None, req.num_cached_tokens)
+            lst = by_client.get(req.client_index)
+            if lst is None:
+                by_client[req.client_index] = lst = []
+            lst.append(out)
+        return stopped, stopped_waiting
+
+    def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
+                           spec_stats: SpecDecodingStats | None) -> None:
+        num_accepted = num_gen - 1
+        num_rejected = len(drafts) - num_accepted
+        if num_rejected > 0 and req.num_computed_tokens > 0:
+            req.num_computed_tokens -= num_rejected
+        if spec_stats is not None and drafts[0] != -1:
+            spec_stats.observe(len(drafts), num_accepted)
+
+    def _append_tokens(self, req: Request, gen: list[int]) -> tuple[list[int], bool]:
+        max_model_len = self.max_model_len
+        for j, tok in enumerate(gen):
+            req.append_output_token_ids(tok)
+            if check_stop(req, max_model_len):
+                return gen[: j + 1], True
+        return gen, False
+
+    def _finish_stopped(self, stopped: list[Request], stopped_waiting: list[Request], now: float,
+                        by_client: dict[int, list[EngineCoreOutput]]) -> None:
+        gone = {id(r) for r in stopped}
+        self.running = [r for r in self.running if id(r) not in gone]
+        if stopped_waiting:  # preempted, stopped by a stale output delivered while waiting
+            self._remove_queued(stopped_waiting)
+        for req in stopped:
+            params = self._free_request(req, now)
+            if params is not None:
+                for out in reversed(by_client[req.client_index]):
+                    if out.request_id == req.request_id:
+                        out.kv_transfer_params = params
+                        break
+
+    def _fail_bad_loads(self, reqs: list[Request], invalid: set[int], now: float,
+                        by_client: dict[int, list[EngineCoreOutput]]) -> None:
+        """Policy "fail": the requests that read blocks whose load failed finish with an
+        error, the bad blocks dropped from the prefix cache."""
+        gone = {id(r) for r in reqs}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for req, hold in zip(reqs, self.kv_loads.drop_bad(reqs, invalid), strict=True):
+            out = self._fail_request(req, now, "the KV connector failed to load part of its KV cache",
+                                     hold_blocks=hold)
+            by_client.setdefault(req.client_index, []).append(out)
+
+    def _fail_request(self, req: Request, now: float, why: str, hold_blocks: bool = False) -> EngineCoreOutput:
+        """Finish a request whose KV load failed (observers hear of it at the end of the
+        step); returns its error output."""
+        rid = req.request_id
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = "kv_load_failed"
+        self._free_request(req, now, hold_blocks=hold_blocks)
+        self._pending_finished.append(req)
+        return EngineCoreOutput(rid, [], FINISH_REASONS[req.status], None, error=f"request {rid!r}: {why}")
+
+    def _apply_finished_transfers(self, kv_out: KVConnectorOutput | None) -> None:
+        """The connector's view of the step, then the loads and sends the worker finished:
+        loaded requests become admissible; blocks held for them are freed."""
+        self.connector.update_connector_output(kv_out)
+        if kv_out is None:
+            return
+        if kv_out.finished_recving:
+            for req in self.kv_loads.on_finished(kv_out.finished_recving):
+                self._release_blocks(req)
+        for rid in kv_out.finished_sending or ():
+            sent = self.requests.get(rid)
+            if sent is not None and sent.is_finished:
+                self._release_blocks(sent)
+
+    def _release_blocks(self, req: Request) -> None:
+        """Free a finished request whose blocks a load or a send kept until it ended."""
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+
+    def _make_stats(self, spec_stats: SpecDecodingStats | None) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.kv_holding) - len(self.deferred_ids),
+            num_skipped_waiting_reqs=len(self.deferred_ids),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preempted_reqs=self.num_preemptions_total,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            connector_prefix_cache_stats=self.take_connector_prefix_cache_stats(),
+            spec_decoding_stats=spec_stats if spec_stats and spec_stats.num_drafts else None)
+
+    def _free_request(self, req: Request, now: float, hold_blocks: bool = False) -> dict | None:
+        """Tell the connector, then free the blocks unless it (or ``hold_blocks``: a load
+        still writing into them) keeps them until the worker reports the transfer done."""
+        rid = req.request_id
+        try:
+            delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
+        except Exception as e:  # free normally; report once the step's state is complete
+            self._deferred_errors.append(connector_error(self.connector, "request_finished", e, req))
+            delay, params = False, None
+        self.finished_req_ids.add(rid)
+        self.deferred_ids.discard(rid)
+        req.record_event(EventType.FINISHED, now)
+        if not (delay or hold_blocks):
+            self.kv_cache_manager.free(req)
+            del self.requests[rid]
+        return params
+
+    def _notify_finished(self, reqs: list[Request], now: float) -> None:
+        for req in reqs:
+            self.hooks.on_request_finished(request=req, now=now)
+
     def _connector_call(self, method: str, *args: Any) -> Any:
         """Call a scheduler-side connector method; its exceptions become PluginErrors."""
         try:
@@ -682,3 +887,10 @@ class Scheduler(OutputProcessorMixin):
             req = args[0] if args and isinstance(args[0], Request) else None
             raise connector_error(self.connector, method, e, req) from e
 
+
+def connector_error(connector: Any, method: str, e: Exception, req: Request | None) -> PluginError:
+    """A PluginError for an exception raised by a KV connector method."""
+    name = type(connector).__name__
+    return PluginError(f"KV connector {name!r} raised in {method}: {type(e).__name__}: {e}",
+                       plugin=name, hook=f"KVConnector.{method}",
+                       request_id=req.request_id if req is not None else None)

@@ -77,10 +77,7 @@ class StepUndo:
         sched.deferred_ids.update(self.undeferred)
         sched.deferred_ids.difference_update(self.newly_deferred)
         for rid, in_finished, in_failed in self.promoted:
-            if in_finished:
-                sched.finished_recving_ids.add(rid)
-            if in_failed:
-                sched.failed_recving_ids.add(rid)
+            sched.kv_loads.restore(rid, in_finished, in_failed)
         if self.connector_stats is not None:
             sched._connector_stats = self.connector_stats
         lost = list({id(r): r for r in lost}.values())

@@ -101,3 +101,18 @@ def test_help_names_every_command(capsys):
     for command in ("run", "compare", "check", "plugins"):
         assert command in description, description
     assert "compare" in (cli.__doc__ or "")
+
+
+def test_run_output_has_queueing_delay_like_compare(tmp_path):
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text("workload: {num_requests: 20, rate: 200, prompt_len: [8, 64], output_len: [4, 16]}\n"
+                   "cache: {num_blocks: 128}\nscheduler: {max_num_seqs: 4, max_num_batched_tokens: 64}\n")
+    out = tmp_path / "res.json"
+    assert main(["run", str(cfg), "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for r in data["requests"]:
+        assert r["first_scheduled_time"] is not None and r["queueing_delay"] is not None, r
+        assert r["arrival_time"] <= r["first_scheduled_time"] <= r["first_token_time"]
+        assert abs(r["queueing_delay"] - (r["first_scheduled_time"] - r["arrival_time"])) < 1e-9
+    assert max(r["queueing_delay"] for r in data["requests"]) > 0  # 4 seats for 20 requests
+    assert data["summary"]["max_wait_s"] == max(r["queueing_delay"] for r in data["requests"])

@@ -65,7 +65,7 @@ from schedkit.core.messages import (
     engine_encoder,
 )
 from schedkit.core.outputs import EngineCoreOutputs
-from schedkit.core.request import EventType, Request
+from schedkit.core.request import Request
 from schedkit.errors import EngineDeadError, SchedkitError
 
 log = logging.getLogger("schedkit.engine")
@@ -110,11 +110,7 @@ class RateLimitedLog:
 
 
 def metrics_of(req: Request) -> WireMetrics:
-    return WireMetrics(
-        arrival_time=req.arrival_time, first_token_time=req.first_event_time(EventType.FIRST_TOKEN),
-        finish_time=req.first_event_time(EventType.FINISHED), num_preemptions=req.num_preemptions,
-        num_cached_tokens=max(req.num_cached_tokens, 0), num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=req.num_output_tokens)
+    return WireMetrics.of(req)
 
 
 class EngineCoreProc:

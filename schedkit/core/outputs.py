@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from schedkit.core.request import SamplingParams
+from schedkit.core.request import EventType, Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -107,6 +107,22 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
     num_cached_tokens: int
     num_prompt_tokens: int
     num_output_tokens: int
+    first_scheduled_time: float | None = None
+    """When the request was first scheduled (its queueing delay ends there)."""
+    num_recomputed_tokens: int = 0
+
+    @classmethod
+    def of(cls, req: Request) -> RequestMetricsData:
+        """The timeline and counters of ``req`` (the engine process sends these to clients;
+        the policy lab reads the same fields in process)."""
+        return cls(
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_event_time(EventType.FIRST_TOKEN),
+            finish_time=req.first_event_time(EventType.FINISHED),
+            num_preemptions=req.num_preemptions, num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            first_scheduled_time=req.first_event_time(EventType.SCHEDULED),
+            num_recomputed_tokens=req.num_recomputed_tokens)
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schedkit.config import SLOConfig
-from schedkit.core.request import EventType, Request
+from schedkit.core.outputs import RequestMetricsData
+from schedkit.core.request import Request
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,31 +102,32 @@ def _rel(t: float | None, start: float) -> float | None:
     return None if t is None else t - start
 
 
+def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str | None, *,
+                      tenant: str = "default", priority: int = 0,
+                      token_times: Sequence[float] = (), start: float = 0.0) -> RequestMetrics:
+    """RequestMetrics from the engine's per-request record (times made relative to ``start``):
+    the one conversion behind both :func:`request_metrics` and :func:`metrics_from_output`."""
+    return RequestMetrics(
+        request_id=request_id, arrival_time=m.arrival_time - start,
+        first_scheduled_time=_rel(m.first_scheduled_time, start),
+        first_token_time=_rel(m.first_token_time, start), finish_time=_rel(m.finish_time, start),
+        num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
+        num_cached_tokens=m.num_cached_tokens, num_preemptions=m.num_preemptions,
+        num_recomputed_tokens=m.num_recomputed_tokens, finish_reason=finish_reason,
+        tenant=tenant, priority=priority, token_times=tuple(t - start for t in token_times))
+
+
 def request_metrics(req: Request, token_times: Sequence[float] = (), start: float = 0.0) -> RequestMetrics:
     """Metrics of a finished request from its events (times made relative to ``start``)."""
     reason = req.get_finished_reason()
-    return RequestMetrics(
-        request_id=req.request_id, arrival_time=req.arrival_time - start,
-        first_scheduled_time=_rel(req.first_event_time(EventType.SCHEDULED), start),
-        first_token_time=_rel(req.first_event_time(EventType.FIRST_TOKEN), start),
-        finish_time=_rel(req.first_event_time(EventType.FINISHED), start),
-        num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-        num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
-        num_recomputed_tokens=req.num_recomputed_tokens,
-        finish_reason=None if reason is None else reason.value,
-        tenant=req.tenant, priority=req.priority,
-        token_times=tuple(t - start for t in token_times))
+    return metrics_from_data(req.request_id, RequestMetricsData.of(req),
+                             None if reason is None else reason.value, tenant=req.tenant,
+                             priority=req.priority, token_times=token_times, start=start)
 
 
 def metrics_from_output(out: Any) -> RequestMetrics:
     """RequestMetrics of a finished client-side RequestOutput (metrics from the engine)."""
-    m = out.metrics
-    return RequestMetrics(
-        request_id=out.request_id, arrival_time=m.arrival_time, first_scheduled_time=None,
-        first_token_time=m.first_token_time, finish_time=m.finish_time,
-        num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
-        num_cached_tokens=m.num_cached_tokens, num_preemptions=m.num_preemptions,
-        num_recomputed_tokens=0, finish_reason=out.finish_reason)
+    return metrics_from_data(out.request_id, out.metrics, out.finish_reason)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -30,7 +30,7 @@ from schedkit.core.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from schedkit.core.request import FinishReason, Request, RequestStatus
+from schedkit.core.request import MAX_ARRIVAL_OFFSET_S, FinishReason, Request, RequestStatus
 from schedkit.core.scheduler import PauseState, Scheduler
 from schedkit.errors import ConfigError, PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole
@@ -58,19 +58,14 @@ def _merge(first: dict[int, EngineCoreOutputs], second: dict[int, EngineCoreOutp
     return first
 
 
-MAX_ARRIVAL_OFFSET = 1e9
-"""Seconds (about 31 years): later offsets would cost the engine clock its microsecond
-resolution for good once it reached them."""
-
-
 def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
-    """Raise RequestError unless the offset is None or finite seconds in [0, MAX_ARRIVAL_OFFSET]."""
+    """Raise RequestError unless the offset is None or finite seconds in [0, MAX_ARRIVAL_OFFSET_S]."""
     if arrival_offset is None:
         return
     if (isinstance(arrival_offset, bool) or not isinstance(arrival_offset, (int, float))
-            or not 0.0 <= arrival_offset <= MAX_ARRIVAL_OFFSET):
+            or not 0.0 <= arrival_offset <= MAX_ARRIVAL_OFFSET_S):
         raise RequestError(f"request {request_id!r}: arrival_offset must be a finite number of "
-                           f"seconds in [0, {MAX_ARRIVAL_OFFSET:g}], got {arrival_offset!r}",
+                           f"seconds in [0, {MAX_ARRIVAL_OFFSET_S:g}], got {arrival_offset!r}",
                            request_id=request_id)
 
 
@@ -153,7 +148,7 @@ class EngineCore:
             RequestError: Invalid request (checked at once, even for a future arrival):
                 besides the scheduler's checks, a prompt token id outside the model's
                 vocabulary, or an arrival offset that is not a finite number of seconds
-                in [0, MAX_ARRIVAL_OFFSET].
+                in [0, MAX_ARRIVAL_OFFSET_S].
         """
         check_arrival_offset(request.request_id, arrival_offset)
         vocab = self._vocab_size

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from schedkit.core.outputs import EngineCoreOutput, RequestMetricsData
-from schedkit.core.request import SamplingParams
+from schedkit.core.request import MAX_ARRIVAL_OFFSET_S, SamplingParams
 from schedkit.errors import RequestError
 
 
@@ -30,11 +30,6 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integers on the wire are signed 64-bit (msgpack); anything wider is rejected."""
-
-MAX_ARRIVAL_OFFSET_S = 1e9
-"""The latest arrival offset a request may ask for, in seconds (about 31 years; the engine
-core holds the same bound). Later ones would cost the engine clock its resolution."""
-
 
 def _is_int64(value: Any) -> bool:
     return type(value) is int and INT64_MIN <= value <= INT64_MAX

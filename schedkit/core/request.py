@@ -62,6 +62,10 @@ class EventType(enum.Enum):
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+MAX_ARRIVAL_OFFSET_S = 1e9
+"""The latest arrival offset a request may ask for, in seconds (about 31 years): later
+ones would cost the engine clock its microsecond resolution for good once reached."""
+
 
 def _is_int(value: object) -> bool:
     """An int that is not a bool (``True`` is no token count)."""

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.engine_core import MAX_ARRIVAL_OFFSET, EngineCore
-from schedkit.core.request import Request, SamplingParams
+from schedkit.core.engine_core import EngineCore
+from schedkit.core.request import MAX_ARRIVAL_OFFSET_S, Request, SamplingParams
 from schedkit.errors import RequestError
 from tests.core.test_queue_errors import drive as _drive
 
@@ -47,7 +47,7 @@ def test_pool_smaller_than_max_model_len_caps_sequences(caplog):
         engine.add_request(_req("too-long", n=36))
 
 
-@pytest.mark.parametrize("offset", [math.nan, math.inf, -math.inf, 1e300, MAX_ARRIVAL_OFFSET * 2, -1.0,
+@pytest.mark.parametrize("offset", [math.nan, math.inf, -math.inf, 1e300, MAX_ARRIVAL_OFFSET_S * 2, -1.0,
                                     "1", True, None.__class__])
 def test_bad_arrival_offsets_are_rejected(offset):
     engine = _engine()

@@ -23,8 +23,8 @@ import time
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.client import LLM, EngineClient, EngineProcess, wire_request
-from schedkit.core.engine_core import EngineCore
+from schedkit.engine.client import LLM, EngineClient, EngineProcess, wire_request
+from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
 
 

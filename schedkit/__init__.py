@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):  # the clients pull in pyzmq: import them on first use
     if name in ("LLM", "AsyncLLM"):
-        from schedkit.core import client
+        from schedkit.engine import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'schedkit' has no attribute {name!r}")

@@ -13,8 +13,8 @@ from schedkit.errors import ConfigError, PluginError, SchedkitError
 
 
 def _run(args: argparse.Namespace) -> int:
-    from schedkit.core.client import LLM, load_tokenizer
     from schedkit.core.request import SamplingParams
+    from schedkit.engine.client import LLM, load_tokenizer
     from schedkit.lab.metrics import metrics_from_output, summarize
     from schedkit.lab.workloads import generate
 

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from schedkit.config import PluginConfig
-from schedkit.core.engine_core import EngineCore
+from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
 from schedkit.hookspecs import hookimpl
 from schedkit.runners.paged.testing import paged_config

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from schedkit.config import config_from_dict
-from schedkit.core.engine_core import EngineCore
+from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
 from schedkit.runners.paged.builder import build_random_model, tiny_config
 from schedkit.runners.paged.loader import cache_dir

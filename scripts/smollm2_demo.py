@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from schedkit.config import load_config
-from schedkit.core.engine_core import EngineCore
+from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
 
 PROMPTS = [

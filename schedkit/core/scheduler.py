@@ -15,7 +15,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from schedkit.config import CacheConfig, SchedulerConfig
@@ -33,7 +32,7 @@ from schedkit.core.outputs import (
 from schedkit.core.queues import RequestQueue
 from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestStatus
 from schedkit.core.scheduler_output import build_scheduler_output
-from schedkit.core.step_undo import StepUndo
+from schedkit.core.step_state import UNDO_FIELDS, StepState, StepUndo
 from schedkit.core.stop import check_stop
 from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole, NoOpConnector
@@ -72,30 +71,6 @@ def _fit_max_model_len(scheduler_config: SchedulerConfig, cache_config: CacheCon
                 "capped at %d tokens", scheduler_config.max_model_len, cache_config.num_blocks - 1,
                 cache_config.block_size, capacity, capacity)
     return capacity
-
-
-@dataclass(slots=True)
-class StepState:
-    """Everything one schedule() call decides, before it becomes a SchedulerOutput."""
-
-    budget: int
-    threshold: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    running_reqs: list[Request] = field(default_factory=list)
-    running_new_blocks: list[list[int]] = field(default_factory=list)
-    new_reqs: list[Request] = field(default_factory=list)
-    resumed_reqs: list[Request] = field(default_factory=list)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    popped: list[Request] = field(default_factory=list)
-    returned: list[Request] = field(default_factory=list)
-    """Skipped requests already put back in the queue at the end of the waiting phase."""
-    loads_started: list[Request] = field(default_factory=list)
-    """Requests whose asynchronous KV load began this step (they hold blocks now)."""
-    rejected: list[Request] = field(default_factory=list)
-    has_running_prefill: bool = False
-    undo: StepUndo = field(default_factory=lambda: StepUndo([], 0, 0))
-    """What rollback needs to restore."""
 
 
 class Scheduler:
@@ -309,10 +284,11 @@ class Scheduler:
             self._schedule_running(st)
             if not st.preempted and st.budget > 0:
                 self._schedule_waiting(st)
-            output = build_scheduler_output(self, st)
+            output = build_scheduler_output(st, self.kv_cache_manager, self.running, self._preempted_ids,
+                                            self.finished_req_ids, self.current_step)
             output.kv_connector_metadata = self._connector_call("build_connector_meta", output)
         except BaseException as e:
-            lost = undo.rollback(self, st)
+            lost = self._rollback(st)
             if lost and isinstance(e, PluginError):
                 e.lost_request_ids += [r.request_id for r in lost]
             raise
@@ -606,6 +582,47 @@ class Scheduler:
             log.error("%s; the finished requests leave the queue when they reach its head", e)
         self.kv_holding.remove_requests(reqs)
 
+    def _rollback(self, st: StepState) -> list[Request]:
+        """Undo a step a plugin failed part-way: the scheduler and the KV cache return to
+        their state before ``schedule()`` (see ``core/step_state.py``); requests go back
+        to their queues in their original order. Returns the requests that could not be
+        put back (their queue raised again): the caller fails them."""
+        undo = st.undo
+        lost: list[Request] = []
+        if st.returned:
+            lost += _try_queue_call(self.kv_holding.remove_requests, st.returned)
+            lost += _try_queue_call(self.waiting.remove_requests, st.returned)
+        if st.preempted:
+            lost += _try_queue_call(self.waiting.remove_requests, st.preempted)
+        self.kv_cache_manager.rollback()
+        for req, values, num_events in undo.saved.values():
+            for name, value in zip(UNDO_FIELDS, values, strict=True):
+                setattr(req, name, value)
+            del req.events[num_events:]
+        self.running = undo.running
+        self.current_step = undo.current_step
+        self.num_preemptions_total = undo.num_preemptions_total
+        if undo.preempted_before is not None:
+            self._preempted_ids = undo.preempted_before
+        self.deferred_ids.update(undo.undeferred)
+        self.deferred_ids.difference_update(undo.newly_deferred)
+        for rid, in_finished, in_failed in undo.promoted:
+            self.kv_loads.restore(rid, in_finished, in_failed)
+        if undo.connector_stats is not None:
+            self._connector_stats = undo.connector_stats
+        lost = list({id(r): r for r in lost}.values())
+        gone = {id(r) for r in lost}
+        for req in reversed(st.popped):
+            if id(req) in gone:
+                continue
+            try:
+                self._enqueue(req, front=True)
+            except PluginError as e:
+                log.error("%s; request %r cannot be put back and fails", e, req.request_id)
+                lost.append(req)
+                gone.add(id(req))
+        return lost
+
     def _holds_blocks(self, req: Request) -> bool:
         return self.kv_cache_manager.get_num_blocks(req.request_id) > 0
 
@@ -894,3 +911,13 @@ def connector_error(connector: Any, method: str, e: Exception, req: Request | No
     return PluginError(f"KV connector {name!r} raised in {method}: {type(e).__name__}: {e}",
                        plugin=name, hook=f"KVConnector.{method}",
                        request_id=req.request_id if req is not None else None)
+
+
+def _try_queue_call(method: Callable[[list[Request]], None], arg: list[Request]) -> list[Request]:
+    """Call a queue method while undoing a step; if it raises, its requests are lost."""
+    try:
+        method(arg)
+    except PluginError as e:
+        log.error("%s; its requests fail", e)
+        return list(arg)
+    return []

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from schedkit.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from schedkit.core.request import Request
+from schedkit.core.step_state import StepState
+from schedkit.kv.kv_cache_manager import KVCacheManager
 
-if TYPE_CHECKING:
-    from schedkit.core.scheduler import Scheduler, StepState
 
-
-def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
+def build_scheduler_output(st: StepState, kv: KVCacheManager, running: Sequence[Request],
+                           preempted_ids: set[str], finished_ids: set[str], step: int) -> SchedulerOutput:
     """Assemble the output with pre-advance ``num_computed_tokens`` values.
 
     New requests carry their whole block table; running requests only the blocks
@@ -18,7 +19,6 @@ def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
     their tokens, since the runner dropped them at preemption. ``num_output_tokens``
     counts the tokens of steps still in flight too (async scheduling).
     """
-    kv = sched.kv_cache_manager
     new_reqs = [
         NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                        list(kv.get_block_ids(req.request_id)), req.num_computed_tokens)
@@ -40,10 +40,8 @@ def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
         num_computed.append(req.num_computed_tokens)
         num_output.append(len(req.output_token_ids))
         cached.resumed_token_ids[rid] = list(req.all_token_ids)
-    running = sched.running
     common = (kv.get_num_common_prefix_blocks(running[0].request_id, len(running))
               if len(running) > 1 else 0)
-    preempted = sched._preempted_ids
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached,
@@ -51,7 +49,7 @@ def build_scheduler_output(sched: Scheduler, st: StepState) -> SchedulerOutput:
         total_num_scheduled_tokens=sum(st.num_scheduled.values()),
         scheduled_spec_decode_tokens=st.spec_tokens,
         num_common_prefix_blocks=[common],
-        preempted_req_ids=preempted,
-        finished_req_ids=sched.finished_req_ids,
-        step=sched.current_step,
+        preempted_req_ids=preempted_ids,
+        finished_req_ids=finished_ids,
+        step=step,
     )

@@ -98,8 +98,8 @@ def record_steps(config: Config, runner: Any = None, workload: list[WorkloadRequ
     """Replay a workload (default: the config's own) on one engine, then run each phase
     (requests that all arrive at once) to completion in turn; return every step's
     features and duration on the engine clock."""
-    from schedkit.core.engine_core import EngineCore
     from schedkit.core.request import Request, SamplingParams
+    from schedkit.engine.core import EngineCore
 
     recorder = _Recorder(runner if runner is not None else EngineCore._build_runner(config))
     engine = EngineCore(config, runner=recorder)

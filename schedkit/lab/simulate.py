@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from schedkit.config import Config
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.errors import SchedkitError
 from schedkit.lab.metrics import RequestMetrics, request_metrics
 from schedkit.lab.workloads import WorkloadRequest, generate

@@ -186,8 +186,8 @@ def test_impossible_connector_answers_fail_only_that_request(answer):
     """A connector answering a negative count, more tokens than the prompt has (a
     synchronous load must leave one to compute), or an asynchronous load of nothing: a
     PluginError naming it; the engine fails that request and goes on serving the others."""
-    from schedkit.core.engine_core import EngineCore
     from schedkit.core.request import Request, SamplingParams
+    from schedkit.engine.core import EngineCore
 
     class Liar(KVConnectorBase):
         def get_num_new_matched_tokens(self, request, num_local_hit_tokens):

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import MAX_ARRIVAL_OFFSET_S, Request, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.errors import RequestError
 from tests.core.test_queue_errors import drive as _drive
 

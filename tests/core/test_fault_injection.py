@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedkit.config import Config, config_from_dict
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.errors import PluginError
 from schedkit.plugins.testing import assert_scheduler_consistent
 from tests.faults import HOOKS, FaultInjector

@@ -8,9 +8,9 @@ import pytest
 
 from schedkit import AdmissionDecision, PluginError, hookimpl
 from schedkit.config import config_from_dict
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.queues import KeyedQueue
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.plugins.testing import make_request, make_scheduler
 from schedkit.runners.fake import FakeRunner
 from tests.plugins._support import assert_consistent, serve

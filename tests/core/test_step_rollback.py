@@ -8,8 +8,8 @@ import pytest
 
 from schedkit import PluginError, hookimpl
 from schedkit.config import config_from_dict
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, RequestStatus, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.kv.block_pool import BlockPool
 from schedkit.plugins.testing import make_request, make_scheduler
 from schedkit.runners.fake import FakeRunner

@@ -27,7 +27,7 @@ LONG = {"cache": {"num_blocks": 512}, "scheduler": {"max_model_len": 100000}}
 @pytest.fixture(scope="module")
 def llm():
     """One engine process shared by a module's tests (each leaves it idle)."""
-    from schedkit.core.client import LLM
+    from schedkit.engine.client import LLM
 
     with LLM(config_from_dict(LONG)) as engine_llm:
         yield engine_llm

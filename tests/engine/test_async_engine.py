@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from schedkit import hookimpl
-from schedkit.core.client import LLM
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, RequestStatus
+from schedkit.engine.client import LLM
+from schedkit.engine.core import EngineCore
 from schedkit.errors import SchedkitError
 from schedkit.plugins.testing import drive_engine
 from tests.engine.test_engine_proc import prompts_and_params, run_in_process

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.client import AsyncLLM
 from schedkit.core.request import SamplingParams
+from schedkit.engine.client import AsyncLLM
 from schedkit.errors import RequestError
 
 from .conftest import LONG

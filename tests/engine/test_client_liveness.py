@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import schedkit.core.client as client_mod
-from schedkit.core.client import LLM, AsyncLLM
+import schedkit.engine.client as client_mod
 from schedkit.core.request import SamplingParams
+from schedkit.engine.client import LLM, AsyncLLM
 
 
 def test_idle_client_still_sees_a_live_engine(small_config, monkeypatch):

@@ -9,8 +9,8 @@ import textwrap
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.client import LLM, AsyncLLM
 from schedkit.core.request import SamplingParams
+from schedkit.engine.client import LLM, AsyncLLM
 from schedkit.errors import RequestError
 
 PLUGIN = textwrap.dedent('''

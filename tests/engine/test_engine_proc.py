@@ -14,9 +14,9 @@ import zmq
 
 from schedkit import hookimpl
 from schedkit.config import config_from_dict
-from schedkit.core.client import LLM, EngineClient, EngineProcess, wire_request
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.client import LLM, EngineClient, EngineProcess, wire_request
+from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError, EngineDeadError
 
 
@@ -236,7 +236,7 @@ def test_engine_exits_and_cleans_up_when_its_parent_dies(tmp_path):
     script.write_text(
         "import sys, time\n"
         "from schedkit.config import Config\n"
-        "from schedkit.core.client import EngineProcess\n"
+        "from schedkit.engine.client import EngineProcess\n"
         "e = EngineProcess(Config())\n"
         "print(e.pid, e.input_addr, e.output_addr, flush=True)\n"
         "time.sleep(60)\n")

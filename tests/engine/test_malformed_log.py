@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from schedkit.core.engine_proc import EngineCoreProc, RateLimitedLog
+from schedkit.engine.process import EngineCoreProc, RateLimitedLog
 
 
 def test_rate_limited_log_counts_what_it_suppresses(caplog):

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.client import LLM
 from schedkit.core.request import SamplingParams
+from schedkit.engine.client import LLM
 
 PLUGIN = textwrap.dedent('''
     from schedkit import hookimpl

@@ -8,8 +8,8 @@ import time
 import msgspec
 import pytest
 
-from schedkit.core.client import wire_request
 from schedkit.core.request import SamplingParams
+from schedkit.engine.client import wire_request
 from schedkit.errors import RequestError
 
 from .conftest import assert_engine_idle

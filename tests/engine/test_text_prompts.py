@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.client import LLM
 from schedkit.core.request import SamplingParams
+from schedkit.engine.client import LLM
 from schedkit.errors import RequestError
 
 pytest.importorskip("transformers")

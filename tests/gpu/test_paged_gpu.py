@@ -25,7 +25,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.engine.core import EngineCore  # noqa: E402
 from schedkit.runners.paged.attention import paged_attention_ref  # noqa: E402
 from schedkit.runners.paged.builder import build_random_model, tiny_config  # noqa: E402
 from schedkit.runners.paged.kv_cache import KVCacheAllocationError  # noqa: E402

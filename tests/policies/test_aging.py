@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.core.engine_core import EngineCore
 from schedkit.core.queues import KeyedQueue
 from schedkit.core.request import EventType
+from schedkit.engine.core import EngineCore
 from schedkit.policies.aging import AgingWrapper, MaxWaitQueue
 from schedkit.policies.common import LazyKeyedQueue
 from schedkit.policies.sjf import ShortestJobFirst

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from schedkit.runners.paged.attention import AttentionMetadata
+from schedkit.runners.paged.attention_metadata import AttentionMetadata
 from schedkit.runners.paged.input_batch import StepInputs
 from schedkit.runners.paged.models import CausalLM
 

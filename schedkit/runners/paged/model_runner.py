@@ -29,7 +29,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
 from schedkit.runners.ngram import propose_ngram
-from schedkit.runners.paged.attention import AttentionMetadata
+from schedkit.runners.paged.attention_metadata import AttentionMetadata
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import (
     KVCacheAllocationError,

@@ -139,7 +139,7 @@ def make_attention_case(specs: Sequence[tuple[int, int]], *, block_size: int = 1
     """
     import numpy as np
 
-    from schedkit.runners.paged.attention import AttentionMetadata
+    from schedkit.runners.paged.attention_metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     per_seq = [-(-(c + n) // block_size) for c, n in specs]

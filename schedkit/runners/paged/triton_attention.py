@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from schedkit.runners.paged.attention import AttentionMetadata
+from schedkit.runners.paged.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 NUM_SPLITS = 16

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.engine.core import EngineCore  # noqa: E402
 from schedkit.errors import ConfigError  # noqa: E402
 from schedkit.runners import runner_class  # noqa: E402
 from schedkit.runners.paged.builder import build_random_model, tiny_config  # noqa: E402

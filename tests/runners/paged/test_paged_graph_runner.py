@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
-from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.engine.core import EngineCore  # noqa: E402
 from schedkit.runners.paged.cuda_graphs import DecodeGraphs, batch_size_buckets  # noqa: E402
 from schedkit.runners.paged.testing import (  # noqa: E402
     greedy_request,

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from schedkit import hookimpl  # noqa: E402
-from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.engine.core import EngineCore  # noqa: E402
 from schedkit.runners.paged.testing import (  # noqa: E402
     greedy_request,
     hf_greedy,

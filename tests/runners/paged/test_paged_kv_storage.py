@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from schedkit import hookimpl  # noqa: E402
 from schedkit.config import PluginConfig  # noqa: E402
-from schedkit.core.engine_core import EngineCore  # noqa: E402
+from schedkit.engine.core import EngineCore  # noqa: E402
 from schedkit.runners.paged.testing import (  # noqa: E402
     greedy_request,
     hf_greedy,

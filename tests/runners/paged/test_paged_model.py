@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from schedkit.runners.paged.attention import AttentionMetadata  # noqa: E402
+from schedkit.runners.paged.attention_metadata import AttentionMetadata  # noqa: E402
 from schedkit.runners.paged.builder import build_random_model, tiny_config  # noqa: E402
 from schedkit.runners.paged.kv_cache import allocate_kv_cache  # noqa: E402
 from schedkit.runners.paged.loader import load_model, read_model_args  # noqa: E402
@@ -126,7 +126,7 @@ def test_smollm2_answers_a_real_prompt() -> None:
     from transformers import AutoTokenizer
 
     from schedkit.config import config_from_dict
-    from schedkit.core.engine_core import EngineCore
+    from schedkit.engine.core import EngineCore
     from schedkit.runners.paged.testing import greedy_request, run_engine
 
     cfg = config_from_dict({"model": {"name": "smollm2-135m-instruct"},

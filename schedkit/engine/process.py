@@ -46,8 +46,10 @@ import msgspec
 import zmq
 
 from schedkit.config import Config
-from schedkit.core.engine_core import EngineCore
-from schedkit.core.messages import (
+from schedkit.core.outputs import EngineCoreOutputs
+from schedkit.core.request import Request
+from schedkit.engine.core import EngineCore
+from schedkit.engine.messages import (
     AbortRequests,
     Heartbeat,
     Hello,
@@ -64,8 +66,6 @@ from schedkit.core.messages import (
     decode_request,
     engine_encoder,
 )
-from schedkit.core.outputs import EngineCoreOutputs
-from schedkit.core.request import Request
 from schedkit.errors import EngineDeadError, SchedkitError
 
 log = logging.getLogger("schedkit.engine")
@@ -392,7 +392,7 @@ class EngineProcess:
             raise SchedkitError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         # A fresh interpreter (not multiprocessing): no re-import of the caller's __main__,
         # so scripts need no ``if __name__ == "__main__"`` guard.
-        argv = [sys.executable, "-m", "schedkit.core.engine_proc", "--input", self.input_addr,
+        argv = [sys.executable, "-m", "schedkit.engine.process", "--input", self.input_addr,
                 "--output", self.output_addr, "--log-level", log_level,
                 "--parent-pid", str(os.getpid())]
         if threading.current_thread() is threading.main_thread():
@@ -487,8 +487,8 @@ def _ask_for_parent_death_signal(sig: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the engine process, started by :class:`~schedkit.core.client.EngineProcess`
-    as ``python -m schedkit.core.engine_proc --input ADDR --output ADDR``. The config comes
+    """Entry point of the engine process, started by :class:`~schedkit.engine.client.EngineProcess`
+    as ``python -m schedkit.engine.process --input ADDR --output ADDR``. The config comes
     as one JSON line on stdin; one line on stdout answers ``ready PID`` or ``error MSG``."""
     import argparse
 

@@ -7,7 +7,7 @@ as :class:`EngineDeadError` within a few seconds (process exit or missing heartb
 never as a hang. Heartbeats that arrive while a client is idle count: they wait on the
 socket and are read before the client decides the engine is silent.
 
-Requests are validated here (:func:`schedkit.core.messages.check_request`) before they
+Requests are validated here (:func:`schedkit.engine.messages.check_request`) before they
 are sent, so a badly typed field raises :class:`RequestError` naming the field and the
 request instead of reaching the engine.
 """
@@ -28,8 +28,8 @@ import zmq
 import zmq.asyncio
 
 from schedkit.config import Config, load_config
-from schedkit.core.engine_proc import START_TIMEOUT_S, EngineProcess
-from schedkit.core.messages import (
+from schedkit.core.request import SamplingParams
+from schedkit.engine.messages import (
     AbortRequests,
     AddRequests,
     Heartbeat,
@@ -45,7 +45,7 @@ from schedkit.core.messages import (
     engine_decoder,
     sampling_to_wire,
 )
-from schedkit.core.request import SamplingParams
+from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
 from schedkit.errors import ConfigError, EngineDeadError, RequestError, SchedkitError
 
 DEAD_AFTER_S = 3.0

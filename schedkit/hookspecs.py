@@ -145,9 +145,10 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
 
     Returns:
         ``AdmissionDecision.ADMIT`` to try to schedule it (it may still wait for blocks
-        or budget, which blocks the queue head as in vLLM), ``DEFER`` to skip it this step
-        (it goes back to the head afterwards), ``REJECT`` to finish it with finish reason
-        "abort" and stop_reason "rejected", or None to defer to the next plugin. The
+        or budget, which blocks the queue head as in vLLM), ``SKIP`` to pass over it this
+        step (it goes back to the head afterwards), ``REJECT`` to finish it with finish
+        reason "abort" and stop_reason "rejected", or None to leave the decision to the
+        next plugin. The
         built-in default admits.
 
     .. versionadded:: 0.1

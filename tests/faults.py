@@ -91,7 +91,7 @@ class FaultInjector:
     def schedkit_admit_request(self, request):
         self.maybe_raise("schedkit_admit_request", request)
         if self.defer_rng.random() < 0.1:  # skipped requests go back with prepend_requests
-            return AdmissionDecision.DEFER
+            return AdmissionDecision.SKIP
         return None
 
     @hookimpl

@@ -24,8 +24,12 @@ class AdmissionDecision(enum.Enum):
 
     ADMIT = "admit"
     """Try to schedule it now (it may still wait for blocks or budget)."""
-    DEFER = "defer"
-    """Leave it waiting this step; the scheduler looks at the next request."""
+    SKIP = "skip"
+    """Pass over it this step (it stays waiting, back at its place); the scheduler looks
+    at the next request. Not to be confused with returning None, which leaves the
+    decision to the next plugin."""
+    DEFER = "skip"
+    """Deprecated alias of ``SKIP``."""
     REJECT = "reject"
     """Finish it now with finish reason "abort" and stop_reason "rejected"."""
 

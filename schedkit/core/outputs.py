@@ -173,7 +173,7 @@ class SchedulerStats:
     """Waiting requests (``kv_holding`` included) not deferred by the last step."""
     num_skipped_waiting_reqs: int = 0
     """Waiting requests the last schedule() passed over (blocked: a load in progress, a
-    stale output pending, an admission hook's DEFER, a connector's "ask again")."""
+    stale output pending, an admission hook's SKIP, a connector's "ask again")."""
     kv_cache_usage: float = 0.0
     num_preempted_reqs: int = 0
     prefix_cache_stats: Any = None

@@ -45,7 +45,7 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 _ADMIT = AdmissionDecision.ADMIT
-_DEFER = AdmissionDecision.DEFER
+_SKIP = AdmissionDecision.SKIP
 
 log = logging.getLogger("schedkit.scheduler")
 
@@ -445,7 +445,7 @@ class Scheduler:
                 request=req, num_running=len(running), kv_cache_usage=kv.usage, now=now)
             if decision is not _ADMIT:
                 st.popped.append(queue.pop())
-                if decision is not _DEFER:
+                if decision is not _SKIP:
                     st.rejected.append(req)
                 else:
                     (kv_skipped if self._holds_blocks(req) else skipped).append(req)

@@ -100,7 +100,7 @@ class EarliestDeadlineFirst:
             return AdmissionDecision.REJECT
         # Deferred requests are popped and re-inserted after this step, by the new key.
         self._late.add(rid)
-        return AdmissionDecision.DEFER
+        return AdmissionDecision.SKIP
 
     @hookimpl
     def schedkit_on_request_finished(self, request: Request) -> None:

@@ -87,7 +87,7 @@ class DeferB:
     def schedkit_admit_request(self, request):
         from schedkit.core.hooks import AdmissionDecision
 
-        return AdmissionDecision.DEFER if request.request_id == "b" else None
+        return AdmissionDecision.SKIP if request.request_id == "b" else None
 
 
 class FlakyMetaConnector(KVConnectorBase):

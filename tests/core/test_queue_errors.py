@@ -112,7 +112,7 @@ class DeferOnce:
         if request.request_id == "x":
             self.seen += 1
             if self.seen == 1:
-                return AdmissionDecision.DEFER
+                return AdmissionDecision.SKIP
         return None
 
 

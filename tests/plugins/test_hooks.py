@@ -210,7 +210,7 @@ def test_hook_schedkit_step_token_budget():
 
 # ------------------------------------------------------------------ schedkit_admit_request
 class Gatekeeper:
-    """Reject tenant "blocked"; defer request "later" the first time it is examined."""
+    """Reject tenant "blocked"; skip request "later" the first time it is examined."""
 
     def __init__(self) -> None:
         self.examined = []
@@ -221,7 +221,7 @@ class Gatekeeper:
         if request.tenant == "blocked":
             return AdmissionDecision.REJECT
         if request.request_id == "later" and self.examined.count("later") == 1:
-            return AdmissionDecision.DEFER
+            return AdmissionDecision.SKIP
         return None  # no opinion: the built-in default admits
 
 
@@ -238,7 +238,7 @@ def test_hook_schedkit_admit_request():
     out = sched.schedule()
     assert plugin.examined == ["later", "spam", "a"]  # "b": no running slot left
     assert list(out.num_scheduled_tokens) == ["a"]
-    assert [r.request_id for r in sched.waiting] == ["later", "b"]  # DEFER: back at the head
+    assert [r.request_id for r in sched.waiting] == ["later", "b"]  # SKIP: back at the head
     assert reqs[1].status is RequestStatus.FINISHED_ABORTED and "spam" not in sched.requests
 
     outputs = sched.update_from_output(out, runner_output(out, {"a": [7]}))

@@ -13,10 +13,19 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from schedkit.errors import ConfigError
 
@@ -37,32 +46,73 @@ class ModelConfig(_Strict):
     """Weight seed of the built-in random-weight models (tiny-llama, tiny-qwen2)."""
 
 
-class RunnerConfig(_Strict):
-    kind: Literal["fake", "simulated", "paged"] = "fake"
+class _RunnerBase(_Strict):
+    """The fields every runner kind has: its kind and the token space of the workload."""
+
+    kind: Literal["fake", "simulated", "paged"]
     """Which model runner executes the steps."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Device of the paged runner."""
     vocab_size: int = Field(default=32000, ge=2)
-    """Vocabulary size of the fake runner's token function."""
+    """Vocabulary size: bounds generated workload token ids (and the fake and simulated
+    runners' tokens; at most the model's vocabulary on the paged runner)."""
     eos_token_id: int | None = Field(default=None, ge=0)
-    """EOS id the fake runner emits at each request's sampled output length (None: never)."""
+    """EOS id of requests generated from the workload (the fake and simulated runners emit
+    it at each request's sampled output length; None: never)."""
+
+
+class FakeRunnerConfig(_RunnerBase):
+    kind: Literal["fake"] = "fake"
+    """Which model runner executes the steps: a deterministic model with no weights."""
     step_time_ms: float = Field(default=10.0, gt=0)
     """Virtual duration of one fake-runner step, which drives the engine's clock."""
+
+
+class SimulatedRunnerConfig(_RunnerBase):
+    kind: Literal["simulated"] = "simulated"
+    """Which model runner executes the steps: fake tokens, cost-model step durations."""
     profile: str = "h200-qwen2.5-0.5b-handset"
-    """Simulated runner: cost-model profile, a bundled name or a JSON file path."""
+    """Cost-model profile, a bundled name or a JSON file path."""
+
+
+class PagedRunnerConfig(_RunnerBase):
+    kind: Literal["paged"] = "paged"
+    """Which model runner executes the steps: a real model over the paged KV cache."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the model and its KV cache."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    """Paged runner on CUDA: fraction of GPU memory for weights, activations and KV cache
-    (the KV cache gets what is left, at most cache.num_blocks blocks)."""
+    """On CUDA: fraction of GPU memory for weights, activations and KV cache (the KV
+    cache gets what is left, at most cache.num_blocks blocks)."""
     enforce_eager: bool = False
-    """Paged runner on CUDA: never capture CUDA graphs for decode batches."""
+    """On CUDA: never capture CUDA graphs for decode batches."""
     cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=2048)
-    """Paged runner on CUDA: largest decode batch replayed from a captured CUDA graph."""
+    """On CUDA: largest decode batch replayed from a captured CUDA graph."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """Paged attention implementation: auto (Triton on CUDA, PyTorch on CPU), torch or triton."""
     seed: int = Field(default=0, ge=0)
-    """Seed of the paged runner's sampler for requests without their own seed."""
+    """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)
-    """Paged runner on CPU: torch intra-op threads (None: torch's default)."""
+    """On CPU: torch intra-op threads (None: torch's default)."""
+
+
+RUNNER_CONFIGS: dict[str, type[_RunnerBase]] = {
+    "fake": FakeRunnerConfig, "simulated": SimulatedRunnerConfig, "paged": PagedRunnerConfig}
+"""Runner kind -> the model of its ``runner`` section."""
+
+
+def _runner_kind(value: Any) -> str | None:
+    """The tag of a ``runner`` section: its ``kind``, ``fake`` when the key is left out."""
+    if isinstance(value, dict):
+        return value.get("kind", "fake")
+    return getattr(value, "kind", None)
+
+
+RunnerConfig = Annotated[
+    Annotated[FakeRunnerConfig, Tag("fake")]
+    | Annotated[SimulatedRunnerConfig, Tag("simulated")]
+    | Annotated[PagedRunnerConfig, Tag("paged")],
+    Field(discriminator=Discriminator(_runner_kind)),
+]
+"""The ``runner`` section: one model per runner kind (a union tagged by ``kind``), so a
+key the chosen runner does not have is refused."""
 
 
 class CacheConfig(_Strict):
@@ -284,7 +334,7 @@ class CompareConfig(_Strict):
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to serve."""
-    runner: RunnerConfig = Field(default_factory=RunnerConfig)
+    runner: RunnerConfig = Field(default_factory=FakeRunnerConfig)
     """The model runner."""
     cache: CacheConfig = Field(default_factory=CacheConfig)
     """The paged KV cache."""
@@ -483,24 +533,49 @@ def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
+def _runner_error(loc: tuple[int | str, ...], e: Any) -> tuple[tuple[int | str, ...], Any, str] | None:
+    """An error in the ``runner`` section as (key path, value, message) at the YAML's own
+    keys, or None for any other error. pydantic names the chosen member of the tagged
+    union in the path (``runner.paged.device``) and reports an unknown kind, or a section
+    that is no mapping, on the whole section."""
+    if loc[:1] != ("runner",):
+        return None
+    if e["type"] == "union_tag_invalid":
+        kinds = ", ".join(repr(k) for k in RUNNER_CONFIGS)
+        return ("runner", "kind"), e["input"].get("kind"), f"Input should be one of {kinds}"
+    if e["type"] == "union_tag_not_found":
+        return loc, e.get("input"), "Input should be a mapping (the runner section)"
+    if len(loc) < 2 or loc[1] not in RUNNER_CONFIGS:
+        return None
+    kind, loc = loc[1], (loc[0], *loc[2:])
+    if e["type"] != "extra_forbidden":
+        return loc, e.get("input"), e["msg"]
+    owners = [k for k, model in RUNNER_CONFIGS.items() if loc[-1] in model.model_fields]
+    whose = f" (a key of the {' and '.join(owners)} runner)" if owners else ""
+    return loc, e.get("input"), f"unknown key for runner kind {kind!r}{whose}"
+
+
 def format_validation_error(err: ValidationError, source: str, root: yaml.Node | None = None) -> str:
     """Render a pydantic error as one line per problem: key, value, file and line."""
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        value = e.get("input")
+        value, message = e.get("input"), e["msg"]
         located = (e.get("ctx") or {}).get("error")
         if isinstance(located, LocatedValueError):
             loc, value = (*loc, *located.loc), located.value
+        runner = _runner_error(loc, e)
+        if runner is not None:
+            loc, value, message = runner
         key = ".".join(str(p) for p in loc) or "<root>"
         where = source
         line = _line_of(root, loc)
         if line is not None:
             where = f"{source}:{line}"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and runner is None:
             lines.append(f"{where}: unknown key '{key}'")
         else:
-            lines.append(f"{where}: {key} = {value!r}: {e['msg']}")
+            lines.append(f"{where}: {key} = {value!r}: {message}")
     return "\n".join(lines)
 
 

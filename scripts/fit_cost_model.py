@@ -33,13 +33,14 @@ def main() -> None:
     ap.add_argument("--grid-batches", type=_ints, help="batch sizes of the grid")
     a = ap.parse_args()
     config = load_config(a.config)
+    device = config.runner.device if config.runner.kind == "paged" else config.runner.kind
     phases = grid_phases(config, a.grid_output, a.grid_prompts, a.grid_batches)
     records = record_steps(config, phases=phases)
     model = fit(records)
     err = relative_error(records, model)
     out = Path(a.output) if a.output else PROFILE_DIR / f"{a.name}.json"
     write_profile(out, a.name, model, f"Fitted to {len(records)} steps of {a.config} "
-                  f"({config.model.name}, {config.runner.device}) and a grid of {len(phases)} bursts.",
+                  f"({config.model.name}, {device}) and a grid of {len(phases)} bursts.",
                   len(records), err)
     print(f"{len(records)} steps, mean relative step error {err:.1%}: {model}\nwrote {out}")
 

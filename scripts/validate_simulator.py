@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from schedkit.config import ProfileConfig, load_config
+from schedkit.config import ProfileConfig, SimulatedRunnerConfig, load_config
 from schedkit.lab.compare import profile_config
 from schedkit.lab.metrics import summarize
 from schedkit.lab.simulate import run_workload
@@ -31,8 +31,10 @@ def main() -> None:
     rows = {}
     for policy in a.policy or ["fcfs"]:
         real_cfg = profile_config(base, ProfileConfig(name=policy, policy=policy))
-        sim_cfg = real_cfg.model_copy(update={"runner": real_cfg.runner.model_copy(
-            update={"kind": "simulated", "profile": a.profile})})
+        sim_runner = SimulatedRunnerConfig(vocab_size=real_cfg.runner.vocab_size,
+                                           eos_token_id=real_cfg.runner.eos_token_id,
+                                           profile=a.profile)
+        sim_cfg = real_cfg.model_copy(update={"runner": sim_runner})
         real = summarize(run_workload(real_cfg, workload).metrics)
         sim = summarize(run_workload(sim_cfg, workload).metrics)
         for metric in ("ttft_s", "tpot_s"):

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from schedkit.config import Config, load_config, load_yaml
+from schedkit.config import (
+    Config,
+    FakeRunnerConfig,
+    PagedRunnerConfig,
+    SimulatedRunnerConfig,
+    load_config,
+    load_yaml,
+)
 from schedkit.errors import ConfigError
 
 
@@ -113,3 +120,64 @@ def test_merge_keys_may_still_be_overridden():
             "scheduler:\n  <<: *b\n  max_num_seqs: 8\n")
     data, _ = load_yaml(text, "m.yaml")
     assert data["scheduler"] == {"max_num_seqs": 8, "max_num_batched_tokens": 64}
+
+
+# ------------------------------------------------------------------ the runner section
+@pytest.mark.parametrize("text, line, key, value, owner", [
+    ("runner:\n  kind: fake\n  device: cuda\n", 3, "runner.device", "'cuda'", "paged"),
+    ("runner:\n  step_time_ms: 5\n  gpu_memory_utilization: 0.5\n", 3,
+     "runner.gpu_memory_utilization", "0.5", "paged"),
+    ("runner:\n  kind: simulated\n  num_threads: 2\n", 3, "runner.num_threads", "2", "paged"),
+    ("runner:\n  kind: paged\n  profile: h200\n", 3, "runner.profile", "'h200'", "simulated"),
+    ("runner:\n  kind: simulated\n  step_time_ms: 5\n", 3, "runner.step_time_ms", "5", "fake"),
+])
+def test_runner_refuses_a_key_its_kind_lacks(tmp_path, text, line, key, value, owner):
+    p = write(tmp_path, text)
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    kind = "simulated" if "simulated" in text else "paged" if "paged" in text else "fake"
+    assert msg == (f"{p}:{line}: {key} = {value}: unknown key for runner kind {kind!r} "
+                   f"(a key of the {owner} runner)")
+
+
+@pytest.mark.parametrize("text, config_class, fields", [
+    ("runner: {kind: fake, vocab_size: 100, eos_token_id: 2, step_time_ms: 5}\n",
+     FakeRunnerConfig, {"vocab_size": 100, "eos_token_id": 2, "step_time_ms": 5.0}),
+    ("runner: {kind: simulated, vocab_size: 100, eos_token_id: 2, profile: p.json}\n",
+     SimulatedRunnerConfig, {"vocab_size": 100, "eos_token_id": 2, "profile": "p.json"}),
+    ("runner: {kind: paged, vocab_size: 100, eos_token_id: 2, device: cuda, seed: 3,\n"
+     "         gpu_memory_utilization: 0.5, enforce_eager: true, cuda_graph_max_batch_size: 8,\n"
+     "         attention_backend: triton, num_threads: 4}\n",
+     PagedRunnerConfig, {"vocab_size": 100, "eos_token_id": 2, "device": "cuda", "seed": 3,
+                         "gpu_memory_utilization": 0.5, "enforce_eager": True,
+                         "cuda_graph_max_batch_size": 8, "attention_backend": "triton",
+                         "num_threads": 4}),
+])
+def test_each_runner_kind_accepts_its_keys(tmp_path, text, config_class, fields):
+    runner = load_config(write(tmp_path, text)).runner
+    assert type(runner) is config_class
+    assert {k: getattr(runner, k) for k in fields} == fields
+
+
+def test_runner_kind_defaults_to_fake(tmp_path):
+    assert Config().runner == FakeRunnerConfig()
+    assert load_config(write(tmp_path, "cache: {block_size: 16}\n")).runner == FakeRunnerConfig()
+    runner = load_config(write(tmp_path, "runner: {step_time_ms: 5}\n")).runner
+    assert runner == FakeRunnerConfig(step_time_ms=5)
+
+
+@pytest.mark.parametrize("text, shown, message", [
+    ("runner:\n  kind: gpu\n", "runner.kind = 'gpu'", "should be one of 'fake', 'simulated', 'paged'"),
+    ("runner:\n  kind: paged\n  device: tpu\n", "runner.device = 'tpu'", "'cpu' or 'cuda'"),
+])
+def test_runner_errors_name_the_yaml_key(tmp_path, text, shown, message):
+    p = write(tmp_path, text)
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    line = text.count("\n")
+    assert msg.startswith(f"{p}:{line}: {shown}: ") and message in msg, msg
+
+
+def test_runner_config_round_trips_through_json():
+    """The engine process rebuilds its config from the client's JSON dump."""
+    config = Config(runner=PagedRunnerConfig(device="cuda", num_threads=2))
+    again = Config.model_validate(config.model_dump(mode="json"))
+    assert again.runner == config.runner and type(again.runner) is PagedRunnerConfig

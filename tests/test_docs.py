@@ -226,7 +226,14 @@ def test_reference_sampling_params():
         assert rows[f.name][1:3] == [f.type, repr(f.default)], f"SamplingParams.{f.name}: {rows[f.name]}"
 
 
-@pytest.mark.parametrize("heading", ["make_scheduler", "make_request"])
+def test_reference_test_kit_functions():
+    """Every public function and class of the test kit has a row (fixtures aside)."""
+    names = [n for n, v in vars(testing).items() if not n.startswith("_")
+             and (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == testing.__name__]
+    same_names("Test kit functions", names)
+
+
+@pytest.mark.parametrize("heading", ["make_scheduler", "make_request", "step"])
 def test_reference_test_kit_parameters(heading):
     params = inspect.signature(getattr(testing, heading)).parameters.values()
     rows = same_names(heading, [p.name for p in params])

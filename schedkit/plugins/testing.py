@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import pytest
 
 from schedkit.config import CacheConfig, SchedulerConfig
-from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.core.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from schedkit.core.request import Request, SamplingParams
 from schedkit.core.scheduler import Scheduler
 from schedkit.plugins.facade import HookFacade
@@ -99,6 +106,84 @@ def runner_output(scheduler_output: SchedulerOutput,
         sampled_token_ids=[list(sampled.get(r, ())) for r in req_ids])
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``step`` did: the batch it planned and what the update returned."""
+
+    scheduler_output: SchedulerOutput
+    engine_outputs: dict[int, EngineCoreOutputs]
+    """``update_from_output``'s return value: the outputs grouped per client."""
+
+    @property
+    def outputs(self) -> list[EngineCoreOutput]:
+        """Every request output of the step, all clients, in order."""
+        return [o for group in self.engine_outputs.values() for o in group.outputs]
+
+    @property
+    def finished(self) -> list[EngineCoreOutput]:
+        """The outputs of the requests that finished in this step."""
+        return finished_in(self.engine_outputs)
+
+
+def step(sched: Scheduler, runner: Any = None, *,
+         sampled: Mapping[str, Sequence[int]] | int | None = None,
+         kv_connector_output: KVConnectorOutput | None = None,
+         check: bool = True) -> StepResult:
+    """One engine step, as ``EngineCore.step`` runs it: schedule, execute, update.
+
+    Args:
+        sched: The scheduler to step.
+        runner: Anything with ``execute(scheduler_output) -> ModelRunnerOutput`` (a
+            ``FakeRunner``, the simulator). Without one the runner's answer is made by
+            ``runner_output`` from ``sampled``.
+        sampled: Without a runner: the tokens each request id samples (ids left out sample
+            nothing), or one token id that every scheduled request samples. None: nothing
+            is sampled.
+        kv_connector_output: Attached to the runner's answer (finished sends and
+            receives, failed loads, invalid blocks), as a worker-side connector reports.
+        check: Call ``assert_scheduler_consistent`` after the update.
+    """
+    if runner is not None and sampled is not None:
+        raise TypeError("step(): pass a runner or sampled tokens, not both")
+    so = sched.schedule()
+    if runner is not None:
+        ro = runner.execute(so)
+    elif isinstance(sampled, int):
+        ro = runner_output(so, {r: [sampled] for r in so.num_scheduled_tokens})
+    else:
+        ro = runner_output(so, sampled or {})
+    if kv_connector_output is not None:
+        ro.kv_connector_output = kv_connector_output
+    outs = sched.update_from_output(so, ro)
+    if check:
+        assert_scheduler_consistent(sched)
+    return StepResult(so, outs)
+
+
+def finished_in(outputs: Mapping[int, EngineCoreOutputs]) -> list[EngineCoreOutput]:
+    """The finishing outputs among per-client outputs (``update_from_output``'s return
+    value, or the ``outputs`` a ``PluginError`` carries), in order."""
+    return [o for group in outputs.values() for o in group.outputs if o.finished]
+
+
+def serve(sched: Scheduler, runner: Any, *, max_steps: int = 1000,
+          check: bool = True) -> list[EngineCoreOutput]:
+    """``step`` until the scheduler has nothing left (``has_requests()`` is false).
+
+    Returns:
+        The outputs of the requests that finished, in the order they finished.
+
+    Raises:
+        AssertionError: Requests are still there after ``max_steps`` steps.
+    """
+    done: list[EngineCoreOutput] = []
+    for _ in range(max_steps):
+        if not sched.has_requests():
+            return done
+        done += step(sched, runner, check=check).finished
+    raise AssertionError(f"not done after {max_steps} steps: {sorted(sched.requests)} left")
+
+
 def drive_engine(engine: Any, requests: Iterable[Request] = ()) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Add ``requests`` to an EngineCore and step until nothing is left.
 
@@ -118,13 +203,20 @@ def drive_engine(engine: Any, requests: Iterable[Request] = ()) -> tuple[dict[st
     return tokens, errors
 
 
-def assert_scheduler_consistent(sched: Scheduler) -> None:
+def assert_scheduler_consistent(sched: Scheduler, requests: Iterable[Request] = ()) -> None:
     """Assert the scheduler's invariants; call between steps in plugin tests.
 
     Every known request is in exactly one place (running, waiting, holding KV blocks in
     ``kv_holding``, or finished and held by a connector or a load); statuses match
     places; running fits max_num_seqs; each block's reference count equals the number
-    of block tables holding it; free + used blocks add up to the pool.
+    of block tables holding it, and no table holds the null block; free + used blocks
+    add up to the pool.
+
+    Args:
+        sched: The scheduler to check.
+        requests: Requests the test added: each one that is not finished must still be
+            known to the scheduler (a request the scheduler dropped is otherwise
+            invisible to this check).
     """
     from collections import Counter
 
@@ -159,10 +251,15 @@ def assert_scheduler_consistent(sched: Scheduler) -> None:
         assert where in ((True, False), (False, True)), f"request {rid} is lost ({req.status.name})"
         assert (req.status is RequestStatus.RUNNING) == where[0], f"{rid}: {req.status.name}"
     assert set(running_ids) | set(waiting_ids) <= set(sched.requests)
+    for req in requests:
+        assert req.is_finished or sched.requests.get(req.request_id) is req, (
+            f"{req.request_id} is {req.status.name} but the scheduler no longer knows it")
     kv = sched.kv_cache_manager
     held: Counter[int] = Counter()
     for rid in sched.requests:
-        held.update(b for b in kv.get_block_ids(rid) if b != 0)
+        table = kv.get_block_ids(rid)
+        assert 0 not in table, f"{rid}: the null block is in its block table"
+        held.update(table)
     pool = kv.block_pool
     for b in range(1, kv.num_blocks):
         assert pool.ref_cnt(b) == held[b], f"block {b}: ref_cnt {pool.ref_cnt(b)} != {held[b]} tables"

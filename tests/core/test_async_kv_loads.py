@@ -21,6 +21,7 @@ from schedkit.plugins.testing import (
     make_request,
     make_scheduler,
     runner_output,
+    step,
 )
 
 LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -76,16 +77,6 @@ def prompt(k, n, common=0):
     return [1] * common + [i * k for i in range(n - common)]
 
 
-def step(sched, sampled=None, recv=(), failed=(), sending=()):
-    out = sched.schedule()
-    ro = runner_output(out, sampled or {})
-    ro.kv_connector_output = KVConnectorOutput(finished_sending=set(sending), finished_recving=set(recv),
-                                                failed_recving=set(failed))
-    outs = sched.update_from_output(out, ro)
-    assert_scheduler_consistent(sched)
-    return out, [o for group in outs.values() for o in group.outputs]
-
-
 def num_waiting(sched):
     return len(sched.waiting) + len(sched.kv_holding)
 
@@ -95,25 +86,25 @@ def test_remote_prefill_lifecycle(num_tokens, blocks, hashed):
     sched, _ = h4()
     kv = sched.kv_cache_manager
     sched.add_request(make_request("remote-1", prompt(1, num_tokens)))
-    out, outs = step(sched)
+    res = step(sched)
     req = sched.requests["remote-1"]
-    assert out.total_num_scheduled_tokens == 0 and not outs
+    assert res.scheduler_output.total_num_scheduled_tokens == 0 and not res.outputs
     assert [r.request_id for r in sched.kv_holding] == ["remote-1"] and not sched.waiting
     assert req.status is LOADING and req.num_computed_tokens == num_tokens
     assert len(kv.get_block_ids("remote-1")) == blocks and kv.get_num_cached_blocks("remote-1") == 0
     assert len(kv.block_pool.cached_block_map) == 0  # nothing is cached before the load lands
     step(sched)  # still loading
     assert req.status is LOADING
-    step(sched, recv={"remote-1"})
+    step(sched, kv_connector_output=KVConnectorOutput(finished_recving={"remote-1"}))
     assert "remote-1" in sched.finished_recving_ids
-    out, _ = step(sched, {"remote-1": [0]})
+    out = step(sched, sampled={"remote-1": [0]}).scheduler_output
     assert len(sched.running) == 1
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == num_tokens - 1 and out.num_scheduled_tokens == {"remote-1": 1}
     block_ids = kv.get_block_ids("remote-1")
     assert len(block_ids) == blocks and all(kv.block_pool.ref_cnt(b) == 1 for b in block_ids)
     assert kv.get_num_cached_blocks("remote-1") == hashed
-    _, outs = step(sched, {"remote-1": [EOS]})
+    outs = step(sched, sampled={"remote-1": [EOS]}).outputs
     assert outs[0].finish_reason == "stop"
     step(sched)
     assert not sched.has_requests() and kv.num_free_blocks == 9999
@@ -125,7 +116,7 @@ def test_no_spurious_prefix_caching():  # S72
     sched.add_request(make_request("remote-1", [1] * 40))
     step(sched)
     sched.add_request(make_request("local-1", [1] * 40))
-    out, _ = step(sched, {"local-1": [0]})
+    out = step(sched, sampled={"local-1": [0]}).scheduler_output
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # no hit on the loading blocks
     remote, local = kv.get_block_ids("remote-1"), kv.get_block_ids("local-1")
     assert not set(remote) & set(local)
@@ -137,19 +128,20 @@ def test_no_spurious_prefix_caching():  # S72
 def test_interleaved_lifecycle():  # S73
     sched, _ = h4()
     sched.add_request(make_request("local-a", prompt(1, 40)))
-    out, _ = step(sched, {"local-a": [0]})
+    out = step(sched, sampled={"local-a": [0]}).scheduler_output
     assert len(sched.running) == 1
     sched.add_request(make_request("local-b", prompt(2, 40)))
     sched.add_request(make_request("remote-r", prompt(3, 40)))
-    out, _ = step(sched, {"local-a": [0], "local-b": [0]})
+    out = step(sched, sampled={"local-a": [0], "local-b": [0]}).scheduler_output
     assert (len(sched.running), num_waiting(sched)) == (2, 1)
     assert [r.req_id for r in out.scheduled_new_reqs] == ["local-b"] and out.scheduled_cached_reqs.req_ids == ["local-a"]
     for _ in range(2):
-        out, _ = step(sched, {"local-a": [0], "local-b": [0]})
+        out = step(sched, sampled={"local-a": [0], "local-b": [0]}).scheduler_output
         assert (len(sched.running), num_waiting(sched), len(out.scheduled_new_reqs)) == (2, 1, 0)
         assert len(out.scheduled_cached_reqs.req_ids) == 2
-    step(sched, {"local-a": [0], "local-b": [0]}, recv={"remote-r"})  # the load lands
-    out, _ = step(sched, {"local-a": [EOS], "local-b": [EOS], "remote-r": [EOS]})
+    step(sched, sampled={"local-a": [0], "local-b": [0]},
+         kv_connector_output=KVConnectorOutput(finished_recving={"remote-r"}))  # the load lands
+    out = step(sched, sampled={"local-a": [EOS], "local-b": [EOS], "remote-r": [EOS]}).scheduler_output
     assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-r"]  # a NEW request
     assert len(out.scheduled_cached_reqs.req_ids) == 2 and len(sched.running) == 0
     step(sched)
@@ -159,26 +151,27 @@ def test_interleaved_lifecycle():  # S73
 def test_cannot_schedule_after_recv():  # S74: 5 usable blocks
     sched, _ = h4(num_blocks=6)
     sched.add_request(make_request("local-n", prompt(1, 32)))
-    step(sched, {"local-n": [0]})  # 2 blocks, now 33 tokens
+    step(sched, sampled={"local-n": [0]})  # 2 blocks, now 33 tokens
     sched.add_request(make_request("remote-r", prompt(2, 32)))
-    step(sched, {"local-n": [0]})  # n gets a 3rd block, r starts loading (2 blocks)
+    step(sched, sampled={"local-n": [0]})  # n gets a 3rd block, r starts loading (2 blocks)
     assert sched.kv_cache_manager.num_free_blocks == 0
     assert (len(sched.running), num_waiting(sched)) == (1, 1)
-    step(sched, {"local-n": [0]}, recv={"remote-r"})
+    step(sched, sampled={"local-n": [0]},
+         kv_connector_output=KVConnectorOutput(finished_recving={"remote-r"}))
     assert (len(sched.running), num_waiting(sched)) == (1, 1)
-    out, _ = step(sched, {"local-n": [0], "remote-r": [0]})
+    out = step(sched, sampled={"local-n": [0], "remote-r": [0]}).scheduler_output
     assert out.scheduled_new_reqs[0].num_computed_tokens == 31 and out.num_scheduled_tokens["remote-r"] == 1
     assert (len(sched.running), num_waiting(sched)) == (2, 0)
-    out, _ = step(sched, {"local-n": [0]})  # r needs a 3rd block: it is the FCFS victim itself
+    out = step(sched, sampled={"local-n": [0]}).scheduler_output  # r needs a 3rd block: it is the FCFS victim itself
     assert (len(sched.running), num_waiting(sched)) == (1, 1)
     assert sched.requests["remote-r"].status is RequestStatus.PREEMPTED
-    step(sched, {"local-n": [EOS]})
+    step(sched, sampled={"local-n": [EOS]})
     assert (len(sched.running), num_waiting(sched)) == (0, 1)
-    out, _ = step(sched, {"remote-r": [0]})
+    out = step(sched, sampled={"remote-r": [0]}).scheduler_output
     # resumed from its 2 cached prompt blocks: no second remote load
     assert out.scheduled_cached_reqs.resumed_req_ids == {"remote-r"}
     assert out.scheduled_cached_reqs.num_computed_tokens == [32]
-    _, outs = step(sched, {"remote-r": [EOS]})
+    outs = step(sched, sampled={"remote-r": [EOS]}).outputs
     assert outs[0].finish_reason == "stop"
     step(sched)
     assert not sched.has_requests()
@@ -187,18 +180,18 @@ def test_cannot_schedule_after_recv():  # S74: 5 usable blocks
 def test_cannot_recv():  # S75
     sched, _ = h4(num_blocks=6)
     sched.add_request(make_request("local-n", prompt(1, 32), max_tokens=3))
-    step(sched, {"local-n": [0]})
+    step(sched, sampled={"local-n": [0]})
     sched.add_request(make_request("remote-r", prompt(2, 40)))
-    step(sched, {"local-n": [0]})  # r needs 3 blocks, 2 are free: no load starts
+    step(sched, sampled={"local-n": [0]})  # r needs 3 blocks, 2 are free: no load starts
     assert sched.requests["remote-r"].status is RequestStatus.WAITING
     assert [r.request_id for r in sched.waiting] == ["remote-r"] and not sched.kv_holding
-    step(sched, {"local-n": [0]})  # n finishes (length)
+    step(sched, sampled={"local-n": [0]})  # n finishes (length)
     step(sched)
     assert sched.requests["remote-r"].status is LOADING
-    step(sched, recv={"remote-r"})
-    step(sched, {"remote-r": [0]})
+    step(sched, kv_connector_output=KVConnectorOutput(finished_recving={"remote-r"}))
+    step(sched, sampled={"remote-r": [0]})
     assert [r.request_id for r in sched.running] == ["remote-r"]
-    step(sched, {"remote-r": [EOS]})
+    step(sched, sampled={"remote-r": [EOS]})
     step(sched)
     assert not sched.has_requests()
 
@@ -207,15 +200,16 @@ def test_loads_take_no_slot_and_kv_holding_is_served_first():  # S33, spec 2.5 s
     sched, _ = h4(max_num_seqs=2)
     for rid, k, n in (("local-0", 1, 10), ("remote-1", 2, 40), ("local-2", 3, 10)):
         sched.add_request(make_request(rid, prompt(k, n)))
-    out, _ = step(sched, {"local-0": [0], "local-2": [0]})
+    out = step(sched, sampled={"local-0": [0], "local-2": [0]}).scheduler_output
     # the load starts without budget or a running slot: local-2 is admitted behind it
     assert list(out.num_scheduled_tokens) == ["local-0", "local-2"]
     assert [r.request_id for r in sched.kv_holding] == ["remote-1"] and not sched.waiting
     sched.add_request(make_request("local-3", prompt(4, 10)))
-    step(sched, {"local-0": [0], "local-2": [0]}, recv={"remote-1"})  # no free slot
+    step(sched, sampled={"local-0": [0], "local-2": [0]},
+         kv_connector_output=KVConnectorOutput(finished_recving={"remote-1"}))  # no free slot
     assert [r.request_id for r in sched.waiting] == ["local-3"]
     sched.finish_requests(["local-0", "local-2"], RequestStatus.FINISHED_ABORTED)
-    out, _ = step(sched)
+    out = step(sched).scheduler_output
     assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-1", "local-3"]
 
 
@@ -228,7 +222,8 @@ def test_abort_while_loading_keeps_blocks_until_the_load_ends():  # S36
     assert req.status is RequestStatus.FINISHED_ABORTED
     assert "remote-1" in sched.requests and kv.num_free_blocks == 9999 - 3  # the worker writes there
     assert sched.get_num_unfinished_requests() == 0 and sched.has_requests()
-    out, _ = step(sched, recv={"remote-1"})
+    out = step(sched,
+               kv_connector_output=KVConnectorOutput(finished_recving={"remote-1"})).scheduler_output
     assert out.finished_req_ids == {"remote-1"}
     assert not sched.requests and kv.num_free_blocks == 9999 and not sched.finished_recving_ids
 
@@ -237,7 +232,7 @@ def test_abort_after_the_load_finished_frees_at_once():  # S37
     sched, _ = h4()
     sched.add_request(make_request("remote-1", prompt(1, 40)))
     step(sched)
-    step(sched, recv={"remote-1"})
+    step(sched, kv_connector_output=KVConnectorOutput(finished_recving={"remote-1"}))
     sched.finish_requests("remote-1", RequestStatus.FINISHED_ABORTED)
     assert not sched.requests and sched.kv_cache_manager.num_free_blocks == 9999
     assert not sched.finished_recving_ids
@@ -248,10 +243,10 @@ def test_failed_load_with_recompute_starts_over():
     kv = sched.kv_cache_manager
     sched.add_request(make_request("remote-1", prompt(1, 40)))
     step(sched)
-    step(sched, failed={"remote-1"})
+    step(sched, kv_connector_output=KVConnectorOutput(failed_recving={"remote-1"}))
     req = sched.requests["remote-1"]
     assert req.num_computed_tokens == 0 and "remote-1" in sched.failed_recving_ids
-    out, _ = step(sched, {"remote-1": [0]})
+    out = step(sched, sampled={"remote-1": [0]}).scheduler_output
     # promoted with its blocks dropped; the connector loads once, so it prefills locally
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens == {"remote-1": 40}
     assert plugin.connector.queries == 2 and not sched.failed_recving_ids
@@ -263,13 +258,14 @@ def test_failed_load_with_fail_policy_finishes_with_an_error():
     sched, _ = h4(observer)
     sched.add_request(make_request("remote-1", prompt(1, 40)))
     sched.add_request(make_request("local-2", prompt(2, 8)))
-    step(sched, {"local-2": [0]})
-    _, outs = step(sched, {"local-2": [0]}, failed={"remote-1"})
+    step(sched, sampled={"local-2": [0]})
+    outs = step(sched, sampled={"local-2": [0]},
+                kv_connector_output=KVConnectorOutput(failed_recving={"remote-1"})).outputs
     (err,) = [o for o in outs if o.request_id == "remote-1"]
     assert err.finish_reason == "error" and "failed to load" in err.error
     assert "remote-1" not in sched.requests and sched.kv_cache_manager.num_free_blocks == 9999 - 1
     assert observer.finished == [("remote-1", RequestStatus.FINISHED_ERROR)]
-    step(sched, {"local-2": [EOS]})  # the other request is served on
+    step(sched, sampled={"local-2": [EOS]})  # the other request is served on
     step(sched)
     assert not sched.has_requests()
 
@@ -363,7 +359,7 @@ def test_async_load_failure_truncates_and_retries(indices):  # S77
     assert len(sched.kv_holding) == 3 and sched.failed_recving_ids == {"r2"} and conn.queries == 3
     computed = {r.request_id: r.num_computed_tokens for r in sched.kv_holding}
     assert computed == {"r1": 1584, "r2": min(indices) * 16, "r3": 1584}
-    out, _ = step(sched)
+    out = step(sched).scheduler_output
     assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("r1", 1584), ("r3", 1584)]
     assert out.num_scheduled_tokens == {"r1": 16, "r3": 16}
 
@@ -450,7 +446,8 @@ def test_skipped_waiting_requests_in_stats():  # S10, with loads in progress as 
     outs = sched.update_from_output(out, runner_output(out, {"local-0": [1], "local-1": [1]}))
     stats = outs[0].scheduler_stats
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_skipped_waiting_reqs) == (2, 1, 2)
-    step(sched, {}, recv={"remote-3", "remote-4"})  # loads done: admitted next step
+    step(sched, sampled={},
+         kv_connector_output=KVConnectorOutput(finished_recving={"remote-3", "remote-4"}))  # loads done: admitted next step
     out = sched.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-3", "remote-4"]
     assert not sched.deferred_ids

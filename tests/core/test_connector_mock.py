@@ -11,11 +11,11 @@ from schedkit.core.outputs import KVConnectorOutput
 from schedkit.core.request import RequestStatus
 from schedkit.kv.connector import KVConnectorBase
 from schedkit.plugins.testing import (
-    assert_scheduler_consistent,
     drive_engine,
     make_requests,
     make_scheduler,
     runner_output,
+    step,
 )
 
 
@@ -68,29 +68,22 @@ def finish_loads(sched, connector):
     sched.update_from_output(out, ro)
 
 
-def step(sched, sampled_token=1000):
-    out = sched.schedule()
-    sched.update_from_output(out, runner_output(out, {r: [sampled_token] for r in out.num_scheduled_tokens}))
-    assert_scheduler_consistent(sched)
-    return out
-
-
 def test_kv_connector_unable_to_allocate():  # S46
     sched, _ = mock_scheduler(8, False, block_size=4, num_blocks=10)
     r0, r1 = make_requests(2, num_tokens=24, max_tokens=2)
     sched.add_request(r0)
     sched.add_request(r1)
-    out = step(sched)
+    out = step(sched, sampled=1000).scheduler_output
     assert out.kv_connector_metadata == ["0"] and out.num_scheduled_tokens == {"0": 16}
     assert len(sched.running) == 1 and len(sched.waiting) == 1
     while sched.running:  # the other request is never admitted meanwhile
-        out = step(sched)
+        out = step(sched, sampled=1000).scheduler_output
         assert "1" not in out.num_scheduled_tokens
     assert sched.kv_cache_manager.num_free_blocks == 9 and len(sched.waiting) == 1
-    out = step(sched)
+    out = step(sched, sampled=1000).scheduler_output
     assert out.kv_connector_metadata == ["1"] and out.num_scheduled_tokens == {"1": 16}
     while sched.running:
-        step(sched)
+        step(sched, sampled=1000)
     assert sched.kv_cache_manager.num_free_blocks == 9 and not sched.waiting
 
 
@@ -103,26 +96,26 @@ def test_kv_connector_handles_preemption(load_async):  # S47
     if load_async:
         finish_loads(sched, connector)
     kv = sched.kv_cache_manager
-    out = step(sched)
+    out = step(sched, sampled=1000).scheduler_output
     assert sorted(out.kv_connector_metadata) == ["0", "1"]
     assert out.num_scheduled_tokens == {"0": 3, "1": 3}
     assert len(sched.running) == 2 and kv.num_free_blocks == 0
-    out = step(sched)
+    out = step(sched, sampled=1000).scheduler_output
     assert out.num_scheduled_tokens == {"0": 1, "1": 1} and out.kv_connector_metadata == []
-    out = step(sched)  # r0 needs a 4th block: the tail, r1, is preempted
+    out = step(sched, sampled=1000).scheduler_output  # r0 needs a 4th block: the tail, r1, is preempted
     assert out.num_scheduled_tokens == {"0": 1} and out.preempted_req_ids == {"1"}
     assert len(sched.running) == 1 and len(sched.waiting) == 1
-    out = step(sched)  # r1 needs 2 free-listed hits + 2 new blocks; only 2 are free
+    out = step(sched, sampled=1000).scheduler_output  # r1 needs 2 free-listed hits + 2 new blocks; only 2 are free
     assert out.num_scheduled_tokens == {"0": 1} and len(sched.waiting) == 1
     assert r0.status is RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_free_blocks == 6
     if load_async:
         finish_loads(sched, connector)
-    out = step(sched)
+    out = step(sched, sampled=1000).scheduler_output
     assert out.kv_connector_metadata == ["1"]
     assert out.scheduled_cached_reqs.resumed_req_ids == {"1"}
     assert out.num_scheduled_tokens == {"1": 1}
     assert len(sched.running) == 1 and not sched.waiting
-    step(sched)
+    step(sched, sampled=1000)
     assert r1.status is RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_free_blocks == 6
 
 
@@ -170,7 +163,7 @@ def test_external_prefix_cache_metrics_with_local_cache(load_async):  # S45, loc
     connector.m = 0  # the first request computes everything and fills the local cache
     sched.add_request(first)
     while sched.has_requests():
-        step(sched)
+        step(sched, sampled=1000)
     connector.m = 32
     sched.add_request(make_requests(1, num_tokens=128, max_tokens=2)[0])
     out = sched.schedule()
@@ -218,7 +211,7 @@ def test_kv_connector_basic(load_async):  # S44
             sched.add_request(r)
         if load_async:
             finish_loads(sched, connector)
-        out = step(sched)
+        out = step(sched, sampled=1000).scheduler_output
         assert sorted(out.kv_connector_metadata) == ["0", "1"]
         assert out.num_scheduled_tokens == {"0": num_tokens - local_hit - 32, "1": num_tokens - local_hit - 32}
         for r in reqs:
@@ -227,7 +220,7 @@ def test_kv_connector_basic(load_async):  # S44
             assert all(kv.block_pool.block_hash(b) is not None for b in kv.get_block_ids(r.request_id))
         assert kv.num_free_blocks == total - 2 * blocks
         while sched.running:
-            out = step(sched)
+            out = step(sched, sampled=1000).scheduler_output
             assert set(out.num_scheduled_tokens.values()) <= {1} and out.kv_connector_metadata == []
         sched.schedule()
         assert kv.num_free_blocks == total

@@ -11,9 +11,13 @@ from schedkit.config import config_from_dict
 from schedkit.core.queues import KeyedQueue
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
-from schedkit.plugins.testing import make_request, make_scheduler
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_request,
+    make_scheduler,
+    serve,
+)
 from schedkit.runners.fake import FakeRunner
-from tests.plugins._support import assert_consistent, serve
 
 
 class KeyQueuePolicy:
@@ -135,7 +139,7 @@ def test_key_raising_when_a_skipped_request_goes_back_fails_only_it():
     assert [r.request_id for r in sched.waiting] == ["y", "z"]  # x could not go back
     from schedkit.core.request import RequestStatus
     sched.finish_requests(exc.value.request_ids, RequestStatus.FINISHED_ERROR)
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
     done = serve(sched, FakeRunner())
     assert sorted(o.request_id for o in done) == ["y", "z"]
 
@@ -166,7 +170,7 @@ def test_queue_method_raising_without_a_request_fails_the_step_then_recovers():
     with pytest.raises(PluginError, match="pop") as exc:
         sched.schedule()
     assert exc.value.request_ids == [] and "Q.pop" in exc.value.hook
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
     plugin.armed = False
     done = serve(sched, FakeRunner())
     assert sorted(o.request_id for o in done) == ["r0", "r1", "r2"]

@@ -8,22 +8,11 @@ from schedkit.config import SchedulerConfig
 from schedkit.core.outputs import KVConnectorOutput
 from schedkit.core.scheduler import PauseState
 from schedkit.plugins.testing import (
-    assert_scheduler_consistent,
     make_request,
     make_requests,
     make_scheduler,
-    runner_output,
+    step,
 )
-
-
-def run_step(sched, **kv_out):
-    out = sched.schedule()
-    ro = runner_output(out, {r: [7] for r in out.num_scheduled_tokens})
-    if kv_out:
-        ro.kv_connector_output = KVConnectorOutput(**kv_out)
-    sched.update_from_output(out, ro)
-    assert_scheduler_consistent(sched)
-    return out
 
 
 def test_adaptive_long_prefill_threshold():  # S89, adaptive part
@@ -40,10 +29,10 @@ def test_max_num_active_seqs_limits_admission_only():
     sched.max_num_active_seqs = 2
     for r in make_requests(3, max_tokens=4):
         sched.add_request(r)
-    out = run_step(sched)
+    out = step(sched, sampled=7).scheduler_output
     assert list(out.num_scheduled_tokens) == ["0", "1"] and len(sched.waiting) == 1
     for _ in range(10):
-        out = run_step(sched)
+        out = step(sched, sampled=7).scheduler_output
         assert len(sched.running) <= 2
         if "2" in out.num_scheduled_tokens:
             break  # admitted once one of the two finished
@@ -59,15 +48,15 @@ def test_paused_all_schedules_nothing_and_keeps_state():
     sched = make_scheduler()
     for r in make_requests(2, max_tokens=5):
         sched.add_request(r)
-    run_step(sched)
+    step(sched, sampled=7)
     sched.set_pause_state(PauseState.PAUSED_ALL)
     assert not sched.has_requests() and sched.get_num_unfinished_requests() == 0
-    out = run_step(sched)
+    out = step(sched, sampled=7).scheduler_output
     assert not out.num_scheduled_tokens
     assert [r.num_output_tokens for r in sched.running] == [1, 1]
     sched.set_pause_state(PauseState.UNPAUSED)
     assert sched.has_requests()
-    assert run_step(sched).num_scheduled_tokens == {"0": 1, "1": 1}
+    assert step(sched, sampled=7).scheduler_output.num_scheduled_tokens == {"0": 1, "1": 1}
 
 
 def test_paused_new_runs_running_requests_and_admits_only_loaded_ones():
@@ -76,16 +65,16 @@ def test_paused_new_runs_running_requests_and_admits_only_loaded_ones():
     sched, _ = h4()
     sched.add_request(make_request("local-0", prompt(1, 10)))
     sched.add_request(make_request("remote-1", prompt(2, 40)))  # its load starts
-    run_step(sched)
+    step(sched, sampled=7)
     sched.set_pause_state(PauseState.PAUSED_NEW)
     sched.add_request(make_request("local-2", prompt(3, 10)))
     assert sched.get_num_unfinished_requests() == 2  # running + loading, not the new one
-    run_step(sched, finished_recving={"remote-1"})
-    out = run_step(sched)
+    step(sched, sampled=7, kv_connector_output=KVConnectorOutput(finished_recving={"remote-1"}))
+    out = step(sched, sampled=7).scheduler_output
     assert set(out.num_scheduled_tokens) == {"local-0", "remote-1"}  # the loaded one is admitted
     assert [r.request_id for r in sched.waiting] == ["local-2"]
     sched.set_pause_state(PauseState.UNPAUSED)
-    assert "local-2" in run_step(sched).num_scheduled_tokens
+    assert "local-2" in step(sched, sampled=7).scheduler_output.num_scheduled_tokens
 
 
 def test_engine_pause_state_in_process_and_through_the_utility_call():

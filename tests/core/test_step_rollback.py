@@ -11,9 +11,14 @@ from schedkit.config import config_from_dict
 from schedkit.core.request import Request, RequestStatus, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.kv.block_pool import BlockPool
-from schedkit.plugins.testing import make_request, make_scheduler
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_request,
+    make_scheduler,
+    serve,
+    step,
+)
 from schedkit.runners.fake import FakeRunner
-from tests.plugins._support import assert_consistent, serve, step
 
 
 def pool_state(pool: BlockPool) -> tuple:
@@ -138,7 +143,7 @@ def test_rollback_undoes_preemptions():
             step(sched, runner)
         except PluginError as e:
             assert sched_state(sched) == before, "a failed step changed the scheduler"
-            assert_consistent(sched, reqs)
+            assert_scheduler_consistent(sched, reqs)
             failures.append(e.request_id)
             plugin.armed = False
     assert failures == ["r2"]

@@ -39,6 +39,7 @@ def boom_installed(tmp_path, monkeypatch):
     (dist / "entry_points.txt").write_text("[schedkit]\nboom = boom_plugin:Boom\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("PYTHONPATH", f"{site}:{':'.join(p for p in sys.path if p)}")
+    monkeypatch.delenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD")  # tests/conftest.py hides installed plugins
     return "boom"
 
 

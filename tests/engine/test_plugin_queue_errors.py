@@ -40,6 +40,7 @@ def badkey_installed(tmp_path, monkeypatch):
     (dist / "entry_points.txt").write_text("[schedkit]\nbadkey = badkey_plugin:BadKey\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("PYTHONPATH", f"{site}:{':'.join(p for p in sys.path if p)}")
+    monkeypatch.delenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD")  # tests/conftest.py hides installed plugins
     return "badkey"
 
 

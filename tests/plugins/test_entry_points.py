@@ -31,7 +31,7 @@ from schedkit.core.queues import FCFSQueue
 from schedkit.core.scheduler import Scheduler
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import BUNDLED_PLUGINS, discover_plugins, get_plugin_manager
-from schedkit.plugins.testing import make_request, make_scheduler
+from schedkit.plugins.testing import make_request, make_scheduler, step
 from schedkit.runners.fake import FakeRunner
 
 from . import finish_log_plugin
@@ -107,9 +107,7 @@ def _add_requests(sched: Scheduler) -> None:
 def _admission_order(sched: Scheduler) -> list[str]:
     runner, order = FakeRunner(), []
     while sched.has_requests():
-        out = sched.schedule()
-        order += [new.req_id for new in out.scheduled_new_reqs]
-        sched.update_from_output(out, runner.execute(out))
+        order += [new.req_id for new in step(sched, runner).scheduler_output.scheduled_new_reqs]
     return order
 
 
@@ -280,8 +278,7 @@ def test_plugin_settings_argument_switches_plugins_on(fake_installed):
     sched = make_scheduler(plugin_settings={"finish-log": {}, "tracer": {}})
     assert Tracer.made == [{"level": 1}]
     sched.add_request(make_request("r", [1] * 4, max_tokens=1))
-    out = sched.schedule()
-    sched.update_from_output(out, FakeRunner().execute(out))
+    step(sched, FakeRunner())
     assert fake_installed.module.finished == ["r"]
 
 

@@ -14,18 +14,22 @@ from schedkit import AdmissionDecision, PluginError, hookimpl
 from schedkit.core.queues import KeyedQueue
 from schedkit.core.request import FinishReason, RequestStatus
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
-from schedkit.plugins.testing import make_request, make_requests, make_scheduler, runner_output
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    make_request,
+    make_requests,
+    make_scheduler,
+    runner_output,
+    serve,
+    step,
+)
 from schedkit.runners.fake import FakeRunner
-
-from ._support import assert_consistent, serve, step
 
 
 def admitted_order(sched, runner) -> list[str]:
     order = []
     while sched.has_requests():
-        out = sched.schedule()
-        order += [new.req_id for new in out.scheduled_new_reqs]
-        sched.update_from_output(out, runner.execute(out))
+        order += [new.req_id for new in step(sched, runner).scheduler_output.scheduled_new_reqs]
     return order
 
 
@@ -101,7 +105,7 @@ def test_hook_schedkit_select_preemption_victim():
     sched.update_from_output(out, runner.execute(out))
     finished = serve(sched, runner)
     assert sorted(o.request_id for o in finished) == ["0", "1", "2"]
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 class PreemptAWaitingRequest:
@@ -128,7 +132,7 @@ def test_victim_that_is_not_running_raises_plugin_error():
     assert exc.value.plugin == "PreemptAWaitingRequest-0"
     assert "PreemptAWaitingRequest-0" in str(exc.value) and "running" in str(exc.value)
     assert reqs[3].status is RequestStatus.WAITING
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 # ------------------------------------------------------------- schedkit_prefill_chunk_limit
@@ -153,10 +157,9 @@ def test_hook_schedkit_prefill_chunk_limit():
     scheduled, calls_per_step = [], []
     while sched.has_requests():
         before = len(plugin.calls)
-        out = sched.schedule()
+        out = step(sched, runner).scheduler_output
         scheduled.append(out.num_scheduled_tokens.get("alone", 0))
         calls_per_step.append(len(plugin.calls) - before)
-        sched.update_from_output(out, runner.execute(out))
     assert scheduled[:5] == [8, 8, 4, 1, 1]  # a cap >= num_new_tokens changes nothing
     assert calls_per_step[:5] == [1, 1, 1, 0, 0]  # one-token decodes never ask
     # A lone request gets threshold 0 (never capped by the built-in).
@@ -197,10 +200,9 @@ def test_hook_schedkit_step_token_budget():
     runner = FakeRunner()
     totals = []
     while sched.has_requests():
-        out = sched.schedule()
+        out = step(sched, runner).scheduler_output
         assert plugin.steps[-1] == out.step == sched.current_step  # once per schedule()
         totals.append(out.total_num_scheduled_tokens)
-        sched.update_from_output(out, runner.execute(out))
     assert totals[:3] == [0, 8, 8]
     assert max(totals) <= 8 and sum(totals) == 2 * 10 + 2 * 2
     assert plugin.steps == list(range(1, len(totals) + 1))
@@ -253,7 +255,7 @@ def test_hook_schedkit_admit_request():
     assert plugin.examined[3:] == ["later"]
     sched.update_from_output(out, runner_output(out, {"later": [7]}))
     assert [o.request_id for o in serve(sched, FakeRunner())] == ["b"]
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 # -------------------------------------------------------------- schedkit_create_kv_connector
@@ -415,4 +417,4 @@ def test_hook_schedkit_on_request_finished():
     assert held_at_finish == {r.request_id: [] for r in reqs}
     sched.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # nothing left: no calls
     assert len(log.finished) == 4
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)

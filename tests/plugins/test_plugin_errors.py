@@ -11,10 +11,15 @@ import pytest
 from schedkit import AdmissionDecision, PluginError, hookimpl
 from schedkit.hookspecs import HOOK_NAMES
 from schedkit.plugins.manager import get_plugin_manager
-from schedkit.plugins.testing import make_request, make_scheduler
+from schedkit.plugins.testing import (
+    assert_scheduler_consistent,
+    finished_in,
+    make_request,
+    make_scheduler,
+    serve,
+    step,
+)
 from schedkit.runners.fake import FakeRunner
-
-from ._support import assert_consistent, finished_in, serve, step
 
 
 # ---------------------------------------------------------------- misspelt hook names
@@ -147,11 +152,11 @@ def test_raising_hook_is_reported_and_scheduler_recovers(hook):
         if not sched.has_requests():
             break
         try:
-            done += finished_in(step(sched, runner))
+            done += step(sched, runner).finished
         except PluginError as e:
             errors.append(e)
             done += finished_in(e.outputs or {})  # set when the step itself ran
-            assert_consistent(sched, reqs)
+            assert_scheduler_consistent(sched, reqs)
             plugin.armed = False  # the failure is gone; the same scheduler goes on
     assert len(errors) == 1, f"{hook} was never called"
     err = errors[0]
@@ -160,7 +165,7 @@ def test_raising_hook_is_reported_and_scheduler_recovers(hook):
     assert isinstance(err.__cause__, RuntimeError)
     assert sorted(o.request_id for o in done) == sorted(r.request_id for r in reqs)
     assert all(o.finish_reason == "length" for o in done)
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 @pytest.mark.parametrize("hook", BUILD_HOOKS)
@@ -175,7 +180,7 @@ def test_raising_build_hook_fails_the_build(hook):
     for req in reqs:
         sched.add_request(req)
     assert len(serve(sched, FakeRunner())) == len(reqs)
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 class FailOnSecondAdmission:
@@ -206,7 +211,7 @@ def test_admissions_of_a_failed_step_are_rolled_back():
     assert [r.request_id for r in sched.waiting] == ["r0", "r1", "r2"]
     assert not sched.running and sched.kv_cache_manager.num_tracked_requests == 0
     assert all(r.num_computed_tokens == 0 for r in reqs)
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
     plugin.armed = False
     runner = FakeRunner()
     out = sched.schedule()
@@ -214,7 +219,7 @@ def test_admissions_of_a_failed_step_are_rolled_back():
     done = finished_in(sched.update_from_output(out, runner.execute(out)))
     done += serve(sched, runner)
     assert sorted(o.request_id for o in done) == ["r0", "r1", "r2"]
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 class RejectAndExplodeOnFinish:
@@ -247,10 +252,10 @@ def test_observer_raising_for_a_rejected_request_does_not_lose_the_step():
                                                   "schedkit_on_request_finished")
     (rejected,) = finished_in(exc.value.outputs)
     assert (rejected.request_id, rejected.stop_reason) == ("bad", "rejected")
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
     plugin.armed = False
     assert [o.request_id for o in serve(sched, runner)] == ["good"]
-    assert_consistent(sched, reqs)
+    assert_scheduler_consistent(sched, reqs)
 
 
 # ------------------------------------------------------------- who gets the blame
@@ -272,7 +277,7 @@ def test_bad_answer_is_a_plugin_error_naming_the_plugin():
     with pytest.raises(PluginError, match="1000000000") as exc:
         sched.schedule()
     assert (exc.value.plugin, exc.value.hook) == ("HugeBudget-0", "schedkit_step_token_budget")
-    assert_consistent(sched, [sched.requests["r"]])
+    assert_scheduler_consistent(sched, [sched.requests["r"]])
 
 
 def test_bad_answer_blames_the_plugin_that_gave_it():

@@ -1,34 +1,96 @@
-"""schedkit: a pluggable scheduling-policy framework for LLM inference serving."""
+"""schedkit: a pluggable scheduling-policy framework for LLM inference serving.
 
-from schedkit.config import Config, load_config
+The names exported here are the stable surface, the one plugins (policies, KV
+connectors, observers) and applications import (``from schedkit import KeyedQueue,
+hookimpl``), as pytest exposes ``pytest.*`` over ``_pytest``. The submodules they come
+from may move between versions; docs/reference.md ("The public surface") lists these
+names, and tests/test_public_surface.py holds the list, the docs and ``__all__`` equal.
+
+``import schedkit`` needs neither torch nor pyzmq: the clients (``LLM``, ``AsyncLLM``)
+are imported on first use.
+"""
+
+from schedkit.config import CacheConfig, Config, SchedulerConfig, load_config
 from schedkit.core.hooks import AdmissionDecision
-from schedkit.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError
+from schedkit.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
+)
+from schedkit.core.queues import BaseRequestQueue, FCFSQueue, KeyedQueue, RequestQueue
+from schedkit.core.request import EventType, FinishReason, Request, RequestStatus, SamplingParams
+from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
 from schedkit.hookspecs import hookimpl
+from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
+from schedkit.kv.kv_cache_manager import KVCacheManager
+from schedkit.kv.metrics import PrefixCacheStats
 
 __all__ = [
+    # writing a plugin
+    "hookimpl",
+    "AdmissionDecision",
+    # requests
+    "Request",
+    "RequestStatus",
+    "FinishReason",
+    "EventType",
+    "SamplingParams",
+    # waiting queues
+    "RequestQueue",
+    "BaseRequestQueue",
+    "FCFSQueue",
+    "KeyedQueue",
+    # KV connectors and the KV cache
+    "KVConnectorBase",
+    "KVConnectorRole",
+    "NoOpConnector",
+    "KVCacheManager",
+    # what hooks and connectors are handed each step
+    "SchedulerOutput",
+    "NewRequestData",
+    "CachedRequestData",
+    "ModelRunnerOutput",
+    "KVConnectorOutput",
+    "EngineCoreOutputs",
+    "EngineCoreOutput",
+    "SchedulerStats",
+    "PrefixCacheStats",
+    "SpecDecodingStats",
+    # configuration
+    "Config",
+    "SchedulerConfig",
+    "CacheConfig",
+    "load_config",
+    # errors
+    "SchedkitError",
+    "ConfigError",
+    "PluginError",
+    "RequestError",
+    "EngineDeadError",
+    # clients (imported on first use)
     "LLM",
     "AsyncLLM",
-    "AdmissionDecision",
-    "Config",
-    "ConfigError",
-    "EngineDeadError",
-    "FinishReason",
-    "PluginError",
-    "Request",
-    "RequestError",
-    "RequestStatus",
-    "SamplingParams",
-    "hookimpl",
-    "load_config",
 ]
 
 __version__ = "0.1.0"
 
+_LAZY = {"LLM": "schedkit.engine.client", "AsyncLLM": "schedkit.engine.client"}
+"""Names whose modules pull in pyzmq: imported on first use."""
 
-def __getattr__(name: str):  # the clients pull in pyzmq: import them on first use
-    if name in ("LLM", "AsyncLLM"):
-        from schedkit.engine import client
 
-        return getattr(client, name)
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'schedkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import pytest
 
-from schedkit import AdmissionDecision, PluginError, hookimpl
-from schedkit.core.queues import KeyedQueue
-from schedkit.core.request import FinishReason, RequestStatus
-from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+from schedkit import (
+    AdmissionDecision,
+    FinishReason,
+    KeyedQueue,
+    KVConnectorBase,
+    KVConnectorRole,
+    PluginError,
+    RequestStatus,
+    hookimpl,
+)
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
     make_request,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 
-from schedkit import hookimpl
-from schedkit.core.queues import KeyedQueue
-from schedkit.core.request import Request
+from schedkit import KeyedQueue, Request, hookimpl
 
 __all__ = ["ShortestPromptFirst"]
 __version__ = "0.1.0"

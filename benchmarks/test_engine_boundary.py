@@ -23,9 +23,9 @@ import time
 import pytest
 
 from schedkit.config import config_from_dict
+from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.client import LLM, EngineClient, EngineProcess, wire_request
 from schedkit.engine.core import EngineCore
-from schedkit.core.request import Request, SamplingParams
 
 
 def decode_config():

@@ -49,6 +49,9 @@ _SKIP = AdmissionDecision.SKIP
 
 log = logging.getLogger("schedkit.scheduler")
 
+_NO_LOOKUP: tuple[list[int], int, int, bool] = ([], 0, 0, False)
+"""``_lookup``'s answer for a request that already holds its computed tokens."""
+
 
 class PauseState(enum.Enum):
     """What the scheduler still runs (vLLM's pause states)."""
@@ -413,9 +416,11 @@ class Scheduler:
     def _schedule_waiting(self, st: StepState) -> None:
         """Admit waiting requests: those holding KV blocks (``kv_holding``) first, then
         ``waiting``, each in its policy's order, until the budget, ``max_num_seqs`` or
-        the KV cache runs out. A connector may start an asynchronous load instead: the
-        request gets blocks for the loaded tokens, consumes no budget and waits in
-        ``kv_holding`` until the worker reports the load finished."""
+        the KV cache runs out. Per request: is it ready (:meth:`_ready`), does the policy
+        admit it, what is already computed (:meth:`_lookup`), then blocks, and either
+        admission or the start of an asynchronous load (the request gets blocks for the
+        loaded tokens, consumes no budget and waits in ``kv_holding`` until the worker
+        reports the load finished)."""
         waiting, kv_holding, running = self.waiting, self.kv_holding, self.running
         kv = self.kv_cache_manager
         skipped: list[Request] = []
@@ -430,16 +435,9 @@ class Scheduler:
             if req.is_finished:  # its queue failed to remove it when it finished
                 queue.pop()
                 continue
-            if req.status is _LOADING:
-                if not self.kv_loads.is_done(req):
-                    st.popped.append(queue.pop())
-                    kv_skipped.append(req)
-                    continue
-                st.undo.save(req)
-                st.undo.promoted.append((req.request_id, *self.kv_loads.promote(req)))
-            elif req.num_stale_output_tokens and not req.stale_drop:
-                st.popped.append(queue.pop())  # not resumed before its stale outputs arrive
-                skipped.append(req)
+            if not self._ready(req, st):
+                st.popped.append(queue.pop())
+                (kv_skipped if req.status is _LOADING else skipped).append(req)
                 continue
             decision = self.hooks.admit_request(
                 request=req, num_running=len(running), kv_cache_usage=kv.usage, now=now)
@@ -450,32 +448,15 @@ class Scheduler:
                 else:
                     (kv_skipped if self._holds_blocks(req) else skipped).append(req)
                 continue
-            did_lookup = req.num_computed_tokens == 0 and not self._holds_blocks(req)
-            load_async = False
-            if did_lookup:
-                hit_blocks, num_local = kv.get_computed_blocks(req)
-                num_ext, load_async = self._connector_call("get_num_new_matched_tokens", req, num_local)
-                if req.skip_reading_prefix_cache:
-                    num_ext, load_async = 0, False
-                if num_ext is None:
-                    st.popped.append(queue.pop())
-                    skipped.append(req)
-                    continue
-                computed = num_local + num_ext
-                limit = req.num_tokens - num_local - (0 if load_async else 1)
-                if num_ext < 0 or num_ext > limit or (load_async and not num_ext):
-                    raise PluginError(
-                        f"KV connector {type(self.connector).__name__!r} answered "
-                        f"get_num_new_matched_tokens(request {req.request_id!r}, {num_local}) with "
-                        f"({num_ext}, {load_async}): external tokens must be >= 0, at most "
-                        f"{limit} (a synchronous load leaves one token to compute), and > 0 for "
-                        "an asynchronous load", plugin=type(self.connector).__name__,
-                        hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
-            else:
-                hit_blocks, num_local, num_ext = [], 0, 0
-                computed = req.num_computed_tokens
+            lookup = self._lookup(req)
+            if lookup is None:  # the connector asks to be asked again later
+                st.popped.append(queue.pop())
+                skipped.append(req)
+                continue
+            hit_blocks, num_local, num_ext, load_async = lookup
+            computed = num_local + num_ext if lookup is not _NO_LOOKUP else req.num_computed_tokens
             if load_async:
-                n, reserved = 0, self.kv_loads.blocks_reserved(self.running, self.max_model_len,
+                n, reserved = 0, self.kv_loads.blocks_reserved(running, self.max_model_len,
                                                                self.num_spec_tokens)
             else:
                 n, reserved = self._num_tokens_to_admit(req, computed, st), 0
@@ -489,17 +470,17 @@ class Scheduler:
             if new_blocks is None:
                 break
             self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id), num_ext)
-            if did_lookup:
+            if lookup is not _NO_LOOKUP:
                 self._record_lookup(req, num_local, num_ext, st)
+            st.popped.append(queue.pop())
             if load_async:
-                st.popped.append(queue.pop())
                 st.loads_started.append(req)
                 st.undo.save(req)
                 req.status = _LOADING
                 req.num_computed_tokens = computed
                 kv_skipped.append(req)
                 continue
-            self._admit(queue.pop(), n, computed, st, now)
+            self._admit(req, n, computed, st, now)
             if n > 1 and req.num_tokens - computed == 1:
                 st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
         st.returned = kv_skipped + skipped
@@ -508,6 +489,46 @@ class Scheduler:
             kv_holding.prepend_requests(kv_skipped)
         if skipped:
             waiting.prepend_requests(skipped)
+
+    def _ready(self, req: Request, st: StepState) -> bool:
+        """Whether the head request may be considered now: a load still in progress, or
+        a preempted request whose outputs from before its preemption are still in
+        flight, waits. A finished load is promoted here."""
+        if req.status is _LOADING:
+            if not self.kv_loads.is_done(req):
+                return False
+            st.undo.save(req)
+            st.undo.promoted.append((req.request_id, *self.kv_loads.promote(req)))
+            return True
+        return not (req.num_stale_output_tokens and not req.stale_drop)
+
+    def _lookup(self, req: Request) -> tuple[list[int], int, int, bool] | None:
+        """What a new (or preempted) request holding no blocks already has computed: its
+        prefix-cache hits, then the tokens the connector will load. Returns (hit blocks,
+        hit tokens, external tokens, load asynchronously); ``_NO_LOOKUP`` for a request
+        that holds blocks (loaded ones); None when the connector says "ask again".
+
+        Raises:
+            PluginError: The connector's answer is impossible.
+        """
+        if req.num_computed_tokens or self._holds_blocks(req):
+            return _NO_LOOKUP
+        hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(req)
+        num_ext, load_async = self._connector_call("get_num_new_matched_tokens", req, num_local)
+        if req.skip_reading_prefix_cache:
+            num_ext, load_async = 0, False
+        if num_ext is None:
+            return None
+        limit = req.num_tokens - num_local - (0 if load_async else 1)
+        if num_ext < 0 or num_ext > limit or (load_async and not num_ext):
+            raise PluginError(
+                f"KV connector {type(self.connector).__name__!r} answered "
+                f"get_num_new_matched_tokens(request {req.request_id!r}, {num_local}) with "
+                f"({num_ext}, {load_async}): external tokens must be >= 0, at most "
+                f"{limit} (a synchronous load leaves one token to compute), and > 0 for "
+                "an asynchronous load", plugin=type(self.connector).__name__,
+                hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
+        return hit_blocks, num_local, num_ext, load_async
 
     def _defer(self, reqs: list[Request], st: StepState) -> None:
         deferred = self.deferred_ids
@@ -557,7 +578,6 @@ class Scheduler:
         return min(n, st.budget)
 
     def _admit(self, req: Request, n: int, computed: int, st: StepState, now: float) -> None:
-        st.popped.append(req)
         rid = req.request_id
         st.undo.save(req)
         if rid in self.deferred_ids:

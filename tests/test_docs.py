@@ -6,8 +6,9 @@
   of lines of PATH (a tested file), and every YAML block is a valid config;
 * docs/reference.md has a row for every public ``Request`` attribute, property and
   method, every ``SamplingParams`` field, every ``make_scheduler`` / ``make_request``
-  parameter and every workload / compare config field, with the code's types, defaults
-  and allowed values; its python blocks run and its YAML blocks generate workloads.
+  parameter and every workload / compare / runner config field, with the code's types,
+  defaults and allowed values; its python blocks run and its YAML blocks generate
+  workloads.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def test_reference_test_kit_parameters(heading):
         assert rows[p.name][1:3] == want, f"{heading}({p.name}): documented {rows[p.name][1:3]}, code {want}"
 
 
-WORKLOAD_MODELS = {
+SECTION_MODELS = {
     "workload": config_models.WorkloadConfig,
     "workload.prompt_len, workload.output_len": config_models.LengthConfig,
     "workload.tenants": config_models.TenantConfig,
@@ -251,6 +252,9 @@ WORKLOAD_MODELS = {
     "workload.trace": config_models.TraceConfig,
     "workload.slo": config_models.SLOConfig,
     "compare.profiles": config_models.ProfileConfig,
+    "runner (fake)": config_models.FakeRunnerConfig,
+    "runner (simulated)": config_models.SimulatedRunnerConfig,
+    "runner (paged)": config_models.PagedRunnerConfig,
 }
 
 
@@ -258,11 +262,11 @@ def _default(field) -> object:
     return field.default_factory() if field.default_factory is not None else field.default
 
 
-@pytest.mark.parametrize("heading", list(WORKLOAD_MODELS))
-def test_reference_workload_fields(heading):
+@pytest.mark.parametrize("heading", list(SECTION_MODELS))
+def test_reference_config_section_fields(heading):
     """Every field has a row whose default, read as YAML, is the code's default and whose
     type lists exactly the allowed values of a Literal."""
-    model = WORKLOAD_MODELS[heading]
+    model = SECTION_MODELS[heading]
     rows = same_names(heading, list(model.model_fields))
     for name, field in model.model_fields.items():
         _, type_cell, default_cell, *_ = rows[name]

@@ -10,6 +10,8 @@ names, and tests/test_public_surface.py holds the list, the docs and ``__all__``
 are imported on first use.
 """
 
+import typing
+
 from schedkit.config import CacheConfig, Config, SchedulerConfig, load_config
 from schedkit.core.hooks import AdmissionDecision
 from schedkit.core.outputs import (
@@ -30,6 +32,9 @@ from schedkit.hookspecs import hookimpl
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
 from schedkit.kv.kv_cache_manager import KVCacheManager
 from schedkit.kv.metrics import PrefixCacheStats
+
+if typing.TYPE_CHECKING:  # what type checkers see of the clients, imported on first use below
+    from schedkit.engine.client import LLM, AsyncLLM
 
 __all__ = [
     # writing a plugin
@@ -84,7 +89,7 @@ _LAZY = {"LLM": "schedkit.engine.client", "AsyncLLM": "schedkit.engine.client"}
 """Names whose modules pull in pyzmq: imported on first use."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> typing.Any:
     if name in _LAZY:
         import importlib
 

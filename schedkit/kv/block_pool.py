@@ -1,13 +1,17 @@
-"""Block pool: reference counts, the free queue and the prefix-cache map (spec 4.1-4.5).
+"""Block pool: reference counts, the free queue and the prefix-cache map.
+
+Behaviours: docs/scheduler-behaviour.md#null-block, docs/scheduler-behaviour.md#refcounts,
+docs/scheduler-behaviour.md#free-queue-order, docs/scheduler-behaviour.md#cached-block-map.
 
 All per-block state lives in flat lists indexed by block id, and the free queue is a
 doubly linked list threaded through ``_prev``/``_next`` with a sentinel at index
 ``num_blocks``, so every operation is O(1) per block and allocates no objects.
 
-Free-queue order (spec 4.4): allocation pops from the head; a freed batch puts its
-unhashed blocks at the head (batch order, first one becomes the head) and appends its
-hashed blocks at the tail (LRU eviction of cached blocks). Free hashed blocks keep their
-hash and can still be hit until they are popped for reuse.
+Free-queue order (docs/scheduler-behaviour.md#free-queue-order): allocation pops from
+the head; a freed batch puts its unhashed blocks at the head (batch order, first one
+becomes the head) and appends its hashed blocks at the tail (LRU eviction of cached
+blocks). Free hashed blocks keep their hash and can still be hit until they are popped
+for reuse.
 
 Transactions: between ``begin()`` and ``commit()`` every change is journaled, and
 ``rollback()`` undoes them in reverse, leaving reference counts, the free queue, the
@@ -193,7 +197,7 @@ class BlockPool:
             journal.append((_TOUCH, touched))
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block, in the given order (spec 4.4).
+        """Drop one reference from each block, in the given order (docs/scheduler-behaviour.md#free-queue-order).
 
         Blocks reaching ref_cnt 0 return to the free queue: unhashed ones at the head
         (keeping batch order), hashed ones at the tail. The null block is ignored.

@@ -1,4 +1,4 @@
-"""Prefix-cache map from block hash to the blocks carrying it (spec 4.3)."""
+"""Prefix-cache map from block hash to the blocks carrying it (docs/scheduler-behaviour.md#cached-block-map)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from schedkit.kv.hashing import BlockHash
 
 
 class CachedBlockMap:
-    """Maps a block hash to the blocks carrying it (spec 4.3).
+    """Maps a block hash to the blocks carrying it (docs/scheduler-behaviour.md#cached-block-map).
 
     Several physical blocks may share one hash. A key maps to a bare block id in the
     common single-block case and to an insertion-ordered dict of ids otherwise.

@@ -1,4 +1,4 @@
-"""KV cache events published when ``enable_kv_events`` is on (spec 4.8, 4.10).
+"""KV cache events published when ``enable_kv_events`` is on (docs/scheduler-behaviour.md#kv-events).
 
 Events are buffered by the block pool in the scheduler process and drained once per
 step with ``take_events()``.

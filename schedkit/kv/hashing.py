@@ -1,4 +1,4 @@
-"""Chained block hashes for prefix caching (spec 4.2).
+"""Chained block hashes for prefix caching (docs/scheduler-behaviour.md#block-hashes).
 
 ``hash_i = H(parent || tokens of block i || extra keys of block i)`` where ``parent``
 is ``hash_{i-1}``, or ``NONE_HASH`` for block 0. Only FULL blocks are hashed.

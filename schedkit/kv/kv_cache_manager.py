@@ -1,4 +1,7 @@
-"""Scheduler-side KV cache manager for one full-attention KV group (spec 4.6-4.10).
+"""Scheduler-side KV cache manager for one full-attention KV group.
+
+Behaviours: docs/scheduler-behaviour.md#prefix-hits, docs/scheduler-behaviour.md#allocate-slots,
+docs/scheduler-behaviour.md#cache-reset.
 
 Keeps each request's block table and its number of prefix-cached blocks (one
 :class:`RequestBlocks` per request id), and delegates block bookkeeping to
@@ -197,7 +200,8 @@ class KVCacheManager:
         reserved_blocks: int = 0,
         apply_watermark: bool = False,
     ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` (+ lookahead) tokens of the request (spec 4.7).
+        """Make room for ``num_new_tokens`` (+ lookahead) tokens of the request
+        (docs/scheduler-behaviour.md#allocate-slots).
 
         Layout: ``[computed | new local hits | external hits | new tokens | lookahead]``.
         Full blocks up to ``min(computed + hits + external + num_new_tokens, num_tokens)``

@@ -1,4 +1,4 @@
-"""Prefix-cache statistics (spec 3.7, S69)."""
+"""Prefix-cache statistics (docs/scheduler-behaviour.md#prefix-stats)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Asynchronous KV loads through a connector (spec 5.4, scenarios S33, S36, S37, S70-S75)
-and load failures (spec 5.5, S77-S80).
+"""Asynchronous KV loads through a connector and load failures (docs/scheduler-behaviour.md,
+section "KV connectors and async loads").
 
 The connector here behaves like vLLM's NixlConnector on the decode side of disaggregated
 prefill: a request whose id starts with "remote" loads its whole prompt asynchronously,
-once; every other request loads nothing. Harness H4: 64-token budget, block size 16,
-prefix caching on.
+once; every other request loads nothing. Set-up (docs/scheduler-behaviour.md#setup-connector):
+64-token budget, block size 16, prefix caching on.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def num_waiting(sched):
     return len(sched.waiting) + len(sched.kv_holding)
 
 
-@pytest.mark.parametrize("num_tokens, blocks, hashed", [(40, 3, 2), (32, 2, 2)])  # S70, S71
+@pytest.mark.parametrize("num_tokens, blocks, hashed", [(40, 3, 2), (32, 2, 2)])  # docs/scheduler-behaviour.md#load-lifecycle
 def test_remote_prefill_lifecycle(num_tokens, blocks, hashed):
     sched, _ = h4()
     kv = sched.kv_cache_manager
@@ -110,7 +110,7 @@ def test_remote_prefill_lifecycle(num_tokens, blocks, hashed):
     assert not sched.has_requests() and kv.num_free_blocks == 9999
 
 
-def test_no_spurious_prefix_caching():  # S72
+def test_no_spurious_prefix_caching():  # docs/scheduler-behaviour.md#load-no-spurious-hits
     sched, _ = h4()
     kv = sched.kv_cache_manager
     sched.add_request(make_request("remote-1", [1] * 40))
@@ -125,7 +125,7 @@ def test_no_spurious_prefix_caching():  # S72
     assert any(kv.block_pool.block_hash(b) is not None for b in local)
 
 
-def test_interleaved_lifecycle():  # S73
+def test_interleaved_lifecycle():  # docs/scheduler-behaviour.md#load-interleaved
     sched, _ = h4()
     sched.add_request(make_request("local-a", prompt(1, 40)))
     out = step(sched, sampled={"local-a": [0]}).scheduler_output
@@ -148,7 +148,7 @@ def test_interleaved_lifecycle():  # S73
     assert not sched.has_requests()
 
 
-def test_cannot_schedule_after_recv():  # S74: 5 usable blocks
+def test_cannot_schedule_after_recv():  # docs/scheduler-behaviour.md#load-then-preempted (5 usable blocks)
     sched, _ = h4(num_blocks=6)
     sched.add_request(make_request("local-n", prompt(1, 32)))
     step(sched, sampled={"local-n": [0]})  # 2 blocks, now 33 tokens
@@ -177,7 +177,7 @@ def test_cannot_schedule_after_recv():  # S74: 5 usable blocks
     assert not sched.has_requests()
 
 
-def test_cannot_recv():  # S75
+def test_cannot_recv():  # docs/scheduler-behaviour.md#load-cannot-start
     sched, _ = h4(num_blocks=6)
     sched.add_request(make_request("local-n", prompt(1, 32), max_tokens=3))
     step(sched, sampled={"local-n": [0]})
@@ -196,7 +196,7 @@ def test_cannot_recv():  # S75
     assert not sched.has_requests()
 
 
-def test_loads_take_no_slot_and_kv_holding_is_served_first():  # S33, spec 2.5 step 14
+def test_loads_take_no_slot_and_kv_holding_is_served_first():  # docs/scheduler-behaviour.md#kv-holding-first
     sched, _ = h4(max_num_seqs=2)
     for rid, k, n in (("local-0", 1, 10), ("remote-1", 2, 40), ("local-2", 3, 10)):
         sched.add_request(make_request(rid, prompt(k, n)))
@@ -213,7 +213,7 @@ def test_loads_take_no_slot_and_kv_holding_is_served_first():  # S33, spec 2.5 s
     assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-1", "local-3"]
 
 
-def test_abort_while_loading_keeps_blocks_until_the_load_ends():  # S36
+def test_abort_while_loading_keeps_blocks_until_the_load_ends():  # docs/scheduler-behaviour.md#load-abort
     sched, _ = h4()
     kv = sched.kv_cache_manager
     sched.add_request(make_request("remote-1", prompt(1, 40)))
@@ -228,7 +228,7 @@ def test_abort_while_loading_keeps_blocks_until_the_load_ends():  # S36
     assert not sched.requests and kv.num_free_blocks == 9999 and not sched.finished_recving_ids
 
 
-def test_abort_after_the_load_finished_frees_at_once():  # S37
+def test_abort_after_the_load_finished_frees_at_once():  # docs/scheduler-behaviour.md#load-abort
     sched, _ = h4()
     sched.add_request(make_request("remote-1", prompt(1, 40)))
     step(sched)
@@ -298,7 +298,7 @@ def test_a_load_started_in_a_failed_step_is_rolled_back(monkeypatch):
     assert sched.requests["remote-1"].status is LOADING
 
 
-# ------------------------------------------------------------ per-block load failures (5.5)
+# -------------------------- per-block load failures (docs/scheduler-behaviour.md#load-bad-blocks)
 class MockKV(KVConnectorBase):
     """Every request gets ``ext`` external tokens, once (vLLM's MockKVConnector)."""
 
@@ -345,7 +345,7 @@ def bad_blocks(sched, rid, indices):
 
 
 @pytest.mark.parametrize("indices", [{0, 98}, {50, 98}, {98}])
-def test_async_load_failure_truncates_and_retries(indices):  # S77
+def test_async_load_failure_truncates_and_retries(indices):  # docs/scheduler-behaviour.md#load-bad-blocks
     sched, conn = failure_setup(load_async=True)
     step(sched)
     assert not sched.waiting and len(sched.kv_holding) == 3 and conn.queries == 3
@@ -365,7 +365,7 @@ def test_async_load_failure_truncates_and_retries(indices):  # S77
 
 
 @pytest.mark.parametrize("indices", [{0, 98}, {50, 98}, {98}])
-def test_sync_load_failure_recomputes_from_the_first_bad_block(indices):  # S78
+def test_sync_load_failure_recomputes_from_the_first_bad_block(indices):  # docs/scheduler-behaviour.md#load-bad-blocks
     sched, _ = failure_setup(load_async=False)
     out = sched.schedule()
     assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [
@@ -381,7 +381,7 @@ def test_sync_load_failure_recomputes_from_the_first_bad_block(indices):  # S78
 
 
 @pytest.mark.parametrize("indices", [{0, 49}, {25, 49}, {49}])
-def test_sync_load_failure_with_shared_blocks(indices):  # S79
+def test_sync_load_failure_with_shared_blocks(indices):  # docs/scheduler-behaviour.md#load-bad-blocks
     plugin = MockPlugin(load_async=False)
     sched = make_scheduler(plugins=[plugin], max_num_batched_tokens=64, enable_prefix_caching=True,
                            kv_load_failure_policy="recompute")
@@ -400,7 +400,7 @@ def test_sync_load_failure_with_shared_blocks(indices):  # S79
     assert sched.requests["r2"].num_computed_tokens == 800
 
 
-def test_async_progressive_load_failure():  # S80
+def test_async_progressive_load_failure():  # docs/scheduler-behaviour.md#load-bad-blocks
     plugin = MockPlugin()
     sched = make_scheduler(plugins=[plugin], max_num_batched_tokens=64, enable_prefix_caching=True,
                            kv_load_failure_policy="recompute")
@@ -435,7 +435,7 @@ def test_load_failure_with_fail_policy_errors_the_readers_and_uncaches_bad_block
     assert all(kv.block_pool.block_hash(b) is None for b in bad)
 
 
-def test_skipped_waiting_requests_in_stats():  # S10, with loads in progress as the blockers
+def test_skipped_waiting_requests_in_stats():  # docs/scheduler-behaviour.md#waiting-stats (loads in progress are the blockers)
     sched, _ = h4(max_num_batched_tokens=100)
     for rid, k in (("remote-3", 4), ("remote-4", 5), ("local-0", 1), ("local-1", 2), ("local-2", 3)):
         sched.add_request(make_request(rid, prompt(k, 50)))

@@ -1,5 +1,5 @@
-"""Spec 3.8 / 7.5: async scheduling (output placeholders) and stale outputs of
-preempted requests (S39, S40, S43, S91, S92)."""
+"""Async scheduling (output placeholders) and stale outputs of preempted requests
+(docs/scheduler-behaviour.md, section "Async scheduling")."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def one_token_each(out, token=0):
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
-def test_stop_by_max_tokens(max_tokens):  # S39
+def test_stop_by_max_tokens(max_tokens):  # docs/scheduler-behaviour.md#async-max-tokens
     sched = make_scheduler(async_scheduling=True)
     r0, r1 = make_requests(2, max_tokens=max_tokens)
     in_flight = deque()
@@ -48,7 +48,7 @@ def test_stop_by_max_tokens(max_tokens):  # S39
     assert total == 2 * (10 + max_tokens - 1)
 
 
-def test_abort_while_steps_in_flight():  # S40
+def test_abort_while_steps_in_flight():  # docs/scheduler-behaviour.md#async-abort
     order = [0, 8, 3, 1, 6, 4, 2, 5, 7, 9]
     sched = make_scheduler(async_scheduling=True)
     reqs = make_requests(10, max_tokens=20)
@@ -71,7 +71,7 @@ def test_abort_while_steps_in_flight():  # S40
         assert r.num_output_tokens == order.index(i)
 
 
-def test_placeholders_allow_rescheduling_before_the_update():  # S43
+def test_placeholders_allow_rescheduling_before_the_update():  # docs/scheduler-behaviour.md#async-placeholders
     sched = make_scheduler(async_scheduling=True)
     (req,) = make_requests(1, num_tokens=8)
     sched.add_request(req)
@@ -97,7 +97,7 @@ def test_sync_scheduler_never_adds_placeholders():
     assert not sched.schedule().num_scheduled_tokens  # waits for the sampled token
 
 
-def test_async_reset_drops_stale_outputs():  # S91
+def test_async_reset_drops_stale_outputs():  # docs/scheduler-behaviour.md#stale-drop
     sched = make_scheduler(async_scheduling=True, enable_prefix_caching=True)
     reqs = make_requests(2, max_tokens=20)
     for r in reqs:
@@ -128,7 +128,7 @@ def test_async_reset_drops_stale_outputs():  # S91
     assert_scheduler_consistent(sched)
 
 
-def test_stale_output_is_delivered_before_resumption():  # S92
+def test_stale_output_is_delivered_before_resumption():  # docs/scheduler-behaviour.md#stale-deliver
     sched = make_scheduler(max_num_batched_tokens=100, num_blocks=11)
     r0, r1 = make_requests(2, num_tokens=80)
     sched.add_request(r0)
@@ -157,7 +157,7 @@ def test_stale_output_is_delivered_before_resumption():  # S92
 
 
 def test_bad_kv_under_async_drops_the_outputs_in_flight_and_recomputes():
-    """Spec 5.5 with two steps in flight: the outputs of both were computed on the bad
+    """Bad KV blocks (docs/scheduler-behaviour.md#async-bad-kv) with two steps in flight: the outputs of both were computed on the bad
     block, so both are dropped; the request recomputes from that block, keeps no phantom
     placeholder, and ends with the model's own tokens."""
     from schedkit.core.outputs import KVConnectorOutput

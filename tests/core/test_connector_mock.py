@@ -1,5 +1,6 @@
-"""Spec 7.6 with vLLM's MockKVConnector: a connector that always has ``m`` more tokens
-(S46, S47), loading them synchronously or asynchronously."""
+"""Scheduler and connector together, with vLLM's MockKVConnector: a connector that always
+has ``m`` more tokens, loading them synchronously or asynchronously
+(docs/scheduler-behaviour.md#connector-sync-load and the items after it)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def finish_loads(sched, connector):
     sched.update_from_output(out, ro)
 
 
-def test_kv_connector_unable_to_allocate():  # S46
+def test_kv_connector_unable_to_allocate():  # docs/scheduler-behaviour.md#connector-alloc-failure
     sched, _ = mock_scheduler(8, False, block_size=4, num_blocks=10)
     r0, r1 = make_requests(2, num_tokens=24, max_tokens=2)
     sched.add_request(r0)
@@ -88,7 +89,7 @@ def test_kv_connector_unable_to_allocate():  # S46
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_kv_connector_handles_preemption(load_async):  # S47
+def test_kv_connector_handles_preemption(load_async):  # docs/scheduler-behaviour.md#connector-preemption
     sched, connector = mock_scheduler(2, load_async, block_size=2, num_blocks=7)
     r0, r1 = make_requests(2, num_tokens=5, max_tokens=4)
     sched.add_request(r0)
@@ -119,7 +120,7 @@ def test_kv_connector_handles_preemption(load_async):  # S47
     assert r1.status is RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_free_blocks == 6
 
 
-def test_invalid_blocks_evicted_prevents_cache_pollution():  # S81
+def test_invalid_blocks_evicted_prevents_cache_pollution():  # docs/scheduler-behaviour.md#load-bad-blocks-fail
     sched, _ = mock_scheduler(1584, False, max_num_batched_tokens=64, kv_load_failure_policy="fail")
     (req,) = make_requests(1, num_tokens=1600)
     sched.add_request(req)
@@ -144,7 +145,7 @@ def test_invalid_blocks_evicted_prevents_cache_pollution():  # S81
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_external_prefix_cache_metrics_without_local_cache(load_async):  # S45, no local
+def test_external_prefix_cache_metrics_without_local_cache(load_async):  # docs/scheduler-behaviour.md#connector-stats (no local cache)
     plugin = MockKVPlugin(4, load_async)
     sched = make_scheduler(enable_prefix_caching=False, plugins=[plugin])
     for r in make_requests(2, num_tokens=8, max_tokens=2):
@@ -157,7 +158,7 @@ def test_external_prefix_cache_metrics_without_local_cache(load_async):  # S45, 
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_external_prefix_cache_metrics_with_local_cache(load_async):  # S45, local
+def test_external_prefix_cache_metrics_with_local_cache(load_async):  # docs/scheduler-behaviour.md#connector-stats (local cache)
     sched, connector = mock_scheduler(32, load_async)
     (first,) = make_requests(1, num_tokens=64, max_tokens=2)
     connector.m = 0  # the first request computes everything and fills the local cache
@@ -201,7 +202,7 @@ def test_impossible_connector_answers_fail_only_that_request(answer):
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_kv_connector_basic(load_async):  # S44
+def test_kv_connector_basic(load_async):  # docs/scheduler-behaviour.md#connector-sync-load
     sched, connector = mock_scheduler(32, load_async)
     kv = sched.kv_cache_manager
     total = kv.num_free_blocks
@@ -226,7 +227,7 @@ def test_kv_connector_basic(load_async):  # S44
         assert kv.num_free_blocks == total
 
 
-def test_remote_decode_lifecycle_on_the_prefill_side():  # S76
+def test_remote_decode_lifecycle_on_the_prefill_side():  # docs/scheduler-behaviour.md#prefill-side
     class PrefillSide(KVConnectorBase):
         """Keeps a finished request's blocks until they are sent (Nixl's P side)."""
 

@@ -1,5 +1,5 @@
-"""S84: randomized invariants of the scheduler output at scale (vLLM's
-test_priority_scheduling_blast), also with two steps in flight and placeholders."""
+"""Randomized invariants of the scheduler output at scale (vLLM's
+test_priority_scheduling_blast, docs/scheduler-behaviour.md#blast), also with two steps in flight and placeholders."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Spec section 7.1 (admission, ordering, chunking under FCFS) against our API."""
+"""Admission, ordering and chunking under FCFS: vLLM's scheduler tests against our API
+(docs/scheduler-behaviour.md, sections "Admission and budget" and "Chunked prefill")."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from schedkit.core.request import RequestStatus
 from schedkit.plugins.testing import make_request, make_requests, make_scheduler, runner_output
 
 
-def test_add_requests():  # S01
+def test_add_requests():  # docs/scheduler-behaviour.md#add-and-finish
     sched = make_scheduler()
     for i, req in enumerate(make_requests(10)):
         sched.add_request(req)
@@ -14,7 +15,7 @@ def test_add_requests():  # S01
         assert len(sched.waiting) == i + 1
 
 
-def test_finish_request():  # S02
+def test_finish_request():  # docs/scheduler-behaviour.md#add-and-finish
     sched = make_scheduler()
     reqs = make_requests(10)
     for r in reqs:
@@ -25,7 +26,7 @@ def test_finish_request():  # S02
         assert len(sched.waiting) == 9 - i
 
 
-def test_get_num_unfinished_requests():  # S03
+def test_get_num_unfinished_requests():  # docs/scheduler-behaviour.md#add-and-finish
     sched = make_scheduler()
     reqs = make_requests(10)
     for r in reqs:
@@ -35,7 +36,7 @@ def test_get_num_unfinished_requests():  # S03
         assert sched.get_num_unfinished_requests() == 10 - i - 1
 
 
-def test_schedule_all_new():  # S04
+def test_schedule_all_new():  # docs/scheduler-behaviour.md#admission-order
     for caching in (False, True):
         sched = make_scheduler(enable_prefix_caching=caching)
         reqs = make_requests(10)
@@ -50,7 +51,7 @@ def test_schedule_all_new():  # S04
         assert all(sched.running[i] is reqs[i] for i in range(10))
 
 
-def test_schedule_concurrent_partial_requests():  # S05
+def test_schedule_concurrent_partial_requests():  # docs/scheduler-behaviour.md#chunk-threshold
     for caching in (False, True):
         sched = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400,
                                enable_prefix_caching=caching)
@@ -71,7 +72,7 @@ def test_schedule_concurrent_partial_requests():  # S05
         assert [out.num_scheduled_tokens[r.request_id] for r in reqs] == [1, 1, 352]
 
 
-def test_schedule_concurrent_batches():  # S07
+def test_schedule_concurrent_batches():  # docs/scheduler-behaviour.md#zero-token-skip
     sched = make_scheduler(max_num_batched_tokens=1024, max_num_seqs=2)
     r0, r1 = make_requests(2, num_tokens=512)
     sched.add_request(r0)
@@ -86,7 +87,7 @@ def test_schedule_concurrent_batches():  # S07
     sched.update_from_output(out1, runner_output(out1, {"1": [0]}))
 
 
-def test_scheduler_reset_prefix_cache():  # S09
+def test_scheduler_reset_prefix_cache():  # docs/scheduler-behaviour.md#reset-prefix-cache
     sched = make_scheduler(enable_prefix_caching=True)
     reqs = make_requests(10)
     for r in reqs:
@@ -102,7 +103,7 @@ def test_scheduler_reset_prefix_cache():  # S09
     assert out.scheduled_cached_reqs.resumed_req_ids == {r.request_id for r in reqs}
 
 
-def test_memory_leak():  # S11
+def test_memory_leak():  # docs/scheduler-behaviour.md#no-leak
     sched = make_scheduler(enable_prefix_caching=True)
     for r in make_requests(5, max_tokens=10):
         sched.add_request(r)
@@ -119,7 +120,7 @@ def test_memory_leak():  # S11
     assert all(kv.block_pool.ref_cnt(b) == 0 for b in range(1, 10000))
 
 
-def test_full_prompt_must_fit_in_cache_gate():  # S86 (gate on; too-big prompts are rejected at add)
+def test_full_prompt_must_fit_in_cache_gate():  # docs/scheduler-behaviour.md#full-sequence-gate (too-big prompts are rejected at add)
     sched = make_scheduler(num_blocks=11, max_num_batched_tokens=64, enable_prefix_caching=True)
     # 150 tokens = 10 blocks: fits the cache; a running 40-token request holds 3 blocks.
     sched.add_request(make_request("a", list(range(40)), max_tokens=50))
@@ -132,7 +133,7 @@ def test_full_prompt_must_fit_in_cache_gate():  # S86 (gate on; too-big prompts 
     assert [r.request_id for r in sched.waiting] == ["b"]
 
 
-def test_free_queue_order_at_scheduler_level():  # S87
+def test_free_queue_order_at_scheduler_level():  # docs/scheduler-behaviour.md#free-queue-order
     for caching, expected in ((False, [2, 1, 3]), (True, [2, 3, 4])):
         sched = make_scheduler(num_blocks=11, max_num_batched_tokens=100,
                                enable_prefix_caching=caching)
@@ -145,7 +146,7 @@ def test_free_queue_order_at_scheduler_level():  # S87
         assert out.scheduled_new_reqs[0].block_ids == expected
 
 
-def test_threshold_only_with_company():  # S89
+def test_threshold_only_with_company():  # docs/scheduler-behaviour.md#threshold-needs-company
     sched = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
     sched.add_request(make_request("alone", [1] * 800))
     assert sched.schedule().num_scheduled_tokens == {"alone": 800}

@@ -1,4 +1,5 @@
-"""Admission limits and pause states of vLLM 0.32 (spec 1.5, 2.1, 2.5, 3.6)."""
+"""Admission limits and pause states of vLLM 0.32 (docs/scheduler-behaviour.md#active-limit,
+docs/scheduler-behaviour.md#pause-all, docs/scheduler-behaviour.md#pause-new)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from schedkit.plugins.testing import (
 )
 
 
-def test_adaptive_long_prefill_threshold():  # S89, adaptive part
+def test_adaptive_long_prefill_threshold():  # docs/scheduler-behaviour.md#threshold-needs-company
     sched = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=100)
     sched.scheduler_config = sched.scheduler_config.model_copy(
         update={"long_prefill_token_threshold_adaptive": True})

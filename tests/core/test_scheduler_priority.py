@@ -1,4 +1,5 @@
-"""Spec section 7.3 (priority policy) against our API."""
+"""The priority policy: vLLM's priority tests against our API (docs/scheduler-behaviour.md,
+sections "Priority" and "Preemption")."""
 
 from __future__ import annotations
 
@@ -13,27 +14,27 @@ def _sched_order(priorities, arrivals, **kw):
     return sched, sched.schedule()
 
 
-def test_priority_scheduling_basic_ordering():  # S20
+def test_priority_scheduling_basic_ordering():  # docs/scheduler-behaviour.md#priority-order
     _, out = _sched_order([2, 0, 1], [1.0, 2.0, 3.0])
     assert [r.req_id for r in out.scheduled_new_reqs] == ["1", "2", "0"]
 
 
-def test_priority_scheduling_arrival_time_tiebreaker():  # S21
+def test_priority_scheduling_arrival_time_tiebreaker():  # docs/scheduler-behaviour.md#priority-order
     _, out = _sched_order([1, 1, 1], [3.0, 1.0, 2.0])
     assert [r.req_id for r in out.scheduled_new_reqs] == ["1", "2", "0"]
 
 
-def test_priority_scheduling_mixed_priority_and_arrival():  # S22
+def test_priority_scheduling_mixed_priority_and_arrival():  # docs/scheduler-behaviour.md#priority-order
     _, out = _sched_order([2, 1, 1, 0], [1.0, 3.0, 2.0, 4.0])
     assert [r.req_id for r in out.scheduled_new_reqs] == ["3", "2", "1", "0"]
 
 
-def test_priority_scheduling_fcfs_fallback():  # S23
+def test_priority_scheduling_fcfs_fallback():  # docs/scheduler-behaviour.md#priority-order
     _, out = _sched_order([1, 1, 1, 1], [4.0, 1.0, 3.0, 2.0])
     assert [r.req_id for r in out.scheduled_new_reqs] == ["1", "3", "2", "0"]
 
 
-def test_priority_waiting_queue_order():  # S24, S25, S26
+def test_priority_waiting_queue_order():  # docs/scheduler-behaviour.md#priority-waiting-order
     for prios, arrivals, first, rest in (
         ([3, 2, 0], [1.0, 2.0, 3.0], "2", ["1", "0"]),
         ([2, 2, 2], [3.0, 1.0, 2.0], "1", ["2", "0"]),
@@ -44,14 +45,14 @@ def test_priority_waiting_queue_order():  # S24, S25, S26
         assert [r.request_id for r in sched.waiting] == rest
 
 
-def test_priority_scheduling_with_limited_slots():  # S27
+def test_priority_scheduling_with_limited_slots():  # docs/scheduler-behaviour.md#priority-waiting-order
     sched, out = _sched_order([3, 1, 2, 0], [1.0, 2.0, 3.0, 4.0], max_num_seqs=2,
                               max_num_batched_tokens=1000)
     assert {r.req_id for r in out.scheduled_new_reqs} == {"3", "1"}
     assert [r.request_id for r in sched.waiting] == ["2", "0"]
 
 
-def test_priority_no_preemption_when_space_available():  # S29
+def test_priority_no_preemption_when_space_available():  # docs/scheduler-behaviour.md#priority-no-needless-preemption
     sched = make_scheduler(policy="priority", max_num_seqs=3, max_num_batched_tokens=200)
     for rid, arr in (("lo1", 1.0), ("lo2", 2.0)):
         sched.add_request(make_request(rid, [1] * 30, priority=5, arrival_time=arr))
@@ -64,7 +65,7 @@ def test_priority_no_preemption_when_space_available():  # S29
     assert not out.preempted_req_ids
 
 
-def test_priority_preemption_and_resumption_when_out_of_kv():  # S31
+def test_priority_preemption_and_resumption_when_out_of_kv():  # docs/scheduler-behaviour.md#preempt-recompute
     sched = make_scheduler(policy="priority", max_num_seqs=2, max_num_batched_tokens=200,
                            num_blocks=5)
     low = make_request("0", [0] * 30, priority=1, arrival_time=0.0)
@@ -94,7 +95,7 @@ def test_priority_preemption_and_resumption_when_out_of_kv():  # S31
     assert len(sched.waiting) == 0 and len(sched.running) == 1
 
 
-def test_priority_victim_ahead_of_current_request():  # S88
+def test_priority_victim_ahead_of_current_request():  # docs/scheduler-behaviour.md#preempt-priority-victim
     sched = make_scheduler(policy="priority", num_blocks=4, max_num_batched_tokens=200,
                            max_num_seqs=4)
     sched.add_request(make_request("X", [1] * 16, priority=5, arrival_time=0.0))

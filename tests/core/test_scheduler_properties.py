@@ -108,7 +108,7 @@ def traces(draw):
             abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
             stop=draw(st.sampled_from([(), (5,)])),
             # an asynchronous load must fit beside the one speculative step it reserves
-            # (spec 2.5 step 10), or it can never start (as in vLLM)
+            # (docs/scheduler-behaviour.md#load-reservation), or it can never start (as in vLLM)
             load=draw(st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 4), st.booleans())))
             if -(-prompt_len // block_size) + -(-(1 + k) // block_size) <= num_blocks - 1 else None,
         ))
@@ -172,7 +172,7 @@ def test_random_traces_keep_invariants(trace):
     cfg, reqs = trace
     # With the full-sequence admission gate off, vLLM's rules can livelock two requests
     # that each fit alone but not together under PRIORITY (the victim may be the one
-    # making progress; spec S86). FCFS never preempts running[0], so it always drains.
+    # making progress; docs/scheduler-behaviour.md#full-sequence-gate). FCFS never preempts running[0], so it always drains.
     must_drain = cfg["scheduler_reserve_full_isl"] or cfg["policy"] == "fcfs"
     sched, added, finished, steps = run_trace(cfg, reqs, 3000 if must_drain else 300)
     eos_at = {r["id"]: r["eos_at"] for r in reqs}

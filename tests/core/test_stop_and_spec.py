@@ -1,4 +1,5 @@
-"""Spec section 7.2 (stop conditions, speculative decoding bookkeeping) and S90."""
+"""Stop conditions and speculative-decoding bookkeeping (docs/scheduler-behaviour.md#stop-order,
+docs/scheduler-behaviour.md#spec-stats, docs/scheduler-behaviour.md#spec-padding)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _finish_reasons(outs):
     return {o.request_id: o.finish_reason for o in outs[0].outputs}
 
 
-def test_stop_via_update_from_output_eos():  # S12
+def test_stop_via_update_from_output_eos():  # docs/scheduler-behaviour.md#stop-order
     sched, (r0, r1) = _running_pair(1)
     so = _hand_output({"0": 1, "1": 2}, {"1": [10]})
     outs = sched.update_from_output(so, runner_output(so, {"0": [EOS], "1": [10, 11]}))
@@ -47,7 +48,7 @@ def test_stop_via_update_from_output_eos():  # S12
     assert _finish_reasons(outs) == {"0": FinishReason.STOP, "1": None}
 
 
-def test_stop_via_update_from_output_stop_token():  # S13
+def test_stop_via_update_from_output_stop_token():  # docs/scheduler-behaviour.md#stop-order
     sched, (r0, r1) = _running_pair(2, stop_token_ids=frozenset({42, 43}))
     so = _hand_output({"0": 3, "1": 2}, {"0": [10, 42], "1": [13]})
     sched.update_from_output(so, runner_output(so, {"0": [10, 42, 12], "1": [13, 14]}))
@@ -56,7 +57,7 @@ def test_stop_via_update_from_output_stop_token():  # S13
     assert r1.output_token_ids == [13, 14] and sched.running == [r1]
 
 
-def test_stop_via_update_from_output_max_tokens():  # S14
+def test_stop_via_update_from_output_max_tokens():  # docs/scheduler-behaviour.md#stop-order
     sched, (r0, r1) = _running_pair(2, max_tokens=2)
     so = _hand_output({"0": 3, "1": 1}, {"0": [10, 11]})
     outs = sched.update_from_output(so, runner_output(so, {"0": [10, 11, 12], "1": [13]}))
@@ -65,7 +66,7 @@ def test_stop_via_update_from_output_max_tokens():  # S14
     assert _finish_reasons(outs)["0"] == "length"
 
 
-def test_stop_via_update_from_output_ignore_eos():  # S15
+def test_stop_via_update_from_output_ignore_eos():  # docs/scheduler-behaviour.md#stop-order
     sched, (r0, _) = _running_pair(2, eos_token_id=None)
     so = _hand_output({"0": 3}, {"0": [EOS, 10]})
     sched.update_from_output(so, runner_output(so, {"0": [EOS, 10, 11]}))
@@ -78,7 +79,7 @@ def test_stop_via_update_from_output_ignore_eos():  # S15
     (5, (42,), [10, 11, 42], True, RequestStatus.FINISHED_STOPPED, 42),
     (5, (), [10, 11, 12], False, RequestStatus.WAITING, None),
 ])
-def test_check_stop_min_tokens(min_tokens, stop_ids, outputs, stopped, status, reason):  # S16
+def test_check_stop_min_tokens(min_tokens, stop_ids, outputs, stopped, status, reason):  # docs/scheduler-behaviour.md#stop-min-tokens
     req = make_request("r", [0, 1, 2], max_tokens=20, min_tokens=min_tokens, stop_token_ids=stop_ids)
     result = False
     for tok in outputs:
@@ -95,7 +96,7 @@ def test_check_stop_min_tokens(min_tokens, stop_ids, outputs, stopped, status, r
     ([[]], [[5]], None),
     ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8]], (2, 6, 3, [2, 1, 0])),
 ])
-def test_schedule_spec_decoding_stats(drafts, sampled, expected):  # S17
+def test_schedule_spec_decoding_stats(drafts, sampled, expected):  # docs/scheduler-behaviour.md#spec-stats
     k = max(1, max(len(d) for d in drafts))
     sched = make_scheduler(num_speculative_tokens=k)
     reqs = make_requests(len(drafts), num_tokens=1)
@@ -125,7 +126,7 @@ def test_schedule_spec_decoding_stats(drafts, sampled, expected):  # S17
         assert got == expected
 
 
-def test_spec_decoding_stats_empty_output():  # S18
+def test_spec_decoding_stats_empty_output():  # docs/scheduler-behaviour.md#spec-stats
     sched = make_scheduler(num_speculative_tokens=3)
     req = make_requests(1, num_tokens=1)[0]
     sched.add_request(req)
@@ -139,7 +140,7 @@ def test_spec_decoding_stats_empty_output():  # S18
     assert req.num_computed_tokens == 5  # nothing rolled back for an empty output
 
 
-def test_no_spec_tokens_scheduled_for_prefill_chunks():  # S19
+def test_no_spec_tokens_scheduled_for_prefill_chunks():  # docs/scheduler-behaviour.md#spec-prefill
     sched = make_scheduler(num_speculative_tokens=3, max_num_batched_tokens=50)
     req = make_request("0", [5] * 80)
     sched.add_request(req)
@@ -158,7 +159,7 @@ def test_no_spec_tokens_scheduled_for_prefill_chunks():  # S19
     assert out.scheduled_spec_decode_tokens == {"0": [1, 2, 3]}
 
 
-def test_spec_decode_padding_of_admissions():  # S90
+def test_spec_decode_padding_of_admissions():  # docs/scheduler-behaviour.md#spec-padding
     sched = make_scheduler(num_speculative_tokens=3)
     a = make_request("a", [1] * 5)
     sched.add_request(a)

@@ -1,4 +1,8 @@
-"""Block pool, free queue and cached-block map (spec 4.1-4.5, 4.10; S56, S61, S63, S65, S67)."""
+"""Block pool, free queue and cached-block map.
+
+Behaviours: docs/scheduler-behaviour.md#null-block, docs/scheduler-behaviour.md#free-queue-order,
+docs/scheduler-behaviour.md#refcounts, docs/scheduler-behaviour.md#cached-block-map,
+docs/scheduler-behaviour.md#cache-reset, docs/scheduler-behaviour.md#kv-events."""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ def test_single_block_pool():
 
 
 def test_popleft_order_and_overdraw_asserts():
-    # S67: popleft returns the head; popleft_n(0) == []; popping more than free fails.
+    # docs/scheduler-behaviour.md#free-queue-order: popleft returns the head; popleft_n(0) == []; popping more than free fails.
     pool = BlockPool(7)
     assert pool.get_new_blocks(0) == []
     assert pool.get_new_blocks(1) == [1]
@@ -69,7 +73,7 @@ def test_touch_removes_from_middle_and_relinks():
 
 
 def test_free_unhashed_to_front_hashed_to_tail():
-    # S67 append/prepend: unhashed blocks go to the front in batch order, hashed to the tail.
+    # docs/scheduler-behaviour.md#free-queue-order: unhashed blocks go to the front in batch order, hashed to the tail.
     pool = BlockPool(8)
     blocks = pool.get_new_blocks(7)
     pool.cache_full_blocks(blocks, [h(i) for i in range(7)], 0, 3)  # 1,2,3 hashed
@@ -109,7 +113,7 @@ def test_popping_hashed_block_evicts_it():
     assert pool.take_events() == [BlockRemoved(block_hashes=[h(1)])]
 
 
-def test_cache_blocks_s56(make_request):
+def test_cache_blocks(make_request):
     bs = 4
     pool = BlockPool(5, block_size=bs)
     req = make_request(0, range(14), bs)
@@ -133,7 +137,7 @@ def test_caching_disabled_pool_never_hashes():
     assert pool.get_free_block_ids() == [3, 2, 1]
 
 
-def test_evict_blocks_s61():
+def test_evict_blocks():
     # Blocks 1..4 hashed h0, h1, h2, h0 (the null block cannot be cached here).
     pool = BlockPool(5)
     blocks = pool.get_new_blocks(4)
@@ -152,7 +156,7 @@ def test_evict_blocks_s61():
     pool.evict_blocks([4])  # already evicted: no-op
 
 
-def test_cached_block_map_single_and_multi_s65():
+def test_cached_block_map_single_and_multi():
     m = CachedBlockMap()
     m.insert(h(1), 5)
     assert m.get(h(1)) == 5
@@ -187,7 +191,7 @@ def test_reset_prefix_cache_requires_all_free():
     assert pool.take_events() == []
 
 
-def test_null_parent_block_hash_s63():
+def test_null_parent_block_hash():
     pool = BlockPool(8, block_size=1, enable_kv_events=True)
     tokens = [10, 11, 12, 13]
     hashes: list[bytes] = []

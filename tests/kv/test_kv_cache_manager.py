@@ -1,4 +1,5 @@
-"""KV cache manager scenarios (spec 4.4-4.10; S50, S51, S53, S55, S60, S62, S66, S87)."""
+"""KV cache manager scenarios (docs/scheduler-behaviour.md, section "Prefix caching and the
+block pool"; set-up: docs/scheduler-behaviour.md#setup-kv-manager)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def manager(num_blocks: int, bs: int = 16, **kw) -> KVCacheManager:
 
 
 def admit(m: KVCacheManager, req) -> list[int] | None:
-    """Lookup + allocate for the whole uncomputed prompt (the H3 harness call pattern)."""
+    """Lookup + allocate for the whole uncomputed prompt (docs/scheduler-behaviour.md#setup-kv-manager)."""
     hits, num_hits = m.get_computed_blocks(req)
     new = m.allocate_slots(req, req.num_tokens - num_hits, num_hits, hits)
     if new is not None:
@@ -41,7 +42,7 @@ def test_config_validation():
         manager(10, bs=0)
 
 
-def test_prefill_plp_s50_and_worked_example(make_request):
+def test_prefill_plp_and_worked_example(make_request):
     m = manager(11)
     r0 = make_request(0, COMMON + [3] * 7, 16, skip_reading_prefix_cache=True)
     assert m.get_computed_blocks(r0) == ([], 0)
@@ -63,7 +64,7 @@ def test_prefill_plp_s50_and_worked_example(make_request):
     m.free(r1)
     assert pool.get_free_block_ids() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
 
-    # Worked example 4.4: a request hitting [1,2,3] that needs one more block gets 5.
+    # Worked example (docs/scheduler-behaviour.md#free-queue-order): a request hitting [1,2,3] that needs one more block gets 5.
     r3 = make_request(3, COMMON + [9] * 4, 16)
     hits, num_hits = m.get_computed_blocks(r3)
     assert hits == [1, 2, 3]
@@ -87,7 +88,7 @@ def test_prefill_plp_s50_and_worked_example(make_request):
     assert p2.cached_block_map.get_all(r0.block_hashes[0]) == [1, 5]
 
 
-def test_decode_s51(make_request):
+def test_decode(make_request):
     m = manager(11)
     r0 = make_request(0, COMMON + [3] * 7, 16)
     assert admit(m, r0) == [1, 2, 3, 4]
@@ -104,7 +105,7 @@ def test_decode_s51(make_request):
     assert m.get_num_cached_blocks("0") == 4
 
 
-def test_hash_block_correct_reuse_s53(make_request):
+def test_hash_block_correct_reuse(make_request):
     m = manager(2)
     r = make_request(0, range(16), 16)
     assert admit(m, r) == [1]
@@ -116,7 +117,7 @@ def test_hash_block_correct_reuse_s53(make_request):
     assert len(m.block_pool.cached_block_map) == 0
 
 
-def test_prefix_caching_disabled_s55(make_request):
+def test_prefix_caching_disabled(make_request):
     m = manager(5, bs=4, enable_caching=False)
     r = make_request(0, range(10), 4)
     assert admit(m, r) == [1, 2, 3]
@@ -130,7 +131,7 @@ def test_prefix_caching_disabled_s55(make_request):
     assert m.make_prefix_cache_stats() is None
 
 
-def test_reset_prefix_cache_s60(make_request):
+def test_reset_prefix_cache(make_request):
     m = manager(11)
     r0 = make_request(0, COMMON + [3] * 7, 16)
     r1 = make_request(1, COMMON + [4] * 7, 16)
@@ -150,7 +151,7 @@ def test_reset_prefix_cache_s60(make_request):
 
 
 @pytest.mark.parametrize("k", [2, 3, 10])
-def test_kv_cache_events_s62(make_request, k):
+def test_kv_cache_events(make_request, k):
     m = manager(k + 1, enable_kv_events=True)
     r = make_request(0, list(range(16 * k)), 16)
     assert m.allocate_slots(r, 16 * k) is not None
@@ -181,7 +182,7 @@ def test_kv_cache_events_s62(make_request, k):
 
 
 @pytest.mark.parametrize("lookahead", [2, 4])
-def test_allocate_with_lookahead_s66(make_request, lookahead):
+def test_allocate_with_lookahead(make_request, lookahead):
     m = manager(10, bs=4, max_model_len=100)
     r = make_request(0, [], 4)
     new = m.allocate_slots(r, 3, num_lookahead_tokens=lookahead)
@@ -196,7 +197,7 @@ def test_allocate_with_lookahead_s66(make_request, lookahead):
         (True, [2, 3, 4, 5, 6, 7, 8, 9, 10, 1], [2, 3, 4]),
     ],
 )
-def test_free_queue_order_s87(make_request, caching, queue_after, next_blocks):
+def test_free_queue_order(make_request, caching, queue_after, next_blocks):
     m = manager(11, enable_caching=caching, max_model_len=2048)
     r0 = make_request(0, range(20), 16)
     assert admit(m, r0) == [1, 2]

@@ -1,4 +1,4 @@
-"""Block hashing (spec 4.2, S58, S68)."""
+"""Block hashing (docs/scheduler-behaviour.md#block-hashes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefix-cache statistics (spec 3.7, S69)."""
+"""Prefix-cache statistics (docs/scheduler-behaviour.md#prefix-stats)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def window(m: CachingMetrics) -> tuple[int, int, int]:
     return m.aggregated_requests, m.aggregated_query_total, m.aggregated_query_hit
 
 
-def test_metrics_sliding_window_s69():
+def test_metrics_sliding_window():
     m = CachingMetrics(max_recent_requests=5)
     assert m.empty and m.hit_rate == 0.0
     m.observe(stats(1, 20, 9))
@@ -29,7 +29,7 @@ def test_metrics_sliding_window_s69():
     assert window(m) == (0, 0, 0) and m.empty and m.hit_rate == 0.0
 
 
-def test_metrics_empty_stats_s69():
+def test_metrics_empty_stats():
     m = CachingMetrics(max_recent_requests=5)
     m.observe(stats(0, 0, 0))
     assert m.empty

@@ -1,7 +1,7 @@
 """A KV connector that stores prompt KV in a folder and loads it back: its scheduler
 side. The worker side, which moves the tensors, is :mod:`schedkit.runners.paged.kv_storage`.
 
-After vLLM's example "shared storage" connector (spec 5.6), with the storage cut into
+After vLLM's example "shared storage" connector (docs/scheduler-behaviour.md#storage-connector), with the storage cut into
 chunks as LMCache does, so that a prompt reuses the longest stored prefix. A prompt's
 tokens are split into chunks of ``chunk_blocks`` KV blocks. Chunk ``i`` is stored in one
 file named by a hash chained over chunks ``0..i``, so a file stands for its whole prefix.

@@ -149,7 +149,7 @@ def test_greedy_matches_transformers_on_random_settings(seed: int, model_dir: An
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_reset_prefix_cache_of_running_requests_keeps_greedy_output(
-        async_scheduling: bool, model_dir: Any) -> None:  # S83
+        async_scheduling: bool, model_dir: Any) -> None:  # docs/scheduler-behaviour.md#reset-prefix-cache
     """Resetting the prefix cache with running requests preempts them all at step 10.
     Their outputs still in flight are dropped and recomputed, so greedy output is
     unchanged: no token is lost or duplicated."""

@@ -137,8 +137,8 @@ def test_a_failed_write_is_reported_and_never_loaded(model_dir: Any, tmp_path: P
 
 
 class AsyncLoading:
-    """kv-storage with its loads reported asynchronously (vLLM's async-load protocol, spec
-    5.4): the scheduler parks each request in ``kv_holding`` until the runner's
+    """kv-storage with its loads reported asynchronously (vLLM's async-load protocol,
+    docs/scheduler-behaviour.md#load-lifecycle): the scheduler parks each request in ``kv_holding`` until the runner's
     connector output lists it in ``finished_recving``."""
 
     def __init__(self, path: Path) -> None:

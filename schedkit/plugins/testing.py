@@ -142,6 +142,14 @@ def step(sched: Scheduler, runner: Any = None, *,
         kv_connector_output: Attached to the runner's answer (finished sends and
             receives, failed loads, invalid blocks), as a worker-side connector reports.
         check: Call ``assert_scheduler_consistent`` after the update.
+
+    Returns:
+        The planned batch and the update's outputs, as a ``StepResult``.
+
+    Raises:
+        PluginError: From ``schedule()`` or ``update_from_output``, as the engine would
+            see it (the scheduler has rolled back or applied the step, as documented
+            there).
     """
     if runner is not None and sampled is not None:
         raise TypeError("step(): pass a runner or sampled tokens, not both")

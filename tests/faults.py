@@ -109,9 +109,12 @@ class FaultyQueue:
     def __init__(self, faults: FaultInjector) -> None:
         self.faults = faults
         self.inner = KeyedQueue(self._key) if faults.keyed else FCFSQueue()
+        self._in_batch = False
 
     def _key(self, req: Request) -> tuple[float, str]:
-        self.faults.maybe_raise("key", req)
+        # Inside a batch prepend the error cannot name the request: the step fails as a
+        # whole, so it counts as a step-wide raise.
+        self.faults.maybe_raise("key", None if self._in_batch else req)
         return (req.arrival_time, req.request_id)
 
     def add(self, request: Request) -> None:
@@ -132,7 +135,11 @@ class FaultyQueue:
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         self.faults.maybe_raise("prepend_requests")
-        self.inner.prepend_requests(requests)
+        self._in_batch = True
+        try:
+            self.inner.prepend_requests(requests)
+        finally:
+            self._in_batch = False
 
     def remove_request(self, request: Request) -> None:
         self.faults.maybe_raise("remove_request", request)

@@ -610,10 +610,10 @@ class Scheduler:
         undo = st.undo
         lost: list[Request] = []
         if st.returned:
-            lost += _try_queue_call(self.kv_holding.remove_requests, st.returned)
-            lost += _try_queue_call(self.waiting.remove_requests, st.returned)
+            lost += _remove_or_lose(self.kv_holding, st.returned)
+            lost += _remove_or_lose(self.waiting, st.returned)
         if st.preempted:
-            lost += _try_queue_call(self.waiting.remove_requests, st.preempted)
+            lost += _remove_or_lose(self.waiting, st.preempted)
         self.kv_cache_manager.rollback()
         for req, values, num_events in undo.saved.values():
             for name, value in zip(UNDO_FIELDS, values, strict=True):
@@ -933,11 +933,21 @@ def connector_error(connector: Any, method: str, e: Exception, req: Request | No
                        request_id=req.request_id if req is not None else None)
 
 
-def _try_queue_call(method: Callable[[list[Request]], None], arg: list[Request]) -> list[Request]:
-    """Call a queue method while undoing a step; if it raises, its requests are lost."""
+def _remove_or_lose(queue: RequestQueue, reqs: list[Request]) -> list[Request]:
+    """Take ``reqs`` out of ``queue`` while undoing a step. If the queue refuses the
+    batch, each request it holds is removed alone; those it refuses again are lost (the
+    caller fails them)."""
     try:
-        method(arg)
+        queue.remove_requests(reqs)
+        return []
     except PluginError as e:
-        log.error("%s; its requests fail", e)
-        return list(arg)
-    return []
+        log.error("%s; removing its requests one by one", e)
+    lost = []
+    for req in reqs:
+        if req in queue:  # type: ignore[operator]  # the guard knows its members
+            try:
+                queue.remove_request(req)
+            except PluginError as e:
+                log.error("%s; request %r fails", e, req.request_id)
+                lost.append(req)
+    return lost

@@ -130,7 +130,13 @@ class KeyedQueue(BaseRequestQueue):
         self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
+        entry = (self._key(request), next(self._counter), request)
+        try:
+            heapq.heappush(self._heap, entry)
+        except BaseException:  # a key that does not compare with the others: undo the push
+            self._heap = [e for e in self._heap if e is not entry]
+            heapq.heapify(self._heap)
+            raise
 
     def peek(self) -> Request:
         return self._heap[0][2]

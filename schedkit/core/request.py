@@ -10,7 +10,7 @@ import enum
 import math
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from schedkit.errors import RequestError
@@ -110,8 +110,8 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if (isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable)
+                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.eos_token_id is not None and (not _is_int(self.eos_token_id) or self.eos_token_id < 0):
             raise bad("eos_token_id", "must be a non-negative integer or None")

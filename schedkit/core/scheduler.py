@@ -514,19 +514,25 @@ class Scheduler:
         if req.num_computed_tokens or self._holds_blocks(req):
             return _NO_LOOKUP
         hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(req)
-        num_ext, load_async = self._connector_call("get_num_new_matched_tokens", req, num_local)
-        if req.skip_reading_prefix_cache:
-            num_ext, load_async = 0, False
-        if num_ext is None:
-            return None
-        limit = req.num_tokens - num_local - (0 if load_async else 1)
-        if num_ext < 0 or num_ext > limit or (load_async and not num_ext):
+        answer = self._connector_call("get_num_new_matched_tokens", req, num_local)
+        if (not isinstance(answer, tuple) or len(answer) != 2 or type(answer[1]) is not bool
+                or not (answer[0] is None or type(answer[0]) is int)):
+            num_ext, load_async, limit = answer, False, -1  # reported below
+        else:
+            num_ext, load_async = answer
+            if req.skip_reading_prefix_cache:
+                num_ext, load_async = 0, False
+            if num_ext is None:
+                return None
+            limit = req.num_tokens - num_local - (0 if load_async else 1)
+        if limit < 0 or num_ext < 0 or num_ext > limit or (load_async and not num_ext):
             raise PluginError(
                 f"KV connector {type(self.connector).__name__!r} answered "
                 f"get_num_new_matched_tokens(request {req.request_id!r}, {num_local}) with "
-                f"({num_ext}, {load_async}): external tokens must be >= 0, at most "
-                f"{limit} (a synchronous load leaves one token to compute), and > 0 for "
-                "an asynchronous load", plugin=type(self.connector).__name__,
+                f"{answer!r}: the answer is (external tokens: int or None, load "
+                f"asynchronously: bool), the tokens >= 0, at most "
+                f"{max(limit, 0)} (a synchronous load leaves one token to compute), and > 0 "
+                "for an asynchronous load", plugin=type(self.connector).__name__,
                 hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
         return hit_blocks, num_local, num_ext, load_async
 
@@ -868,7 +874,10 @@ class Scheduler:
     def _apply_finished_transfers(self, kv_out: KVConnectorOutput | None) -> None:
         """The connector's view of the step, then the loads and sends the worker finished:
         loaded requests become admissible; blocks held for them are freed."""
-        self.connector.update_connector_output(kv_out)
+        try:
+            self.connector.update_connector_output(kv_out)
+        except Exception as e:  # reported once the step's state is complete
+            self._deferred_errors.append(connector_error(self.connector, "update_connector_output", e, None))
         if kv_out is None:
             return
         if kv_out.finished_recving:

@@ -69,6 +69,11 @@ def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
                            request_id=request_id)
 
 
+STALL_STEPS = 1000
+STALL_S = 5.0
+"""A scheduler that let nothing run for this many steps and seconds is stalled."""
+
+
 class StepHandle(Protocol):
     """A launched step; ``result()`` waits for its sampled tokens."""
 
@@ -113,6 +118,8 @@ class EngineCore:
         processing included (wall time with a real runner; what calibration fits). With
         steps in flight: the time since the previous step's output was processed."""
         self._consecutive_step_failures = 0
+        self._empty_steps = 0
+        self._empty_since = 0.0
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = float("-inf")
@@ -185,9 +192,10 @@ class EngineCore:
                 failed.append((req, e))
         return failed
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Abort requests (held, waiting or running); their KV blocks are freed now."""
-        ids = set(request_ids)
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Abort requests (held, waiting or running); their KV blocks are freed now. One
+        id may be passed as a plain string."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         held = [r for _, _, r in self._future if r.request_id in ids]
         if held:
             self._future = [e for e in self._future if e[2].request_id not in ids]
@@ -235,8 +243,13 @@ class EngineCore:
                 scheduler_output = sched.schedule()
             except PluginError as e:
                 _merge(outputs, self._on_plugin_error(e))
+            except Exception as e:  # the step was undone; this is a bug, but never fatal
+                log.exception("schedule() failed; the step was undone")
+                _merge(outputs, self._on_plugin_error(PluginError(
+                    f"scheduling failed: {type(e).__name__}: {e}")))
             else:
                 self._consecutive_step_failures = 0
+                _merge(outputs, self._watch_progress(scheduler_output))
                 try:
                     handle = self._launch(scheduler_output)
                 except Exception as e:
@@ -259,6 +272,10 @@ class EngineCore:
         except PluginError as e:  # an observer raised after the step was applied
             log.error("%s", e)
             step_outputs = e.outputs or {}
+        except Exception as e:  # a bug; fail this step's requests rather than the engine
+            log.exception("update_from_output failed")
+            return _merge(outputs, self.fail_requests(
+                list(scheduler_output.num_scheduled_tokens), f"output processing failed: {type(e).__name__}: {e}"))
         if sched.num_spec_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
         self.num_steps += 1
@@ -266,6 +283,31 @@ class EngineCore:
         self.last_step_s = done - max(t0, self._last_done)
         self._last_done = done
         return _merge(outputs, step_outputs)
+
+    def _watch_progress(self, scheduler_output: SchedulerOutput) -> dict[int, EngineCoreOutputs]:
+        """Fail the waiting requests when the plugins let nothing run for good: at least
+        STALL_STEPS steps in a row and STALL_S seconds (wall time) scheduled no token while
+        requests waited and nothing else could end the wait (no step in flight, no KV
+        load in progress, no pause). Returns their error outputs ({} otherwise)."""
+        sched = self.scheduler
+        if (scheduler_output.total_num_scheduled_tokens or self._in_flight or self._future
+                or sched.pause_state is not PauseState.UNPAUSED
+                or not sched.get_num_unfinished_requests()
+                or any(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.kv_holding)):
+            self._empty_steps = 0
+            return {}
+        if self._empty_steps == 0:
+            self._empty_since = time.monotonic()
+        self._empty_steps += 1
+        if self._empty_steps < STALL_STEPS or time.monotonic() - self._empty_since < STALL_S:
+            return {}
+        self._empty_steps = 0
+        message = (f"no progress: {STALL_STEPS}+ steps in a row scheduled nothing while "
+                   f"{sched.get_num_unfinished_requests()} requests waited (a step budget of 0, "
+                   "an admission hook that always skips, or a KV connector that never lets a "
+                   "request run)")
+        log.error("%s; failing the waiting requests", message)
+        return self.fail_requests(list(sched.requests), message)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         if self._launch_async:

@@ -32,6 +32,10 @@ _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
 
 _Impl = tuple[Any, tuple[str, ...], str]
 
+_PLUGIN_FAULTS = (Exception, SystemExit, GeneratorExit)
+"""What a hook may raise that becomes a PluginError (a plugin calling sys.exit() must
+not end the engine); KeyboardInterrupt still interrupts."""
+
 
 def _request_id(kwargs: dict[str, Any]) -> str | None:
     req = kwargs.get("request")
@@ -62,7 +66,7 @@ class HookFacade:
         for fn, argnames, plugin in impls:
             try:
                 result = fn(*[kwargs[a] for a in argnames])
-            except Exception as e:
+            except _PLUGIN_FAULTS as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
                                   f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
                                   request_id=_request_id(kwargs)) from e
@@ -74,7 +78,7 @@ class HookFacade:
         caller = getattr(self.pm.hook, name)
         try:
             return caller(**kwargs), None
-        except Exception as e:
+        except _PLUGIN_FAULTS as e:
             codes = {getattr(i.function, "__code__", None): i.plugin_name
                      for i in caller.get_hookimpls()}
             plugin, tb = None, e.__traceback__
@@ -86,9 +90,12 @@ class HookFacade:
                               request_id=_request_id(kwargs)) from e
 
     @staticmethod
-    def _bad_answer(name: str, plugin: str | None, answer: Any, why: str) -> PluginError:
-        return PluginError(f"plugin {plugin!r}: hook {name} returned {answer!r}: {why}",
-                           plugin=plugin, hook=name)
+    def _bad_answer(name: str, plugin: str | None, answer: Any, why: str,
+                    request: Request | None = None) -> PluginError:
+        about = f" for request {request.request_id!r}" if request is not None else ""
+        return PluginError(f"plugin {plugin!r}: hook {name} returned {answer!r}{about}: {why}",
+                           plugin=plugin, hook=name,
+                           request_id=request.request_id if request is not None else None)
 
     # -- hooks ---------------------------------------------------------------------------
     def create_waiting_queue(self, *, scheduler_config: SchedulerConfig,
@@ -105,10 +112,10 @@ class HookFacade:
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request:
         name = "schedkit_select_preemption_victim"
         victim, plugin = self._call(name, {"running": running, "request": request}, True)
-        if victim is None or victim.status is not RequestStatus.RUNNING or victim not in running:
-            err = self._bad_answer(name, plugin, victim, "the victim must be one of the running requests")
-            err.request_id = request.request_id
-            raise err
+        if (not isinstance(victim, Request) or victim.status is not RequestStatus.RUNNING
+                or not any(r is victim for r in running)):
+            raise self._bad_answer(name, plugin, victim, "the victim must be one of the running requests",
+                                   request)
         return victim
 
     def prefill_chunk_limit(self, *, request: Request, num_new_tokens: int, threshold: int) -> int | None:
@@ -116,7 +123,7 @@ class HookFacade:
         cap, plugin = self._call(name, {"request": request, "num_new_tokens": num_new_tokens,
                                         "threshold": threshold}, True)
         if cap is not None and (type(cap) is not int or cap < 1):
-            raise self._bad_answer(name, plugin, cap, "a cap must be an int >= 1")
+            raise self._bad_answer(name, plugin, cap, "a cap must be an int >= 1", request)
         return cap
 
     def step_token_budget(self, *, max_num_batched_tokens: int, running: Sequence[Request],
@@ -136,7 +143,7 @@ class HookFacade:
         decision, plugin = self._call(name, {"request": request, "num_running": num_running,
                                              "kv_cache_usage": kv_cache_usage, "now": now}, True)
         if not isinstance(decision, AdmissionDecision):
-            raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision")
+            raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision", request)
         return decision
 
     def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:

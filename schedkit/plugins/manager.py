@@ -87,8 +87,9 @@ def _instantiate(name: str, obj: Any, settings: Mapping[str, Any], where: str | 
     if callable(obj):
         try:
             return obj(**settings)
-        except (TypeError, ValueError) as e:
-            raise PluginError(f"{at}plugin {name!r}: invalid settings {dict(settings)!r}: {e}",
+        except Exception as e:  # its constructor is plugin code: whatever it raises
+            raise PluginError(f"{at}plugin {name!r}: invalid settings {dict(settings)!r}: "
+                              f"{type(e).__name__}: {e}",
                               plugin=name) from e
     raise PluginError(f"{at}plugin {name!r}: entry point must name a module, class or factory, "
                       f"got {type(obj).__name__}", plugin=name)

@@ -13,12 +13,15 @@ runs plugin code: a request is in once an ``add`` or ``prepend`` returned, and o
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from schedkit.core.queues import RequestQueue
 from schedkit.core.request import Request
 from schedkit.errors import PluginError
+
+log = logging.getLogger("schedkit.scheduler")
 
 _HOOK = "schedkit_create_waiting_queue"
 
@@ -55,18 +58,48 @@ class GuardedQueue:
         self._ids.add(request.request_id)
 
     def peek(self) -> Request:
-        try:
-            return self.policy_queue.peek()
-        except Exception as e:
-            raise self._error("peek", e) from e
+        """The head, checked: something the queue does not hold (a duplicate, a request
+        never added, not a request at all) is popped and dropped with a logged error. If
+        the queue runs dry while requests it was given are still unaccounted for, it
+        lost them: the PluginError names them (``lost_request_ids``), so they fail."""
+        for _ in range(len(self._ids) + 2):
+            try:
+                req = self.policy_queue.peek()
+            except Exception as e:
+                err = self._error("peek", e)
+                if self._ids and self._policy_len() == 0:
+                    err.lost_request_ids = sorted(self._ids)
+                    self._ids.clear()
+                raise err from e
+            if isinstance(req, Request) and req.request_id in self._ids:
+                return req
+            self._drop_head(req)
+        raise self._error("peek", ValueError("keeps answering requests it does not hold"))
 
     def pop(self) -> Request:
         try:
             req = self.policy_queue.pop()
         except Exception as e:
             raise self._error("pop", e) from e
+        if not isinstance(req, Request) or req.request_id not in self._ids:
+            raise self._error("pop", ValueError(f"returned {req!r}, which it does not hold"))
         self._ids.discard(req.request_id)
         return req
+
+    def _policy_len(self) -> int:
+        try:
+            return len(self.policy_queue)
+        except Exception:
+            return -1
+
+    def _drop_head(self, head: object) -> None:
+        log.error("plugin %r: its waiting queue (%s) answered %r, which it does not hold "
+                  "(a duplicate or a request never added); dropped", self.plugin,
+                  type(self.policy_queue).__name__, head)
+        try:
+            self.policy_queue.pop()
+        except Exception as e:
+            raise self._error("pop", e) from e
 
     def prepend_request(self, request: Request) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ def _run(args: argparse.Namespace) -> int:
     from schedkit.lab.workloads import generate
 
     config = load_config(args.config)  # a bad file stops here, before any process starts
+    if args.output:
+        _check_writable(args.output)
     tokenizer = load_tokenizer(config) if config.workload.prompts else None
     workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
     wall0 = time.perf_counter()
@@ -114,11 +117,22 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(path: str) -> None:
+    """Refuse an output path that cannot be written before a run, not after it."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(path).is_dir():
+        raise ConfigError(f"--output {path}: cannot write there (no such writable folder, or a folder)")
+
+
 def _check(args: argparse.Namespace) -> int:
+    from schedkit.core.scheduler import Scheduler
+    from schedkit.plugins.facade import HookFacade
     from schedkit.plugins.manager import get_plugin_manager
 
     config = load_config(args.config)
-    get_plugin_manager(config)
+    # Build the scheduler too: its queue and connector come from the plugins' build
+    # hooks, and a KV cache smaller than max_model_len is reported (as a warning) here.
+    Scheduler(config.scheduler, config.cache, HookFacade(get_plugin_manager(config)))
     profiles = ""
     if config.compare is not None:
         from schedkit.lab.compare import check_profiles

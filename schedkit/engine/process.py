@@ -66,7 +66,7 @@ from schedkit.engine.messages import (
     decode_request,
     engine_encoder,
 )
-from schedkit.errors import EngineDeadError, SchedkitError
+from schedkit.errors import ConfigError, EngineDeadError, PluginError, SchedkitError
 
 log = logging.getLogger("schedkit.engine")
 
@@ -419,6 +419,10 @@ class EngineProcess:
         if not line.startswith("ready"):
             self.shutdown()
             detail = line.removeprefix("error ") or f"no answer (exit code {self.proc.returncode})"
+            kind, _, message = detail.partition(": ")
+            typed = _START_ERRORS.get(kind)
+            if typed is not None:  # the user's mistake, not a dead engine: keep its type
+                raise typed(message)
             raise EngineDeadError(f"the engine process failed to start: {detail}")
 
     def is_alive(self) -> bool:
@@ -472,6 +476,9 @@ def _watch_parent_pid(parent_pid: int, addrs: tuple[str, ...]) -> None:
 
 
 PR_SET_PDEATHSIG = 1
+
+_START_ERRORS: dict[str, type[SchedkitError]] = {"ConfigError": ConfigError, "PluginError": PluginError}
+"""Errors the engine process reports at start-up that the client raises as they are."""
 
 
 def _ask_for_parent_death_signal(sig: int) -> bool:

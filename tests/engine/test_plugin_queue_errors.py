@@ -26,6 +26,11 @@ PLUGIN = textwrap.dedent('''
         @hookimpl
         def schedkit_create_waiting_queue(self):
             return KeyedQueue(key)
+
+    class NoQueue:
+        @hookimpl
+        def schedkit_create_waiting_queue(self):
+            return 5
 ''')
 
 
@@ -37,7 +42,7 @@ def badkey_installed(tmp_path, monkeypatch):
     dist = site / "badkey_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: badkey-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[schedkit]\nbadkey = badkey_plugin:BadKey\n")
+    (dist / "entry_points.txt").write_text("[schedkit]\nbadkey = badkey_plugin:BadKey\nnoqueue = badkey_plugin:NoQueue\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("PYTHONPATH", f"{site}:{':'.join(p for p in sys.path if p)}")
     monkeypatch.delenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD")  # tests/conftest.py hides installed plugins
@@ -56,3 +61,12 @@ def test_raising_key_fails_only_its_request_in_the_engine_process(badkey_install
         assert again[0].finish_reason == "length"
         stats = llm.call_utility("stats")
         assert stats["num_waiting"] == 0 and stats["num_running"] == 0
+
+
+def test_a_build_hook_error_in_the_engine_process_keeps_its_type(badkey_installed):
+    """It used to arrive as EngineDeadError("failed to start: PluginError: ...")."""
+    from schedkit.errors import PluginError
+
+    config = config_from_dict({"plugins": [{"name": "noqueue"}]})
+    with pytest.raises(PluginError, match="schedkit_create_waiting_queue returned 5"):
+        LLM(config)

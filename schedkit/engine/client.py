@@ -46,10 +46,14 @@ from schedkit.engine.messages import (
     sampling_to_wire,
 )
 from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
-from schedkit.errors import ConfigError, EngineDeadError, RequestError, SchedkitError
+from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
 
 DEAD_AFTER_S = 3.0
 """No message (not even a heartbeat) for this long means the engine is gone."""
+
+_UTILITY_ERRORS: dict[str, type[SchedkitError]] = {
+    "ConfigError": ConfigError, "RequestError": RequestError, "PluginError": PluginError}
+"""Typed errors a utility call reports that the client raises as the same type."""
 
 
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -176,7 +180,9 @@ class EngineClient:
             for res in batch.utility_results:
                 if res.call_id == call_id:
                     if res.error is not None:
-                        raise SchedkitError(f"utility {method}: {res.error}")
+                        kind, _, message = res.error.partition(": ")
+                        typed = _UTILITY_ERRORS.get(kind, SchedkitError)
+                        raise typed(f"utility {method}: {message if kind in _UTILITY_ERRORS else res.error}")
                     if pending is not None and batch.outputs:
                         pending.append(OutputBatch(outputs=batch.outputs))
                     return res.result

@@ -309,6 +309,9 @@ class EngineCoreProc:
             else:
                 return UtilityResult(call.call_id, error=f"unknown utility method {method!r}; "
                                                          f"known: {', '.join(UTILITY_METHODS)}")
+        except SchedkitError as e:  # the caller's mistake (a bad argument): no traceback
+            log.warning("utility %s: %s", method, e)
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
         except Exception as e:  # a utility failing must not take the engine down
             log.exception("utility %s failed", method)
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")

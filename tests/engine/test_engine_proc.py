@@ -251,3 +251,14 @@ def test_engine_exits_and_cleans_up_when_its_parent_dies(tmp_path):
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_a_bad_utility_argument_raises_its_own_type():
+    from schedkit.config import config_from_dict
+    from schedkit.engine.client import LLM
+    from schedkit.errors import ConfigError
+
+    with LLM(config_from_dict({})) as llm:
+        with pytest.raises(ConfigError, match="pause state must be one of"):
+            llm.call_utility("set_pause_state", "banana")
+        assert llm.call_utility("stats")["pause_state"] == "unpaused"

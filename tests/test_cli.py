@@ -118,23 +118,14 @@ def test_run_output_has_queueing_delay_like_compare(tmp_path):
     assert data["summary"]["max_wait_s"] == max(r["queueing_delay"] for r in data["requests"])
 
 
-def test_check_builds_the_scheduler_so_build_hook_answers_are_checked(tmp_path, capsys, monkeypatch):
+def test_check_builds_the_scheduler_so_build_hook_answers_are_checked(tmp_path, capsys, install_plugin):
     """A create_waiting_queue answer that is no queue used to pass `check` and fail only
     when the engine started (outside audit)."""
-    site = tmp_path / "site"
-    (site / "badqueue_plugin").mkdir(parents=True)
-    (site / "badqueue_plugin" / "__init__.py").write_text(
-        "from schedkit import hookimpl\n\n"
-        "class BadQueue:\n"
-        "    @hookimpl\n"
-        "    def schedkit_create_waiting_queue(self):\n"
-        "        return 5\n")
-    dist = site / "badqueue_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: badqueue-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[schedkit]\nbadqueue = badqueue_plugin:BadQueue\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    install_plugin("badqueue_plugin", "from schedkit import hookimpl\n\n"
+                   "class BadQueue:\n"
+                   "    @hookimpl\n"
+                   "    def schedkit_create_waiting_queue(self):\n"
+                   "        return 5\n", {"badqueue": "badqueue_plugin:BadQueue"})
     cfg = tmp_path / "c.yaml"
     cfg.write_text("plugins: [{name: badqueue}]\n")
     assert main(["check", str(cfg)]) != 0

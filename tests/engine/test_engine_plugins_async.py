@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import textwrap
 
 import pytest
@@ -28,18 +27,8 @@ PLUGIN = textwrap.dedent('''
 
 
 @pytest.fixture
-def boom_installed(tmp_path, monkeypatch):
-    """Install a plugin package into a temp site dir visible to this and child processes."""
-    site = tmp_path / "site"
-    (site / "boom_plugin").mkdir(parents=True)
-    (site / "boom_plugin" / "__init__.py").write_text(PLUGIN)
-    dist = site / "boom_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: boom-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[schedkit]\nboom = boom_plugin:Boom\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{':'.join(p for p in sys.path if p)}")
-    monkeypatch.delenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD")  # tests/conftest.py hides installed plugins
+def boom_installed(install_plugin):
+    install_plugin("boom_plugin", PLUGIN, {"boom": "boom_plugin:Boom"})
     return "boom"
 
 

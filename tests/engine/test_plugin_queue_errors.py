@@ -4,7 +4,6 @@ defect 2: the engine process used to die with EngineDeadError)."""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
@@ -35,17 +34,8 @@ PLUGIN = textwrap.dedent('''
 
 
 @pytest.fixture
-def badkey_installed(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    (site / "badkey_plugin").mkdir(parents=True)
-    (site / "badkey_plugin" / "__init__.py").write_text(PLUGIN)
-    dist = site / "badkey_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: badkey-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[schedkit]\nbadkey = badkey_plugin:BadKey\nnoqueue = badkey_plugin:NoQueue\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{':'.join(p for p in sys.path if p)}")
-    monkeypatch.delenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD")  # tests/conftest.py hides installed plugins
+def badkey_installed(install_plugin):
+    install_plugin("badkey_plugin", PLUGIN, {"badkey": "badkey_plugin:BadKey", "noqueue": "badkey_plugin:NoQueue"})
     return "badkey"
 
 

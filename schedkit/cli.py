@@ -83,7 +83,12 @@ def _compare(args: argparse.Namespace) -> int:
     base = Path(args.config).parent
     knob, values = parse_sweep(args.sweep) if args.sweep else (None, [])
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # before any profile runs
+        raise ConfigError(f"--output-dir {out}: cannot create it ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--output-dir {out}: not writable")
     result = compare(config, base_dir=base) if not args.sweep_only else CompareResult()
     if result.summaries:
         print(report.format_table(result.summaries))

@@ -139,3 +139,12 @@ def test_run_refuses_an_unwritable_output_before_running(tmp_path, capsys):
     assert main(["run", str(cfg), "-o", str(tmp_path / "no" / "such" / "x.json")]) != 0
     out, err = capsys.readouterr()
     assert "--output" in err and "per-request" not in out
+
+
+def test_compare_refuses_an_unusable_output_dir_before_running(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("workload: {num_requests: 4}\ncompare:\n  profiles:\n    - {name: a, policy: fcfs}\n")
+    assert main(["compare", str(cfg), "-o", str(afile)]) != 0
+    assert "--output-dir" in capsys.readouterr().err

@@ -56,6 +56,14 @@ _UTILITY_ERRORS: dict[str, type[SchedkitError]] = {
 """Typed errors a utility call reports that the client raises as the same type."""
 
 
+def utility_error(method: str, error: str) -> SchedkitError:
+    """The client-side error for a utility call that failed in the engine with ``error``
+    ("Type: message"): the same type where it is one of ours, else SchedkitError."""
+    kind, _, message = error.partition(": ")
+    typed = _UTILITY_ERRORS.get(kind)
+    return typed(f"utility {method}: {message}") if typed else SchedkitError(f"utility {method}: {error}")
+
+
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
                  cache_salt: str | None = None, final_only: bool = False) -> WireRequest:
@@ -180,9 +188,7 @@ class EngineClient:
             for res in batch.utility_results:
                 if res.call_id == call_id:
                     if res.error is not None:
-                        kind, _, message = res.error.partition(": ")
-                        typed = _UTILITY_ERRORS.get(kind, SchedkitError)
-                        raise typed(f"utility {method}: {message if kind in _UTILITY_ERRORS else res.error}")
+                        raise utility_error(method, res.error)
                     if pending is not None and batch.outputs:
                         pending.append(OutputBatch(outputs=batch.outputs))
                     return res.result
@@ -438,7 +444,7 @@ class AsyncLLM:
                             fut = self._calls.pop(res.call_id, None)
                             if fut is not None and not fut.done():
                                 if res.error is not None:
-                                    fut.set_exception(SchedkitError(f"utility: {res.error}"))
+                                    fut.set_exception(utility_error("call", res.error))
                                 else:
                                     fut.set_result(res.result)
                     elif isinstance(msg, Ready):

@@ -290,8 +290,11 @@ class EngineCore:
         requests waited and nothing else could end the wait (no step in flight, no KV
         load in progress, no pause). Returns their error outputs ({} otherwise)."""
         sched = self.scheduler
-        if (scheduler_output.total_num_scheduled_tokens or self._in_flight or self._future
-                or sched.pause_state is not PauseState.UNPAUSED
+        if not scheduler_output.total_num_scheduled_tokens and self._future and self._virtual:
+            # Nothing ran, so nothing moves a virtual clock: jump to the next arrival.
+            self.advance_to(self._future[0][0])
+        if (scheduler_output.total_num_scheduled_tokens or self._in_flight
+                or (self._future and not self._virtual) or sched.pause_state is not PauseState.UNPAUSED
                 or not sched.get_num_unfinished_requests()
                 or any(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.kv_holding)):
             self._empty_steps = 0
@@ -302,8 +305,8 @@ class EngineCore:
         if self._empty_steps < STALL_STEPS or time.monotonic() - self._empty_since < STALL_S:
             return {}
         self._empty_steps = 0
-        message = (f"no progress: {STALL_STEPS}+ steps in a row scheduled nothing while "
-                   f"{sched.get_num_unfinished_requests()} requests waited (a step budget of 0, "
+        message = (f"no progress: {STALL_STEPS}+ steps in a row scheduled nothing for "
+                   f"{sched.get_num_unfinished_requests()} unfinished requests (a step budget of 0, "
                    "an admission hook that always skips, or a KV connector that never lets a "
                    "request run)")
         log.error("%s; failing the waiting requests", message)
@@ -330,7 +333,13 @@ class EngineCore:
         if self._consecutive_step_failures < 3:
             return {}
         self._consecutive_step_failures = 0
-        return self.fail_requests(list(self.scheduler.requests), str(e))
+        outputs = self.fail_requests(list(self.scheduler.requests), str(e))
+        if not self.scheduler.get_num_unfinished_requests():
+            # No step may ever succeed to hand the runner these ids; forget them so
+            # the engine goes idle (the runner drops a request's state when it sees it
+            # again or never).
+            self.scheduler.finished_req_ids = set()
+        return outputs
 
     def fail_requests(self, request_ids: list[str], message: str) -> dict[int, EngineCoreOutputs]:
         """Finish requests with an error; returns their error outputs per client."""

@@ -32,9 +32,10 @@ _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
 
 _Impl = tuple[Any, tuple[str, ...], str]
 
-_PLUGIN_FAULTS = (Exception, SystemExit, GeneratorExit)
-"""What a hook may raise that becomes a PluginError (a plugin calling sys.exit() must
-not end the engine); KeyboardInterrupt still interrupts."""
+_PLUGIN_FAULTS = BaseException
+"""What a hook may raise that becomes a PluginError (a plugin calling sys.exit(), or
+raising its own BaseException, must not end the engine); KeyboardInterrupt is re-raised
+before, so Ctrl-C still interrupts."""
 
 
 def _request_id(kwargs: dict[str, Any]) -> str | None:
@@ -66,6 +67,8 @@ class HookFacade:
         for fn, argnames, plugin in impls:
             try:
                 result = fn(*[kwargs[a] for a in argnames])
+            except KeyboardInterrupt:
+                raise
             except _PLUGIN_FAULTS as e:
                 raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
                                   f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
@@ -78,6 +81,8 @@ class HookFacade:
         caller = getattr(self.pm.hook, name)
         try:
             return caller(**kwargs), None
+        except KeyboardInterrupt:
+            raise
         except _PLUGIN_FAULTS as e:
             codes = {getattr(i.function, "__code__", None): i.plugin_name
                      for i in caller.get_hookimpls()}

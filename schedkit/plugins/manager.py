@@ -87,9 +87,12 @@ def _instantiate(name: str, obj: Any, settings: Mapping[str, Any], where: str | 
     if callable(obj):
         try:
             return obj(**settings)
+        except (TypeError, ValueError) as e:
+            raise PluginError(f"{at}plugin {name!r}: invalid settings {dict(settings)!r}: {e}",
+                              plugin=name) from e
         except Exception as e:  # its constructor is plugin code: whatever it raises
-            raise PluginError(f"{at}plugin {name!r}: invalid settings {dict(settings)!r}: "
-                              f"{type(e).__name__}: {e}",
+            raise PluginError(f"{at}plugin {name!r}: its constructor raised (settings "
+                              f"{dict(settings)!r}): {type(e).__name__}: {e}",
                               plugin=name) from e
     raise PluginError(f"{at}plugin {name!r}: entry point must name a module, class or factory, "
                       f"got {type(obj).__name__}", plugin=name)

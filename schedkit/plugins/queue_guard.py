@@ -34,12 +34,14 @@ class GuardedQueue:
         plugin: That plugin's name.
     """
 
-    __slots__ = ("policy_queue", "plugin", "_ids")
+    __slots__ = ("policy_queue", "plugin", "_ids", "_peeked", "_suspect")
 
     def __init__(self, policy_queue: RequestQueue, plugin: str | None) -> None:
         self.policy_queue = policy_queue
         self.plugin = plugin
         self._ids: set[str] = set()
+        self._peeked: Request | None = None
+        self._suspect: str | None = None
 
     def _error(self, method: str, e: Exception, request: Request | None = None) -> PluginError:
         qname = type(self.policy_queue).__name__
@@ -51,6 +53,7 @@ class GuardedQueue:
             request_id=rid)
 
     def add(self, request: Request) -> None:
+        self._peeked = None
         try:
             self.policy_queue.add(request)
         except Exception as e:
@@ -58,10 +61,12 @@ class GuardedQueue:
         self._ids.add(request.request_id)
 
     def peek(self) -> Request:
-        """The head, checked: something the queue does not hold (a duplicate, a request
-        never added, not a request at all) is popped and dropped with a logged error. If
-        the queue runs dry while requests it was given are still unaccounted for, it
-        lost them: the PluginError names them (``lost_request_ids``), so they fail."""
+        """The head, checked. A request the queue does not hold (a duplicate, one never
+        added) is dropped with a logged error, if ``pop`` gives that same object. Any
+        other wrong answer (None, a request ``pop`` does not give) fails the step; if the
+        queue lies again while that real head is still waiting, the error names that
+        request, so it fails alone. If the queue runs dry while requests it was given
+        are unaccounted for, it lost them: the error names them (``lost_request_ids``)."""
         for _ in range(len(self._ids) + 2):
             try:
                 req = self.policy_queue.peek()
@@ -72,18 +77,55 @@ class GuardedQueue:
                     self._ids.clear()
                 raise err from e
             if isinstance(req, Request) and req.request_id in self._ids:
+                self._peeked = req
                 return req
-            self._drop_head(req)
+            head = self._real_head()
+            if head is req:
+                log.error("plugin %r: its waiting queue (%s) answered %r, which it does not hold "
+                          "(a duplicate or a request never added); dropped", self.plugin,
+                          type(self.policy_queue).__name__, req)
+                continue
+            self.policy_queue.prepend_request(head)
+            again = self._suspect == head.request_id
+            self._suspect = head.request_id
+            raise self._error("peek", ValueError(f"answered {req!r} while its head is {head!r}"),
+                              head if again else None)
         raise self._error("peek", ValueError("keeps answering requests it does not hold"))
 
+    def _real_head(self) -> Request:
+        """Pop what the queue really has at its head (the caller puts it back or drops it)."""
+        try:
+            head = self.policy_queue.pop()
+        except Exception as e:
+            raise self._error("pop", e) from e
+        if not isinstance(head, Request):
+            raise self._error("pop", TypeError(f"returned {head!r}, not a request"))
+        return head
+
     def pop(self) -> Request:
+        """The head that ``peek`` answered. A queue whose ``pop`` gives another request
+        is corrected: that one goes back (if the queue holds it) and the peeked one is
+        removed, with a logged error."""
+        peeked, self._peeked = self._peeked, None
         try:
             req = self.policy_queue.pop()
         except Exception as e:
             raise self._error("pop", e) from e
+        if peeked is not None and req is not peeked:
+            log.error("plugin %r: its waiting queue (%s) popped %r after peeking %r; corrected",
+                      self.plugin, type(self.policy_queue).__name__, req, peeked)
+            try:
+                if isinstance(req, Request) and req.request_id in self._ids:
+                    self.policy_queue.prepend_request(req)
+                self.policy_queue.remove_requests([peeked])
+            except Exception as e:
+                raise self._error("pop", e, peeked) from e
+            req = peeked
         if not isinstance(req, Request) or req.request_id not in self._ids:
             raise self._error("pop", ValueError(f"returned {req!r}, which it does not hold"))
         self._ids.discard(req.request_id)
+        if req.request_id == self._suspect:  # served after all: the lie was transient
+            self._suspect = None
         return req
 
     def _policy_len(self) -> int:
@@ -92,16 +134,8 @@ class GuardedQueue:
         except Exception:
             return -1
 
-    def _drop_head(self, head: object) -> None:
-        log.error("plugin %r: its waiting queue (%s) answered %r, which it does not hold "
-                  "(a duplicate or a request never added); dropped", self.plugin,
-                  type(self.policy_queue).__name__, head)
-        try:
-            self.policy_queue.pop()
-        except Exception as e:
-            raise self._error("pop", e) from e
-
     def prepend_request(self, request: Request) -> None:
+        self._peeked = None
         try:
             self.policy_queue.prepend_request(request)
         except Exception as e:
@@ -109,6 +143,7 @@ class GuardedQueue:
         self._ids.add(request.request_id)
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self._peeked = None
         requests = list(requests)
         try:
             self.policy_queue.prepend_requests(requests)
@@ -117,6 +152,7 @@ class GuardedQueue:
         self._ids.update(r.request_id for r in requests)
 
     def remove_request(self, request: Request) -> None:
+        self._peeked = None
         try:
             self.policy_queue.remove_request(request)
         except Exception as e:
@@ -124,6 +160,7 @@ class GuardedQueue:
         self._ids.discard(request.request_id)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
+        self._peeked = None
         requests = list(requests)
         try:
             self.policy_queue.remove_requests(requests)

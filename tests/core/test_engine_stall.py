@@ -49,3 +49,17 @@ def test_a_healthy_engine_never_trips_the_stall_guard(monkeypatch):
                            arrival_offset=0.1 * i)
     res = drive(engine)
     assert all(outs[-1].finish_reason == "length" for outs in res.values())
+
+
+def test_a_stalled_virtual_clock_still_reaches_later_arrivals(monkeypatch):
+    """Empty steps do not move a virtual clock: the engine jumps to the next arrival, so
+    a request held for later arrives, and the stall rule then fails them all."""
+    monkeypatch.setattr(core, "STALL_STEPS", 50)
+    monkeypatch.setattr(core, "STALL_S", 0.05)
+    engine = EngineCore(config_from_dict({"runner": {"kind": "fake"}}), extra_plugins=[AlwaysSkip()])
+    engine.add_request(Request("now", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=0.0))
+    engine.add_request(Request("later", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=0.0),
+                       arrival_offset=1.0)
+    res = drive(engine, max_steps=100_000)
+    assert {rid: outs[-1].finish_reason for rid, outs in res.items()} == {"now": "error", "later": "error"}
+    assert engine.now() >= 1.0

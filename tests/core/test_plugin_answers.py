@@ -107,11 +107,12 @@ def test_a_queue_that_loses_a_request_fails_only_that_one():
     assert _reasons(res) == {"r0": "length", "r1": "error", "r2": "length", "r3": "length"}
 
 
-@pytest.mark.parametrize("bug", ["ghost", "none"])
-def test_a_queue_that_answers_what_it_does_not_hold_never_ends_the_engine(bug):
+@pytest.mark.parametrize("bug,victim", [("ghost", "r1"), ("none", "r3")])
+def test_a_queue_that_keeps_lying_about_its_head_fails_only_that_request(bug, victim):
+    """The first lie fails the step (it may be transient); the same lie about the same
+    head again names that request."""
     res = _run(_engine(LyingQueue(bug)))
-    assert set(res) == {"r0", "r1", "r2", "r3"}  # every request ended, engine alive
-    assert _reasons(res)["r0"] == "length"
+    assert _reasons(res) == {rid: "error" if rid == victim else "length" for rid in ("r0", "r1", "r2", "r3")}
 
 
 class MixedKey:
@@ -193,3 +194,70 @@ def test_a_plugin_constructor_raising_anything_is_a_plugin_error():
     with pytest.raises(PluginError, match="init boom"):
         _instantiate("boom", Boom, {})
     assert AdmissionDecision.SKIP  # (the names this file uses are all public)
+
+
+class OddPops:
+    """Second audit: queues whose pop disagrees with their peek, or peek answers None once."""
+
+    def __init__(self, bug: str) -> None:
+        self.bug = bug
+
+    @hookimpl
+    def schedkit_create_waiting_queue(self):
+        bug = self.bug
+
+        class Q(FCFSQueue):
+            last = None
+            peeks = 0
+
+            def pop(self):
+                if bug == "popdiff" and len(self) > 1:
+                    a = super().pop()
+                    b = super().pop()
+                    self.prepend_request(a)
+                    return b
+                if bug == "popdup" and self.last is not None and len(self) % 2:
+                    return self.last
+                self.last = super().pop()
+                return self.last
+
+            def peek(self):
+                self.peeks += 1
+                return None if bug == "peeknone" and self.peeks == 1 else super().peek()
+        return Q()
+
+
+@pytest.mark.parametrize("bug", ["popdiff", "popdup", "peeknone"])
+def test_a_pop_that_disagrees_with_peek_harms_nobody(bug):
+    res = _run(_engine(OddPops(bug)))
+    assert set(_reasons(res).values()) == {"length"}, res
+
+
+class CustomBase(BaseException):
+    pass
+
+
+class RaisesBase:
+    @hookimpl
+    def schedkit_admit_request(self, request):
+        if request.request_id == "r1":
+            raise CustomBase("mine")
+
+
+def test_a_custom_base_exception_in_a_hook_is_a_plugin_error():
+    res = _run(_engine(RaisesBase()))
+    assert _reasons(res) == {"r0": "length", "r1": "error", "r2": "length", "r3": "length"}
+
+
+class NegativeBudget:
+    @hookimpl
+    def schedkit_step_token_budget(self):
+        return -1
+
+
+def test_after_three_failed_steps_fail_everything_the_engine_goes_idle():
+    engine = _engine(NegativeBudget())
+    for i in range(2):
+        engine.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2), 0.0))
+    res = drive(engine, max_steps=20)
+    assert set(_reasons(res).values()) == {"error"} and not engine.has_requests()

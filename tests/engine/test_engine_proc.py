@@ -262,3 +262,20 @@ def test_a_bad_utility_argument_raises_its_own_type():
         with pytest.raises(ConfigError, match="pause state must be one of"):
             llm.call_utility("set_pause_state", "banana")
         assert llm.call_utility("stats")["pause_state"] == "unpaused"
+
+
+def test_async_llm_utility_errors_keep_their_type():
+    import asyncio
+
+    from schedkit.config import config_from_dict
+    from schedkit.engine.client import AsyncLLM
+    from schedkit.errors import ConfigError
+
+    async def main():
+        llm = await AsyncLLM.create(config_from_dict({}))
+        try:
+            with pytest.raises(ConfigError, match="pause state must be one of"):
+                await llm.call_utility("set_pause_state", "banana")
+        finally:
+            await llm.close()
+    asyncio.run(main())

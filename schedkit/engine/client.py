@@ -56,6 +56,18 @@ _UTILITY_ERRORS: dict[str, type[SchedkitError]] = {
 """Typed errors a utility call reports that the client raises as the same type."""
 
 
+def _abort_ids(request_ids: object) -> list[str]:
+    if isinstance(request_ids, str):
+        return [request_ids]
+    if not isinstance(request_ids, Iterable):
+        raise RequestError(f"abort: request ids must be a string or a list of strings, got {request_ids!r}")
+    ids = list(request_ids)
+    bad = [i for i in ids if not isinstance(i, str)]
+    if bad:
+        raise RequestError(f"abort: request ids must be strings, got {bad[0]!r}")
+    return ids
+
+
 def utility_error(method: str, error: str) -> SchedkitError:
     """The client-side error for a utility call that failed in the engine with ``error``
     ("Type: message"): the same type where it is one of ours, else SchedkitError."""
@@ -165,8 +177,13 @@ class EngineClient:
         self.check_alive()
         self.in_sock.send(client_encoder.encode(AddRequests(requests)))
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        self.in_sock.send(client_encoder.encode(AbortRequests(list(request_ids))))
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests by id (one id may be a plain string).
+
+        Raises:
+            RequestError: An id that is not a string (nothing is sent).
+        """
+        self.in_sock.send(client_encoder.encode(AbortRequests(_abort_ids(request_ids))))
 
     def abort_quietly(self, request_ids: Iterable[str]) -> None:
         """Abort without blocking or raising (cleanup on the way out of a failed call)."""

@@ -279,3 +279,16 @@ def test_async_llm_utility_errors_keep_their_type():
         finally:
             await llm.close()
     asyncio.run(main())
+
+
+def test_abort_with_a_bad_id_raises_in_the_client():
+    from schedkit.config import config_from_dict
+    from schedkit.engine.client import LLM
+    from schedkit.errors import RequestError
+
+    with LLM(config_from_dict({})) as llm:
+        for bad in (["a", 5], 5, None):
+            with pytest.raises(RequestError, match="abort: request ids must be"):
+                llm.client.abort(bad)
+        llm.client.abort("a")  # one id as a string: fine (unknown ids are ignored)
+        assert llm.call_utility("stats")["num_running"] == 0

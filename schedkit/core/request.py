@@ -60,11 +60,23 @@ class EventType(enum.Enum):
     FINISHED = "finished"
 
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integers cross the engine boundary as signed 64-bit (msgpack); wider ones are refused."""
 
 MAX_ARRIVAL_OFFSET_S = 1e9
 """The latest arrival offset a request may ask for, in seconds (about 31 years): later
 ones would cost the engine clock its microsecond resolution for good once reached."""
+
+
+def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
+    """Raise RequestError unless the offset is None or finite seconds in
+    [0, MAX_ARRIVAL_OFFSET_S] (NaN fails the range test)."""
+    if arrival_offset is None:
+        return
+    if not _is_number(arrival_offset) or not 0.0 <= arrival_offset <= MAX_ARRIVAL_OFFSET_S:  # type: ignore[operator]
+        raise RequestError(f"request {request_id!r}: arrival_offset must be None or a finite "
+                           f"number of seconds in [0, {MAX_ARRIVAL_OFFSET_S:g}], got {arrival_offset!r}",
+                           request_id=request_id)
 
 
 def _is_int(value: object) -> bool:
@@ -127,9 +139,9 @@ class SamplingParams:
             raise bad("seed", "must be an integer or None")
         for name in ("max_tokens", "min_tokens", "top_k", "seed", "eos_token_id"):
             value = getattr(self, name)
-            if value is not None and not _INT64_MIN <= value <= _INT64_MAX:
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
                 raise bad(name, "must fit in 64 bits")
-        if any(t > _INT64_MAX for t in self.stop_token_ids):
+        if any(t > INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must fit in 64 bits")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
@@ -217,7 +229,7 @@ class Request:
         rid = self.request_id
         checks = (
             ("sampling_params", isinstance(self.sampling_params, SamplingParams), "a SamplingParams"),
-            ("priority", _is_int(self.priority) and _INT64_MIN <= self.priority <= _INT64_MAX,
+            ("priority", _is_int(self.priority) and INT64_MIN <= self.priority <= INT64_MAX,
              "an integer (64-bit)"),
             ("client_index", _is_int(self.client_index) and self.client_index >= 0, "an integer >= 0"),
             ("tenant", isinstance(self.tenant, str), "a string"),

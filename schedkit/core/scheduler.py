@@ -276,7 +276,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions if nobody was preempted."""
-        undo = StepUndo(list(self.running), self.current_step, self.num_preemptions_total)
+        undo = StepUndo(len(self.running), self.current_step, self.num_preemptions_total)
         self.current_step += 1
         st = StepState(budget=0, threshold=self._prefill_threshold(), undo=undo)
         kv = self.kv_cache_manager
@@ -368,6 +368,8 @@ class Scheduler:
             if self._connector_call("has_pending_block_frees"):
                 return None, idx
             victim = self.hooks.select_preemption_victim(running=running, request=req)
+            if st.undo.running is None:
+                st.undo.running = list(running)
             vidx = len(running) - 1 if running[-1] is victim else running.index(victim)
             del running[vidx]
             if vidx < idx:
@@ -625,7 +627,10 @@ class Scheduler:
             for name, value in zip(UNDO_FIELDS, values, strict=True):
                 setattr(req, name, value)
             del req.events[num_events:]
-        self.running = undo.running
+        if undo.running is not None:
+            self.running = undo.running
+        else:
+            del self.running[undo.num_running:]
         self.current_step = undo.current_step
         self.num_preemptions_total = undo.num_preemptions_total
         if undo.preempted_before is not None:

@@ -30,9 +30,12 @@ UNDO_FIELDS = ("status", "num_computed_tokens", "num_preemptions", "num_cached_t
 class StepUndo:
     """The scheduler-side journal of one ``schedule()`` call."""
 
-    running: list[Request]
+    num_running: int
+    """Length of the running list at ``begin``: admissions only append to it."""
     current_step: int
     num_preemptions_total: int
+    running: list[Request] | None = None
+    """The running list before the step's first preemption removed from it."""
     saved: dict[int, tuple[Request, tuple, int]] = field(default_factory=dict)
     """id(request) -> (request, its fields before the step, its number of events)."""
     preempted_before: set[str] | None = None
@@ -70,5 +73,5 @@ class StepState:
     """Requests whose asynchronous KV load began this step (they hold blocks now)."""
     rejected: list[Request] = field(default_factory=list)
     has_running_prefill: bool = False
-    undo: StepUndo = field(default_factory=lambda: StepUndo([], 0, 0))
+    undo: StepUndo = field(default_factory=lambda: StepUndo(0, 0, 0))
     """What rollback needs to restore."""

@@ -30,7 +30,7 @@ from schedkit.core.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from schedkit.core.request import MAX_ARRIVAL_OFFSET_S, FinishReason, Request, RequestStatus
+from schedkit.core.request import FinishReason, Request, RequestStatus, check_arrival_offset
 from schedkit.core.scheduler import PauseState, Scheduler
 from schedkit.errors import ConfigError, PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole
@@ -56,17 +56,6 @@ def _merge(first: dict[int, EngineCoreOutputs], second: dict[int, EngineCoreOutp
         else:
             first[client] = group
     return first
-
-
-def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
-    """Raise RequestError unless the offset is None or finite seconds in [0, MAX_ARRIVAL_OFFSET_S]."""
-    if arrival_offset is None:
-        return
-    if (isinstance(arrival_offset, bool) or not isinstance(arrival_offset, (int, float))
-            or not 0.0 <= arrival_offset <= MAX_ARRIVAL_OFFSET_S):
-        raise RequestError(f"request {request_id!r}: arrival_offset must be a finite number of "
-                           f"seconds in [0, {MAX_ARRIVAL_OFFSET_S:g}], got {arrival_offset!r}",
-                           request_id=request_id)
 
 
 STALL_STEPS = 1000
@@ -120,6 +109,7 @@ class EngineCore:
         self._consecutive_step_failures = 0
         self._empty_steps = 0
         self._empty_since = 0.0
+        self._last_step_empty = False
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = float("-inf")
@@ -180,7 +170,9 @@ class EngineCore:
         return max(self._future[0][0] - self.now(), 0.0) if self._future else None
 
     def _release_arrivals(self) -> list[tuple[Request, Exception]]:
-        if self._future and self._virtual and not self.scheduler.has_requests():
+        # A virtual clock moves only with the steps that run: when nothing is there to
+        # run, or the last step ran nothing, it jumps to the next arrival.
+        if self._future and self._virtual and (self._last_step_empty or not self.scheduler.has_requests()):
             self.advance_to(self._future[0][0])
         failed = []
         now = self.now()
@@ -290,9 +282,7 @@ class EngineCore:
         requests waited and nothing else could end the wait (no step in flight, no KV
         load in progress, no pause). Returns their error outputs ({} otherwise)."""
         sched = self.scheduler
-        if not scheduler_output.total_num_scheduled_tokens and self._future and self._virtual:
-            # Nothing ran, so nothing moves a virtual clock: jump to the next arrival.
-            self.advance_to(self._future[0][0])
+        self._last_step_empty = not scheduler_output.total_num_scheduled_tokens
         if (scheduler_output.total_num_scheduled_tokens or self._in_flight
                 or (self._future and not self._virtual) or sched.pause_state is not PauseState.UNPAUSED
                 or not sched.get_num_unfinished_requests()

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from schedkit.core.outputs import EngineCoreOutput, RequestMetricsData
-from schedkit.core.request import MAX_ARRIVAL_OFFSET_S, SamplingParams
+from schedkit.core.request import INT64_MAX, INT64_MIN, SamplingParams, check_arrival_offset
 from schedkit.errors import RequestError
 
 
@@ -28,8 +28,6 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
             if (value := getattr(params, f.name)) != f.default}
 
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""Integers on the wire are signed 64-bit (msgpack); anything wider is rejected."""
 
 def _is_int64(value: Any) -> bool:
     return type(value) is int and INT64_MIN <= value <= INT64_MAX
@@ -98,11 +96,7 @@ def check_request(w: WireRequest) -> SamplingParams:
         raise _bad(rid, "tenant", w.tenant, "a string")
     if w.cache_salt is not None and not isinstance(w.cache_salt, str):
         raise _bad(rid, "cache_salt", w.cache_salt, "a string or None")
-    offset = w.arrival_offset
-    if offset is not None and (type(offset) not in (int, float)
-                               or not 0.0 <= offset <= MAX_ARRIVAL_OFFSET_S):  # False for NaN
-        raise _bad(rid, "arrival_offset", offset,
-                   f"None or a finite number of seconds in [0, {MAX_ARRIVAL_OFFSET_S:g}]")
+    check_arrival_offset(rid, w.arrival_offset)
     if type(w.final_only) is not bool:
         raise _bad(rid, "final_only", w.final_only, "a bool")
     return sampling_from_wire(w.sampling_params, rid)

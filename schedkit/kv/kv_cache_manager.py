@@ -112,9 +112,9 @@ class KVCacheManager:
         self.prefix_cache_totals = PrefixCacheStats()
         self._journal: dict[str, tuple[RequestBlocks | None, int, int]] | None = None
         """In a transaction: each request's table as it was at ``begin()`` (the state
-        object, its length, its cached count), recorded before its first change; the
-        key ``""`` holds the statistics."""
-        self._saved_stats = (self._stats, self.prefix_cache_totals)
+        object, its length, its cached count), recorded before its first change."""
+        self._saved_stats: tuple[PrefixCacheStats, PrefixCacheStats] | None = None
+        """In a transaction: the statistics before their first change."""
 
     # Queries ------------------------------------------------------------------------
 
@@ -385,6 +385,7 @@ class KVCacheManager:
     def begin(self) -> None:
         """Journal every change until ``commit()`` or ``rollback()`` (one scheduler step)."""
         self._journal = {}
+        self._saved_stats = None
         self.block_pool.begin()
 
     def commit(self) -> None:
@@ -398,9 +399,9 @@ class KVCacheManager:
         assert journal is not None, "rollback outside a transaction"
         self._journal = None
         self.block_pool.rollback()
-        stats = journal.pop("", None)
-        if stats is not None:
+        if self._saved_stats is not None:
             self._stats, self.prefix_cache_totals = self._saved_stats
+            self._saved_stats = None
         reqs = self._reqs
         for rid, (state, length, num_cached) in journal.items():
             if state is None:
@@ -420,9 +421,7 @@ class KVCacheManager:
 
     def record_prefix_cache_hits(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
         """Record one admitted request's lookup: ``num_tokens`` queried, ``num_hits`` hit."""
-        journal = self._journal
-        if journal is not None and "" not in journal:
-            journal[""] = (None, 0, 0)
+        if self._journal is not None and self._saved_stats is None:
             self._saved_stats = (copy.copy(self._stats), copy.copy(self.prefix_cache_totals))
         self._stats.record(num_tokens, num_hits, preempted)
         self.prefix_cache_totals.record(num_tokens, num_hits, preempted)

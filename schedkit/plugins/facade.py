@@ -32,10 +32,6 @@ _QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests",
 
 _Impl = tuple[Any, tuple[str, ...], str]
 
-_PLUGIN_FAULTS = BaseException
-"""What a hook may raise that becomes a PluginError (a plugin calling sys.exit(), or
-raising its own BaseException, must not end the engine); KeyboardInterrupt is re-raised
-before, so Ctrl-C still interrupts."""
 
 
 def _request_id(kwargs: dict[str, Any]) -> str | None:
@@ -69,7 +65,7 @@ class HookFacade:
                 result = fn(*[kwargs[a] for a in argnames])
             except KeyboardInterrupt:
                 raise
-            except _PLUGIN_FAULTS as e:
+            except BaseException as e:  # a plugin calling sys.exit() must not end the engine
                 raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
                                   f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
                                   request_id=_request_id(kwargs)) from e
@@ -83,7 +79,7 @@ class HookFacade:
             return caller(**kwargs), None
         except KeyboardInterrupt:
             raise
-        except _PLUGIN_FAULTS as e:
+        except BaseException as e:  # a plugin calling sys.exit() must not end the engine
             codes = {getattr(i.function, "__code__", None): i.plugin_name
                      for i in caller.get_hookimpls()}
             plugin, tb = None, e.__traceback__

@@ -85,8 +85,15 @@ class PagedRunnerConfig(_RunnerBase):
     """On CUDA: never capture CUDA graphs for decode batches."""
     cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=2048)
     """On CUDA: largest decode batch replayed from a captured CUDA graph."""
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    """Paged attention implementation: auto (Triton on CUDA, PyTorch on CPU), torch or triton."""
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    """Paged attention implementation: auto (Triton on CUDA; on CPU the compiled C++
+    kernel, or the PyTorch reference where no compiler works), torch (the reference),
+    triton or cpu (the C++ kernel)."""
+    compute_dtype: Literal["auto", "model", "float32"] = "auto"
+    """Arithmetic dtype on the CPU: model (the model's dtype), float32 (bfloat16 / float16
+    weights widened once at load; the KV cache keeps the model's dtype) or auto (float32
+    where this CPU's oneDNN has no matmul in the model's dtype, i.e. no AVX512-BF16, AMX
+    or AVX-NE-CONVERT; else the model's). Ignored on CUDA."""
     seed: int = Field(default=0, ge=0)
     """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)

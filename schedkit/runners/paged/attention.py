@@ -10,8 +10,11 @@ chunks and decodes mix freely in one batch.
 The KV cache of a layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and
 the same for V; token ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
 
-:func:`paged_attention` runs the Triton kernel on CUDA and :func:`paged_attention_ref`,
-a plain PyTorch reference, elsewhere; the reference is also the kernels' test oracle.
+:func:`paged_attention` runs the Triton kernel on CUDA and the compiled C++ kernel
+(:func:`paged_attention_cpu`, ``csrc/cpu_attention.cpp``) on the CPU, which reads each
+sequence's blocks in place in the cache's own dtype. :func:`paged_attention_ref`, a plain
+PyTorch reference, is every kernel's test oracle and the CPU fallback where no compiler
+works.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ import torch
 
 from schedkit.runners.paged.attention_metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_ref", "store_kv"]
+__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_cpu", "paged_attention_ref",
+           "rope_store_attention_cpu", "store_kv"]
+
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write this step's keys and values ([T, kv_heads, head_dim]) into their slots."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,7 +51,80 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from schedkit.runners.paged.triton_attention import unified_attention
 
         return unified_attention(q, k_cache, v_cache, meta, scale)
+    if backend == "cpu":
+        return paged_attention_cpu(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, num_heads: int, scale: float) -> torch.Tensor:
+    """One layer's attention on the CPU from its fused projection ``qkv``
+    ([T, (heads + 2 * kv_heads) * head_dim] float32) in one kernel call: RoPE on q and k
+    (``cos`` / ``sin``: [positions, head_dim] float32 tables), k and v written to their
+    slots in the cache's dtype, then :func:`paged_attention_cpu`'s attention.
+
+    Returns:
+        [T, heads * head_dim] float32.
+    """
+    from schedkit.runners.paged.cpu_kernels import cpu_kernels
+
+    num_tokens = qkv.shape[0]
+    num_kv_heads, block_size, head_dim = k_cache.shape[2], k_cache.shape[1], k_cache.shape[3]
+    assert qkv.dtype == torch.float32 and qkv.stride(1) == 1 and positions.dtype == torch.int64
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float32)
+    qsl, seq_lens, table = _kernel_tables(meta)
+    rc = cpu_kernels().schedkit_rope_store_attention(
+        qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        meta.slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
+        out.data_ptr(), qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
+        len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
+        _CACHE_DTYPES[k_cache.dtype], max(1, 48 // num_heads), torch.get_num_threads())
+    assert rc == 0, f"schedkit_rope_store_attention returned {rc}"
+    return out
+
+
+def _kernel_tables(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    qsl = np.ascontiguousarray(meta.query_start_loc_np, dtype=np.int32)
+    seq_lens = np.ascontiguousarray(meta.seq_lens_np, dtype=np.int32)
+    table = meta.block_table
+    if table.dtype != torch.int32 or not table.is_contiguous():
+        table = table.to(torch.int32).contiguous()
+    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
+    return qsl, seq_lens, table
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, num_threads: int | None = None) -> torch.Tensor:
+    """The compiled CPU kernel over the whole mixed batch in one call: every sequence's
+    keys read in place from its blocks (no gather, no padding, no float32 copy of a
+    bfloat16 cache), softmax in float32.
+
+    Raises:
+        RuntimeError: The kernel library could not be built (see
+            :func:`schedkit.runners.paged.cpu_kernels.build_error`).
+    """
+    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_attention
+
+    lib = load_cpu_attention()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {build_error()}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert not q.is_cuda and k_cache.is_contiguous() and v_cache.is_contiguous(), "CPU caches"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in _CACHE_DTYPES, k_cache.dtype
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    qsl, seq_lens, table = _kernel_tables(meta)
+    rows_per_item = max(1, 48 // num_heads)  # a prefill tile: ~48 query vectors per key block
+    rc = lib.schedkit_paged_attention(
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
+        None, len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
+        _CACHE_DTYPES[k_cache.dtype], rows_per_item,
+        num_threads if num_threads is not None else torch.get_num_threads())
+    assert rc == 0, f"schedkit_paged_attention returned {rc}"
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -14,6 +14,7 @@ rows, and the next step's inputs take it from the device tensor the sampler wrot
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, Schedule
 from schedkit.core.request import SamplingParams
 from schedkit.runners.ngram import propose_ngram
 from schedkit.runners.paged.attention_metadata import AttentionMetadata
+from schedkit.runners.paged.cpu_linear import cpu_compute_dtype, prepare_cpu_model
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import (
     KVCacheAllocationError,
@@ -39,6 +41,8 @@ from schedkit.runners.paged.kv_cache import (
 from schedkit.runners.paged.loader import load_model, read_model_args, resolve_model_path
 from schedkit.runners.paged.models import CausalLM, ModelArgs
 from schedkit.runners.paged.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -55,6 +59,9 @@ class RunnerOptions:
     cuda_graph_max_batch_size: int = 256
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    kv_cache_dtype: str | None = None
+    """The cache's dtype (None: the model's parameters'); the model's dtype when the CPU
+    computes in float32 (``runner.compute_dtype``)."""
 
 
 @dataclass(slots=True)
@@ -108,6 +115,10 @@ class PagedModelRunner:
         self.model_path = model_path
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = DTYPES[options.kv_cache_dtype] if options.kv_cache_dtype else self.dtype
+        self.attention_backend = resolve_attention_backend(options.attention_backend, self.device,
+                                                           self.args.head_dim)
+        """What ``auto`` became on this machine: ``triton``, ``cpu`` or ``torch``."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.input_batch: InputBatch | None = None
         self.sampler = Sampler(self.device, options.seed)
@@ -140,19 +151,25 @@ class PagedModelRunner:
             raise ConfigError("runner.device = 'cuda' but no CUDA device is available")
         if rc.attention_backend == "triton" and rc.device == "cpu":
             raise ConfigError("runner.attention_backend = 'triton' needs runner.device = 'cuda'")
+        if rc.attention_backend == "cpu" and rc.device != "cpu":
+            raise ConfigError("runner.attention_backend = 'cpu' needs runner.device = 'cpu'")
         if rc.num_threads is not None and rc.device == "cpu":
             torch.set_num_threads(rc.num_threads)
         path = resolve_model_path(config.model.name, config.model.seed)
         args = read_model_args(path)
         check_fits(config, args)
-        model = load_model(path, args, dtype=DTYPES[config.model.dtype],
+        model_dtype = DTYPES[config.model.dtype]
+        model = load_model(path, args, dtype=model_dtype,
                            device=torch.device(rc.device), max_positions=sc.max_model_len + 32)
+        if rc.device == "cpu":
+            prepare_cpu_model(model, cpu_compute_dtype(model_dtype, rc.compute_dtype))
         options = RunnerOptions(
             max_model_len=sc.max_model_len, max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_seqs=sc.max_num_seqs, attention_backend=rc.attention_backend,
             use_cuda_graphs=not rc.enforce_eager and rc.attention_backend != "torch",
             cuda_graph_max_batch_size=min(rc.cuda_graph_max_batch_size, sc.max_num_seqs),
-            gpu_memory_utilization=rc.gpu_memory_utilization, seed=rc.seed)
+            gpu_memory_utilization=rc.gpu_memory_utilization, seed=rc.seed,
+            kv_cache_dtype=config.model.dtype)
         return cls(model, options, path)
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
@@ -165,7 +182,7 @@ class PagedModelRunner:
         opts = self.options
         if self.device.type == "cuda":
             peak = self._profile_peak_memory(block_size)
-            fit = num_blocks_from_free_memory(self.args, block_size, self.dtype, self.device,
+            fit = num_blocks_from_free_memory(self.args, block_size, self.kv_dtype, self.device,
                                               opts.gpu_memory_utilization, peak)
             min_blocks = -(-opts.max_model_len // block_size) + 1
             if fit < min_blocks:
@@ -174,7 +191,7 @@ class PagedModelRunner:
                     f"{opts.gpu_memory_utilization} of GPU memory; one max_model_len="
                     f"{opts.max_model_len} sequence needs {min_blocks}")
             num_blocks = min(num_blocks, fit)
-        self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.kv_dtype, self.device)
         self.input_batch = InputBatch(opts.max_model_len, block_size, max(opts.max_num_seqs, 8))
         if self.device.type == "cuda" and opts.use_cuda_graphs:
             from schedkit.runners.paged.cuda_graphs import DecodeGraphs
@@ -195,7 +212,8 @@ class PagedModelRunner:
         """Peak bytes of a forward + sampling pass over a full token budget (weights included)."""
         opts = self.options
         n = min(opts.max_num_batched_tokens, opts.max_model_len)
-        caches = allocate_kv_cache(self.args, -(-n // block_size) + 1, block_size, self.dtype, self.device)
+        caches = allocate_kv_cache(self.args, -(-n // block_size) + 1, block_size, self.kv_dtype,
+                                   self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         ib = InputBatch(opts.max_model_len, block_size, 1)
@@ -350,7 +368,7 @@ class PagedModelRunner:
             seq_lens=put(inputs.seq_lens), block_table=put(inputs.block_table),
             max_query_len=inputs.max_query_len, max_seq_len=int(inputs.seq_lens.max()),
             query_start_loc_np=inputs.query_start_loc, seq_lens_np=inputs.seq_lens,
-            backend=self.options.attention_backend)
+            backend=self.attention_backend)
         if dev.type == "cuda":
             from schedkit.runners.paged.triton_attention import choose_num_splits, num_sms
 
@@ -389,6 +407,32 @@ def _accept(targets: list[int], drafts: Any) -> list[int]:
         if targets[j] != d:
             return targets[:j + 1]
     return targets
+
+
+def resolve_attention_backend(name: str, device: torch.device, head_dim: int) -> str:
+    """The attention implementation ``runner.attention_backend = name`` means here.
+
+    Raises:
+        ConfigError: ``cpu`` asked for where the kernel cannot serve (no compiler, or a
+            head_dim that is not a multiple of 8).
+    """
+    if device.type == "cuda":
+        return "triton" if name == "auto" else name
+    if name not in ("auto", "cpu"):
+        return name
+    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_attention
+
+    why = None
+    if head_dim % 8:
+        why = f"head_dim {head_dim} is not a multiple of 8"
+    elif load_cpu_attention() is None:
+        why = f"the kernel could not be built: {build_error()}"
+    if why is None:
+        return "cpu"
+    if name == "cpu":
+        raise ConfigError(f"runner.attention_backend = 'cpu': {why}")
+    logger.warning("CPU attention kernel unavailable (%s); using the PyTorch reference", why)
+    return "torch"
 
 
 def check_fits(config: Any, args: ModelArgs) -> None:

@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from schedkit.runners.paged.attention import AttentionMetadata, paged_attention, store_kv
+from schedkit.runners.paged.attention import (
+    AttentionMetadata,
+    paged_attention,
+    rope_store_attention_cpu,
+    store_kv,
+)
+from schedkit.runners.paged.cpu_kernels import add_rms_norm, silu_and_mul
 from schedkit.runners.paged.models.args import ModelArgs, rope_inv_freq
 
 
@@ -77,6 +83,13 @@ class Attention(nn.Module):
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.view(num_tokens, -1))
 
+    def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """The same in float32 on the CPU: RoPE, the KV store and attention in one kernel."""
+        o = rope_store_attention_cpu(self.qkv_proj(x), positions, rope.cos, rope.sin, *kv_cache, meta,
+                                     self.num_heads, self.scale)
+        return self.o_proj(o)
+
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -87,6 +100,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -133,11 +149,30 @@ class CausalLM(nn.Module):
         """Final hidden states [T, hidden] of the packed tokens (KV written on the way)."""
         m = self.model
         x = m.embed_tokens(input_ids)
+        if meta.backend == "cpu" and x.dtype == torch.float32:
+            return self._forward_cpu(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
             x = layer(x, positions, m.rotary_emb, kv_cache, meta)
         return m.norm(x)
 
+    def _forward_cpu(self, residual: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """The float32 CPU pass: the compiled kernels for each layer's norms (each fused
+        with the residual add before it), RoPE + KV store + attention and SiLU-and-mul;
+        the residual stream is updated in place."""
+        m, eps = self.model, self.args.rms_norm_eps
+        layers = m.layers
+        h = add_rms_norm(residual, None, layers[0].input_layernorm.weight, eps)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            a = layer.self_attn.forward_cpu(h, positions, m.rotary_emb, kv_cache, meta)
+            h = add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
+            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
+            h = add_rms_norm(layer.mlp.forward_cpu(h), residual, nxt, eps)
+        return h
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of the selected hidden states."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()

@@ -1,0 +1,144 @@
+"""Build and load the paged runner's C++ CPU kernels (``csrc/``) with the system compiler.
+
+The library is compiled once per source, compiler and CPU (``-march=native``) into
+``cache_dir()/kernels`` and loaded with ctypes: no PyTorch headers, no build step at
+install time, about two seconds on first use. It links the OpenMP runtime torch already
+loaded, so its threads are torch's. :func:`load_cpu_attention` returns None (and
+:func:`build_error` says why) where no compiler works; the runner then falls back to
+the PyTorch reference. torch is imported before the library loads, so its libgomp is
+the one the library binds to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from schedkit.config import cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+_tried = False
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _library_path(compiler: str) -> Path:
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = compiler
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu_attention-{key}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build or load sees a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_cpu_attention() -> ctypes.CDLL | None:
+    """The compiled kernel library (built on first use), or None where it cannot be built."""
+    global _lib, _error, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        compiler = _compiler()
+        if compiler is None:
+            _error = "no C++ compiler found (set CXX, or install g++)"
+            return None
+        try:
+            path = _library_path(compiler)
+            if not path.is_file():
+                _build(compiler, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _error = str(e)
+            return None
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        signatures = {
+            "schedkit_paged_attention": ([p, p, p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f32,
+                                          i32, i64, i32], ctypes.c_int),
+            "schedkit_rope_store_attention": ([p, i64, p, p, p, p, i64, p, p, p, p, p, p, i64, i64, i64,
+                                               i64, i64, i64, f32, i32, i64, i32], ctypes.c_int),
+            "schedkit_add_rms_norm": ([p, p, p, p, i64, i64, f32, i32], None),
+            "schedkit_silu_and_mul": ([p, p, i64, i64, i32], None),
+        }
+        for name, (argtypes, restype) in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        _lib, _error = lib, None
+        return lib
+
+
+def cpu_kernels() -> ctypes.CDLL:
+    """The library, for callers that checked :func:`load_cpu_attention` succeeded."""
+    assert _lib is not None, "load_cpu_attention() has not succeeded"
+    return _lib
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ([rows, dim] float32); with ``residual``, of ``residual += x``
+    (updated in place)."""
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    cpu_kernels().schedkit_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                        weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+                                        torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused [rows, 2 * dim] float32 projection."""
+    rows, two_dim = x.shape
+    out = x.new_empty(rows, two_dim // 2)
+    cpu_kernels().schedkit_silu_and_mul(x.data_ptr(), out.data_ptr(), rows, two_dim // 2,
+                                        torch.get_num_threads())
+    return out
+
+
+def build_error() -> str | None:
+    """Why :func:`load_cpu_attention` returned None (None if it has not failed)."""
+    return _error

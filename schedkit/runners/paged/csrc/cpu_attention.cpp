@@ -1,0 +1,385 @@
+// Paged attention on the CPU over a packed batch of prefill chunks and decodes.
+//
+// Layouts follow schedkit/runners/paged/attention.py: q and out are [T, H, D] float32
+// (row t of sequence s is query_start_loc[s] + j, at position seq_len - q_len + j); the
+// caches are [num_blocks, block_size, KVH, D] in float32, bfloat16 or float16 and are
+// read in place through each sequence's block table. Query head h uses KV head
+// h / (H / KVH).
+//
+// One work item is (sequence, tile of query rows), every head: its query vectors share
+// each key block the item loads, a contiguous [block_size, KVH, D] piece of the cache
+// (float32 read in place, bfloat16 / float16 widened to float32 once per item), and the
+// next block is prefetched while one is computed. Softmax is online, one rescale per
+// block and query. Items are spread over the threads of the OpenMP runtime torch
+// itself uses (the library is loaded after torch, so libgomp.so.1 resolves to torch's).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr float kNegBig = -1e30f;  // finite: the kernel is built with -ffast-math
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t u = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+
+struct Item {
+  int32_t seq, row_begin, row_end;
+};
+
+struct Problem {
+  const float* q;
+  float* out;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  const int32_t* block_table;
+  int64_t block_table_stride, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// n rows of D values (stride `stride` elements apart) as contiguous float32
+inline void rows_to_float(const float* src, int64_t stride, int64_t n, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * D, src + t * stride, D * sizeof(float));
+}
+inline void rows_to_float(const uint16_t* src, int64_t stride, int64_t n, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < D; c += 8) {
+      v8u16 h;
+      std::memcpy(&h, src + t * stride + c, sizeof h);
+      v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+      std::memcpy(dst + t * D + c, &w, sizeof w);
+    }
+}
+inline void rows_to_float(const _Float16* src, int64_t stride, int64_t n, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < D; ++c) dst[t * D + c] = static_cast<float>(src[t * stride + c]);
+}
+
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+// One item: rows [row_begin, row_end) of one sequence, every head. Requires D % 8 == 0
+// (checked by the entry point).
+template <typename KT>
+void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item& it,
+              float* qbuf, float* acc, float* m, float* l, float* kb, float* vb, float* s) {
+  const int64_t D = p.head_dim, BS = p.block_size, H = p.num_heads, KVH = p.num_kv_heads;
+  const int64_t G = H / KVH, DV = D / 8;
+  const int64_t q0 = p.query_start_loc[it.seq];
+  const int64_t q_len = p.query_start_loc[it.seq + 1] - q0;
+  const int64_t context = p.seq_lens[it.seq] - q_len;
+  const int64_t rows = it.row_end - it.row_begin;
+  const int64_t nq = rows * H;  // query vector i = (row i / H, head i % H), as q is laid out
+  const float* qsrc = p.q + (q0 + it.row_begin) * H * D;
+  for (int64_t x = 0; x < nq * D; ++x) qbuf[x] = qsrc[x] * p.scale;
+  std::fill(acc, acc + nq * D, 0.0f);
+  std::fill(m, m + nq, kNegBig);
+  std::fill(l, l + nq, 0.0f);
+  const int64_t num_keys = context + it.row_end;  // the last row sees keys 0 .. num_keys-1
+  const int32_t* blocks = p.block_table + it.seq * p.block_table_stride;
+  const int64_t token_stride = KVH * D;
+  for (int64_t base = 0; base < num_keys; base += BS) {
+    const int64_t n = std::min(BS, num_keys - base);
+    const int64_t slot0 = static_cast<int64_t>(blocks[base / BS]) * BS;
+    const KT* kp = k_cache + slot0 * token_stride;
+    const KT* vp = v_cache + slot0 * token_stride;
+    if (base + BS < num_keys) {  // the next block, while this one is computed
+      const int64_t next = static_cast<int64_t>(blocks[base / BS + 1]) * BS * token_stride;
+      const int64_t bytes = std::min(BS, num_keys - base - BS) * token_stride * int64_t(sizeof(KT));
+      prefetch_rows(k_cache + next, bytes);
+      prefetch_rows(v_cache + next, bytes);
+    }
+    const float* kblock;
+    const float* vblock;
+    if constexpr (std::is_same_v<KT, float>) {
+      kblock = kp, vblock = vp;
+    } else {
+      rows_to_float(kp, 0, 1, n * token_stride, kb);
+      rows_to_float(vp, 0, 1, n * token_stride, vb);
+      kblock = kb, vblock = vb;
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t r = i / H, h = i - r * H;
+      const int64_t valid = std::min(n, context + it.row_begin + r - base + 1);
+      if (valid <= 0) {  // this block lies wholly after this row: skip its other heads
+        i = (r + 1) * H - 1;
+        continue;
+      }
+      const int64_t head_off = (h / G) * D;
+      const float* krows = kblock + head_off;
+      const float* vrows = vblock + head_off;
+      const float* qi = qbuf + i * D;
+      // four keys at a time: four independent FMA chains, each q piece loaded once
+      int64_t t = 0;
+      for (; t + 4 <= valid; t += 4) {
+        const float* k0 = krows + t * token_stride;
+        const float* k1 = k0 + token_stride;
+        const float* k2 = k1 + token_stride;
+        const float* k3 = k2 + token_stride;
+        v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        for (int64_t c = 0; c < 8 * DV; c += 8) {
+          const v8f qv = load8(qi + c);
+          a0 += qv * load8(k0 + c);
+          a1 += qv * load8(k1 + c);
+          a2 += qv * load8(k2 + c);
+          a3 += qv * load8(k3 + c);
+        }
+        s[t] = hsum(a0), s[t + 1] = hsum(a1), s[t + 2] = hsum(a2), s[t + 3] = hsum(a3);
+      }
+      for (; t < valid; ++t) {
+        const float* kr = krows + t * token_stride;
+        v8f a = {};
+        for (int64_t c = 0; c < 8 * DV; c += 8) a += load8(qi + c) * load8(kr + c);
+        s[t] = hsum(a);
+      }
+      float block_max = kNegBig;
+      for (t = 0; t < valid; ++t) block_max = std::max(block_max, s[t]);
+      const float m_new = std::max(m[i], block_max);
+      const float alpha = std::exp(m[i] - m_new);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < valid; ++t) {
+        s[t] = std::exp(s[t] - m_new);
+        sum += s[t];
+      }
+      float* a = acc + i * D;
+      for (int64_t c = 0; c < 8 * DV; c += 8) {  // four chains over the keys, summed once
+        v8f x0 = load8(a + c) * alpha, x1 = {}, x2 = {}, x3 = {};
+        const float* vc = vrows + c;
+        int64_t u = 0;
+        for (; u + 4 <= valid; u += 4) {
+          x0 += s[u] * load8(vc + u * token_stride);
+          x1 += s[u + 1] * load8(vc + (u + 1) * token_stride);
+          x2 += s[u + 2] * load8(vc + (u + 2) * token_stride);
+          x3 += s[u + 3] * load8(vc + (u + 3) * token_stride);
+        }
+        for (; u < valid; ++u) x0 += s[u] * load8(vc + u * token_stride);
+        store8(a + c, (x0 + x1) + (x2 + x3));
+      }
+      l[i] = l[i] * alpha + sum;
+      m[i] = m_new;
+    }
+  }
+  float* dst = p.out + (q0 + it.row_begin) * H * D;
+  for (int64_t i = 0; i < nq; ++i) {
+    const float inv = 1.0f / l[i];
+    for (int64_t d = 0; d < D; ++d) dst[i * D + d] = acc[i * D + d] * inv;
+  }
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline void store_as(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_as(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+inline void store_as(_Float16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
+}
+
+// This step's fused q/k/v projection, before attention: RoPE on q and k (neox layout,
+// tables of D columns per position), q kept for attention, k and v written to their
+// cache slots in the cache's dtype.
+struct RopeStore {
+  const float* qkv;
+  int64_t qkv_stride;
+  const int64_t* positions;
+  const float* cos;
+  const float* sin;
+  const int64_t* slot_mapping;
+  int64_t num_tokens;
+};
+
+inline void rope(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    out[j] = x[j] * cos[j] - x[j + half] * sin[j];
+    out[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half];
+  }
+}
+
+template <typename KT>
+void rope_store_token(const Problem& p, const RopeStore& rs, KT* k_cache, KT* v_cache, int64_t t,
+                      float* tmp) {
+  const int64_t D = p.head_dim, H = p.num_heads, KVH = p.num_kv_heads;
+  const float* row = rs.qkv + t * rs.qkv_stride;
+  const float* cos = rs.cos + rs.positions[t] * D;
+  const float* sin = rs.sin + rs.positions[t] * D;
+  for (int64_t h = 0; h < H; ++h) rope(row + h * D, cos, sin, D, p.out + (t * H + h) * D);
+  const int64_t slot = rs.slot_mapping[t];
+  KT* kdst = k_cache + slot * KVH * D;
+  for (int64_t h = 0; h < KVH; ++h) {
+    rope(row + (H + h) * D, cos, sin, D, tmp);
+    store_as(kdst + h * D, tmp, D);
+  }
+  store_as(v_cache + slot * KVH * D, row + (H + KVH) * D, KVH * D);
+}
+
+template <typename KT>
+void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_t num_seqs,
+         int64_t rows_per_item, int num_threads, const RopeStore* rs) {
+  std::vector<Item> items;
+  for (int64_t j = 0; j < num_seqs; ++j) {
+    const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
+    const int32_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    for (int32_t r = 0; r < q_len; r += rows_per_item)
+      items.push_back({seq, r, std::min<int32_t>(q_len, r + rows_per_item)});
+  }
+  // longest items first: tiles late in a long sequence see the most keys
+  auto keys = [&](const Item& a) {
+    return p.seq_lens[a.seq] - (p.query_start_loc[a.seq + 1] - p.query_start_loc[a.seq]) + a.row_end;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
+  const int64_t D = p.head_dim, BS = p.block_size;
+  const int64_t nq = rows_per_item * p.num_heads;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t work = rs ? std::max(n_items, rs->num_tokens) : n_items;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, work)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t block_elems = BS * p.num_kv_heads * D;
+    std::vector<float> buf(2 * nq * D + 2 * nq + 2 * block_elems + BS + D);
+    float* qbuf = buf.data();
+    float* acc = qbuf + nq * D;
+    float* m = acc + nq * D;
+    float* l = m + nq;
+    float* kb = l + nq;
+    float* vb = kb + block_elems;
+    float* s = vb + block_elems;
+    if (rs) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < rs->num_tokens; ++t) rope_store_token(p, *rs, k_cache, v_cache, t, s + BS);
+    }  // the implicit barrier: every key is in the cache before any item reads it
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) run_item(p, k_cache, v_cache, items[w], qbuf, acc, m, l, kb, vb, s);
+  }
+}
+
+int attention(const Problem& p, void* k_cache, void* v_cache, const int32_t* seqs, int64_t num_seqs,
+              int dtype, int64_t rows_per_item, int num_threads, const RopeStore* rs) {
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return -2;
+  if (p.head_dim % 8 != 0) return -3;
+  rows_per_item = std::max<int64_t>(1, rows_per_item);
+  switch (dtype) {
+    case 0:
+      run(p, static_cast<float*>(k_cache), static_cast<float*>(v_cache), seqs, num_seqs, rows_per_item,
+          num_threads, rs);
+      return 0;
+    case 1:
+      run(p, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), seqs, num_seqs,
+          rows_per_item, num_threads, rs);
+      return 0;
+    case 2:
+      run(p, static_cast<_Float16*>(k_cache), static_cast<_Float16*>(v_cache), seqs, num_seqs,
+          rows_per_item, num_threads, rs);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches). Each returns 0, or -1 for an
+// unknown dtype, -2 for heads that do not divide into KV heads and -3 for a head_dim
+// that is not a multiple of 8. seqs: the sequences to attend (NULL: all num_seqs).
+
+// Attention of q (already rotated) over the caches.
+int schedkit_paged_attention(const float* q, const void* k_cache, const void* v_cache, float* out,
+                             const int32_t* query_start_loc, const int32_t* seq_lens,
+                             const int32_t* block_table, int64_t block_table_stride,
+                             const int32_t* seqs, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                             int dtype, int64_t rows_per_item, int num_threads) {
+  Problem p{q, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
+            num_kv_heads, head_dim, block_size, scale};
+  return attention(p, const_cast<void*>(k_cache), const_cast<void*>(v_cache), seqs, num_seqs, dtype,
+                   rows_per_item, num_threads, nullptr);
+}
+
+// One layer's attention from its q/k/v projection ([T, qkv_stride] float32, q then k
+// then v heads): RoPE, k and v stored at slot_mapping, attention; out [T, H, D].
+int schedkit_rope_store_attention(const float* qkv, int64_t qkv_stride, const int64_t* positions,
+                                  const float* cos, const float* sin, const int64_t* slot_mapping,
+                                  int64_t num_tokens, void* k_cache, void* v_cache, float* out,
+                                  const int32_t* query_start_loc, const int32_t* seq_lens,
+                                  const int32_t* block_table, int64_t block_table_stride,
+                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t block_size, float scale, int dtype,
+                                  int64_t rows_per_item, int num_threads) {
+  Problem p{out, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
+            num_kv_heads, head_dim, block_size, scale};
+  RopeStore rs{qkv, qkv_stride, positions, cos, sin, slot_mapping, num_tokens};
+  return attention(p, k_cache, v_cache, nullptr, num_seqs, dtype, rows_per_item, num_threads, &rs);
+}
+
+// RMSNorm of each row (float32): with `residual`, first residual += x in place and
+// normalise the sum; without, normalise x. out = weight * row / sqrt(mean(row^2) + eps).
+void schedkit_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
+                           int64_t rows, int64_t dim, float eps, int num_threads) {
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows / 4 + 1)));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * dim;
+    if (residual) {
+      float* res = residual + r * dim;
+      for (int64_t i = 0; i < dim; ++i) res[i] += src[i];
+      src = res;
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += src[i] * src[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    float* dst = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) dst[i] = weight[i] * (src[i] * inv);
+  }
+}
+
+// out[r, i] = silu(x[r, i]) * x[r, dim + i] (the gate / up halves of one projection).
+void schedkit_silu_and_mul(const float* x, float* out, int64_t rows, int64_t dim, int num_threads) {
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows / 4 + 1)));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = x + r * 2 * dim;
+    const float* u = g + dim;
+    float* dst = out + r * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) dst[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+}  // extern "C"

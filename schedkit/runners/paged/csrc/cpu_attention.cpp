@@ -8,8 +8,8 @@
 //
 // One work item is (sequence, tile of query rows), every head: its query vectors share
 // each key block the item loads, a contiguous [block_size, KVH, D] piece of the cache
-// (float32 read in place, bfloat16 / float16 widened to float32 once per item), and the
-// next block is prefetched while one is computed. Softmax is online, one rescale per
+// (float32 read in place, bfloat16 / float16 widened to float32 once per item) (the hardware
+// prefetcher streams each block; software prefetch only cost time). Softmax is online, one rescale per
 // block and query. Items are spread over the threads of the OpenMP runtime torch
 // itself uses (the library is loaded after torch, so libgomp.so.1 resolves to torch's).
 
@@ -81,9 +81,80 @@ inline void rows_to_float(const _Float16* src, int64_t stride, int64_t n, int64_
     for (int64_t c = 0; c < D; ++c) dst[t * D + c] = static_cast<float>(src[t * stride + c]);
 }
 
-inline void prefetch_rows(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+
+// One query against `valid` keys of one block (rows `stride` floats apart): the scores,
+// the online-softmax update of (m, l) and the accumulator a[8 * DVC].
+template <int DVC>
+inline void attend_block(const float* qi, const float* krows, const float* vrows, int64_t stride,
+                         int64_t valid, float* s, float* a, float& m, float& l) {
+  v8f q[DVC];
+  for (int c = 0; c < DVC; ++c) q[c] = load8(qi + 8 * c);
+  int64_t t = 0;
+  for (; t + 4 <= valid; t += 4) {  // four keys at a time: four independent FMA chains
+    const float* k0 = krows + t * stride;
+    v8f a0 = q[0] * load8(k0), a1 = q[0] * load8(k0 + stride), a2 = q[0] * load8(k0 + 2 * stride),
+        a3 = q[0] * load8(k0 + 3 * stride);
+    for (int c = 1; c < DVC; ++c) {
+      a0 += q[c] * load8(k0 + 8 * c);
+      a1 += q[c] * load8(k0 + stride + 8 * c);
+      a2 += q[c] * load8(k0 + 2 * stride + 8 * c);
+      a3 += q[c] * load8(k0 + 3 * stride + 8 * c);
+    }
+    s[t] = hsum(a0), s[t + 1] = hsum(a1), s[t + 2] = hsum(a2), s[t + 3] = hsum(a3);
+  }
+  for (; t < valid; ++t) {
+    const float* kr = krows + t * stride;
+    v8f x = q[0] * load8(kr);
+    for (int c = 1; c < DVC; ++c) x += q[c] * load8(kr + 8 * c);
+    s[t] = hsum(x);
+  }
+  float block_max = kNegBig;
+  for (t = 0; t < valid; ++t) block_max = std::max(block_max, s[t]);
+  const float m_new = std::max(m, block_max);
+  const float alpha = std::exp(m - m_new);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t u = 0; u < valid; ++u) {
+    s[u] = std::exp(s[u] - m_new);
+    sum += s[u];
+  }
+  v8f x[DVC];
+  for (int c = 0; c < DVC; ++c) x[c] = load8(a + 8 * c) * alpha;
+  for (int64_t u = 0; u < valid; ++u) {  // DVC independent chains
+    const float w = s[u];
+    const float* vr = vrows + u * stride;
+    for (int c = 0; c < DVC; ++c) x[c] += w * load8(vr + 8 * c);
+  }
+  for (int c = 0; c < DVC; ++c) store8(a + 8 * c, x[c]);
+  l = l * alpha + sum;
+  m = m_new;
+}
+
+// The same for any width (head_dim / 8 not 2, 4, 8 or 16).
+inline void attend_block_any(int64_t DV, const float* qi, const float* krows, const float* vrows,
+                             int64_t stride, int64_t valid, float* s, float* a, float& m, float& l) {
+  float block_max = kNegBig;
+  for (int64_t t = 0; t < valid; ++t) {
+    const float* kr = krows + t * stride;
+    v8f x = {};
+    for (int64_t c = 0; c < 8 * DV; c += 8) x += load8(qi + c) * load8(kr + c);
+    s[t] = hsum(x);
+    block_max = std::max(block_max, s[t]);
+  }
+  const float m_new = std::max(m, block_max);
+  const float alpha = std::exp(m - m_new);
+  float sum = 0.0f;
+  for (int64_t u = 0; u < valid; ++u) {
+    s[u] = std::exp(s[u] - m_new);
+    sum += s[u];
+  }
+  for (int64_t c = 0; c < 8 * DV; c += 8) {
+    v8f x = load8(a + c) * alpha;
+    for (int64_t u = 0; u < valid; ++u) x += s[u] * load8(vrows + u * stride + c);
+    store8(a + c, x);
+  }
+  l = l * alpha + sum;
+  m = m_new;
 }
 
 // One item: rows [row_begin, row_end) of one sequence, every head. Requires D % 8 == 0
@@ -111,12 +182,6 @@ void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item
     const int64_t slot0 = static_cast<int64_t>(blocks[base / BS]) * BS;
     const KT* kp = k_cache + slot0 * token_stride;
     const KT* vp = v_cache + slot0 * token_stride;
-    if (base + BS < num_keys) {  // the next block, while this one is computed
-      const int64_t next = static_cast<int64_t>(blocks[base / BS + 1]) * BS * token_stride;
-      const int64_t bytes = std::min(BS, num_keys - base - BS) * token_stride * int64_t(sizeof(KT));
-      prefetch_rows(k_cache + next, bytes);
-      prefetch_rows(v_cache + next, bytes);
-    }
     const float* kblock;
     const float* vblock;
     if constexpr (std::is_same_v<KT, float>) {
@@ -137,55 +202,14 @@ void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item
       const float* krows = kblock + head_off;
       const float* vrows = vblock + head_off;
       const float* qi = qbuf + i * D;
-      // four keys at a time: four independent FMA chains, each q piece loaded once
-      int64_t t = 0;
-      for (; t + 4 <= valid; t += 4) {
-        const float* k0 = krows + t * token_stride;
-        const float* k1 = k0 + token_stride;
-        const float* k2 = k1 + token_stride;
-        const float* k3 = k2 + token_stride;
-        v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t c = 0; c < 8 * DV; c += 8) {
-          const v8f qv = load8(qi + c);
-          a0 += qv * load8(k0 + c);
-          a1 += qv * load8(k1 + c);
-          a2 += qv * load8(k2 + c);
-          a3 += qv * load8(k3 + c);
-        }
-        s[t] = hsum(a0), s[t + 1] = hsum(a1), s[t + 2] = hsum(a2), s[t + 3] = hsum(a3);
-      }
-      for (; t < valid; ++t) {
-        const float* kr = krows + t * token_stride;
-        v8f a = {};
-        for (int64_t c = 0; c < 8 * DV; c += 8) a += load8(qi + c) * load8(kr + c);
-        s[t] = hsum(a);
-      }
-      float block_max = kNegBig;
-      for (t = 0; t < valid; ++t) block_max = std::max(block_max, s[t]);
-      const float m_new = std::max(m[i], block_max);
-      const float alpha = std::exp(m[i] - m_new);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < valid; ++t) {
-        s[t] = std::exp(s[t] - m_new);
-        sum += s[t];
-      }
       float* a = acc + i * D;
-      for (int64_t c = 0; c < 8 * DV; c += 8) {  // four chains over the keys, summed once
-        v8f x0 = load8(a + c) * alpha, x1 = {}, x2 = {}, x3 = {};
-        const float* vc = vrows + c;
-        int64_t u = 0;
-        for (; u + 4 <= valid; u += 4) {
-          x0 += s[u] * load8(vc + u * token_stride);
-          x1 += s[u + 1] * load8(vc + (u + 1) * token_stride);
-          x2 += s[u + 2] * load8(vc + (u + 2) * token_stride);
-          x3 += s[u + 3] * load8(vc + (u + 3) * token_stride);
-        }
-        for (; u < valid; ++u) x0 += s[u] * load8(vc + u * token_stride);
-        store8(a + c, (x0 + x1) + (x2 + x3));
+      switch (DV) {  // compile-time widths keep q and the accumulators in registers
+        case 2: attend_block<2>(qi, krows, vrows, token_stride, valid, s, a, m[i], l[i]); break;
+        case 4: attend_block<4>(qi, krows, vrows, token_stride, valid, s, a, m[i], l[i]); break;
+        case 8: attend_block<8>(qi, krows, vrows, token_stride, valid, s, a, m[i], l[i]); break;
+        case 16: attend_block<16>(qi, krows, vrows, token_stride, valid, s, a, m[i], l[i]); break;
+        default: attend_block_any(DV, qi, krows, vrows, token_stride, valid, s, a, m[i], l[i]);
       }
-      l[i] = l[i] * alpha + sum;
-      m[i] = m_new;
     }
   }
   float* dst = p.out + (q0 + it.row_begin) * H * D;

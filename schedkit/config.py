@@ -92,8 +92,8 @@ class PagedRunnerConfig(_RunnerBase):
     compute_dtype: Literal["auto", "model", "float32"] = "auto"
     """Arithmetic dtype on the CPU: model (the model's dtype), float32 (bfloat16 / float16
     weights widened once at load; the KV cache keeps the model's dtype) or auto (float32
-    where this CPU's oneDNN has no matmul in the model's dtype, i.e. no AVX512-BF16, AMX
-    or AVX-NE-CONVERT; else the model's). Ignored on CUDA."""
+    where this CPU has no native matmul in the model's dtype: bfloat16 needs AVX512-BF16
+    or AMX, float16 AMX-FP16; else the model's). Ignored on CUDA."""
     seed: int = Field(default=0, ge=0)
     """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)

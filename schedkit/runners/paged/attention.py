@@ -67,11 +67,16 @@ def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: to
     Returns:
         [T, heads * head_dim] float32.
     """
-    from schedkit.runners.paged.cpu_kernels import cpu_kernels
+    from schedkit.runners.paged.cpu_kernels import _check_cpu, check_kernel_result, cpu_kernels
 
     num_tokens = qkv.shape[0]
     num_kv_heads, block_size, head_dim = k_cache.shape[2], k_cache.shape[1], k_cache.shape[3]
-    assert qkv.dtype == torch.float32 and qkv.stride(1) == 1 and positions.dtype == torch.int64
+    if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.is_cuda:
+        raise ValueError("qkv must be float32 on the CPU with unit stride along its rows")
+    _check_cpu(cos, sin)
+    _check_caches(k_cache, v_cache)
+    if positions.dtype != torch.int64 or positions.is_cuda or not positions.is_contiguous():
+        raise ValueError("positions must be contiguous int64 on the CPU")
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float32)
     qsl, seq_lens, table = _kernel_tables(meta)
     rc = cpu_kernels().schedkit_rope_store_attention(
@@ -79,9 +84,19 @@ def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: to
         meta.slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
         out.data_ptr(), qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
         len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
-        _CACHE_DTYPES[k_cache.dtype], max(1, 48 // num_heads), torch.get_num_threads())
-    assert rc == 0, f"schedkit_rope_store_attention returned {rc}"
+        _CACHE_DTYPES[k_cache.dtype], max(1, 48 // num_heads), torch.get_num_threads(),
+        k_cache.shape[0], cos.shape[0])
+    check_kernel_result("schedkit_rope_store_attention", rc)
     return out
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if (k_cache.is_cuda or v_cache.is_cuda or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype
+            or k_cache.dtype not in _CACHE_DTYPES):
+        raise ValueError("the CPU kernel takes two contiguous CPU caches of one shape and dtype "
+                         f"(float32, bfloat16 or float16), got {k_cache.dtype} {tuple(k_cache.shape)} "
+                         f"on {k_cache.device} and {v_cache.dtype} {tuple(v_cache.shape)} on {v_cache.device}")
 
 
 def _kernel_tables(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
@@ -90,7 +105,9 @@ def _kernel_tables(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, tor
     table = meta.block_table
     if table.dtype != torch.int32 or not table.is_contiguous():
         table = table.to(torch.int32).contiguous()
-    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
+    if meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous() \
+            or meta.slot_mapping.is_cuda or table.is_cuda:
+        raise ValueError("the CPU kernel takes a contiguous int64 slot_mapping and a block table on the CPU")
     return qsl, seq_lens, table
 
 
@@ -104,15 +121,16 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         RuntimeError: The kernel library could not be built (see
             :func:`schedkit.runners.paged.cpu_kernels.build_error`).
     """
-    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_attention
+    from schedkit.runners.paged.cpu_kernels import build_error, check_kernel_result, load_cpu_attention
 
     lib = load_cpu_attention()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {build_error()}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    assert not q.is_cuda and k_cache.is_contiguous() and v_cache.is_contiguous(), "CPU caches"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in _CACHE_DTYPES, k_cache.dtype
+    if q.is_cuda:
+        raise ValueError("paged_attention_cpu takes CPU tensors")
+    _check_caches(k_cache, v_cache)
     qf = q.to(torch.float32).contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     qsl, seq_lens, table = _kernel_tables(meta)
@@ -122,8 +140,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
         None, len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
         _CACHE_DTYPES[k_cache.dtype], rows_per_item,
-        num_threads if num_threads is not None else torch.get_num_threads())
-    assert rc == 0, f"schedkit_paged_attention returned {rc}"
+        num_threads if num_threads is not None else torch.get_num_threads(), k_cache.shape[0])
+    check_kernel_result("schedkit_paged_attention", rc)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -31,7 +31,8 @@ class AttentionMetadata:
     num_splits: int = 1
     """Split-context segments of the Triton kernel (1: off)."""
     backend: str = "auto"
-    """``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA, else torch)."""
+    """``"triton"``, ``"cpu"`` (the compiled CPU kernel), ``"torch"`` (the reference) or
+    ``"auto"`` (Triton on CUDA, else torch)."""
 
     @property
     def num_seqs(self) -> int:

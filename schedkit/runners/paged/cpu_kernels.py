@@ -26,7 +26,9 @@ import torch
 from schedkit.config import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-fPIC"]
+"""Compile flags. The link step (``-shared -fopenmp``) has no -ffast-math: linked with it,
+gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole process."""
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -47,7 +49,8 @@ def _cpu_signature() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name"))]
+    lines = [ln for ln in text.splitlines()
+             if ln.startswith(("flags", "model name", "Features", "CPU part", "CPU implementer"))]
     return "\n".join(sorted(set(lines)))
 
 
@@ -66,15 +69,18 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        for cmd in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj],
+                    [compiler, "-shared", "-fopenmp", obj, "-o", tmp]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build or load sees a whole file
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def load_cpu_attention() -> ctypes.CDLL | None:
@@ -99,9 +105,10 @@ def load_cpu_attention() -> ctypes.CDLL | None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         signatures = {
             "schedkit_paged_attention": ([p, p, p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f32,
-                                          i32, i64, i32], ctypes.c_int),
+                                          i32, i64, i32, i64], ctypes.c_int),
             "schedkit_rope_store_attention": ([p, i64, p, p, p, p, i64, p, p, p, p, p, p, i64, i64, i64,
-                                               i64, i64, i64, f32, i32, i64, i32], ctypes.c_int),
+                                               i64, i64, i64, f32, i32, i64, i32, i64, i64], ctypes.c_int),
+            "schedkit_kernel_features": ([], ctypes.c_int),
             "schedkit_add_rms_norm": ([p, p, p, p, i64, i64, f32, i32], None),
             "schedkit_silu_and_mul": ([p, p, i64, i64, i32], None),
         }
@@ -118,10 +125,36 @@ def cpu_kernels() -> ctypes.CDLL:
     return _lib
 
 
+KERNEL_ERRORS = {
+    -1: "a cache dtype this build lacks", -2: "heads that do not divide into KV heads",
+    -3: "a head_dim that is not a multiple of 8", -4: "a block id outside the KV cache",
+    -5: "a slot outside the KV cache", -6: "a position outside the RoPE tables",
+    -7: "query and sequence lengths that do not add up"}
+
+
+def check_kernel_result(name: str, rc: int) -> None:
+    """Raise where a kernel refused its input (it checks every index before writing)."""
+    if rc != 0:
+        raise RuntimeError(f"{name}: {KERNEL_ERRORS.get(rc, f'error {rc}')}; nothing was written")
+
+
+def supports_float16() -> bool:
+    """Whether the built library has float16 caches (its compiler had _Float16)."""
+    return bool(cpu_kernels().schedkit_kernel_features() & 1)
+
+
+def _check_cpu(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"the CPU kernels take contiguous float32 CPU tensors, got "
+                             f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', strided'}")
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` ([rows, dim] float32); with ``residual``, of ``residual += x``
     (updated in place)."""
+    _check_cpu(x, weight, *(() if residual is None else (residual,)))
     rows, dim = x.shape
     out = torch.empty_like(x)
     cpu_kernels().schedkit_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -132,6 +165,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused [rows, 2 * dim] float32 projection."""
+    _check_cpu(x)
     rows, two_dim = x.shape
     out = x.new_empty(rows, two_dim // 2)
     cpu_kernels().schedkit_silu_and_mul(x.data_ptr(), out.data_ptr(), rows, two_dim // 2,

@@ -5,7 +5,7 @@ On the CPU every ``nn.Linear`` of the decoder (and the LM head) is swapped for a
 into oneDNN's blocked layout, so each call runs oneDNN's matmul without re-packing
 (about 15-30% faster than MKL's sgemm at these shapes on a 2-core AVX2 host, and the
 path to AMX where the CPU has it). Where oneDNN has no matmul for the model's dtype
-(bfloat16 needs AVX512-BF16, AMX or AVX-NE-CONVERT), :func:`cpu_compute_dtype` picks
+(bfloat16 needs AVX512-BF16 or AMX; float16 AMX-FP16), :func:`cpu_compute_dtype` picks
 float32 arithmetic on the same weights instead: widened once at load, so each GEMM runs
 at float32 speed rather than through bfloat16 emulation; the KV cache stays in the
 model's dtype.
@@ -26,10 +26,11 @@ def onednn_matmul_supported(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.bfloat16:  # oneDNN's own check accepts AVX-512 without BF16 (emulated)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and (
+            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()) and torch.cpu._is_amx_fp16_supported()
     return False
 
 
@@ -84,9 +85,8 @@ def prepare_cpu_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
     """Make a loaded CausalLM ready for the CPU: its arithmetic in ``compute_dtype``
     (the RoPE tables stay float32), every linear layer packed, and a tied LM head given
     its own packed copy of the embedding (the embedding lookup keeps the plain one)."""
-    rope = model.model.rotary_emb
-    model.to(compute_dtype)
-    model.model.rotary_emb = rope
+    for param in model.parameters():  # parameters only: the RoPE buffers stay float32
+        param.data = param.data.to(compute_dtype)
     if model.lm_head is None and onednn_matmul_supported(compute_dtype):
         model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
     pack_linears(model)

@@ -117,7 +117,7 @@ class PagedModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = DTYPES[options.kv_cache_dtype] if options.kv_cache_dtype else self.dtype
         self.attention_backend = resolve_attention_backend(options.attention_backend, self.device,
-                                                           self.args.head_dim)
+                                                           self.args.head_dim, self.kv_dtype)
         """What ``auto`` became on this machine: ``triton``, ``cpu`` or ``torch``."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.input_batch: InputBatch | None = None
@@ -159,6 +159,8 @@ class PagedModelRunner:
         args = read_model_args(path)
         check_fits(config, args)
         model_dtype = DTYPES[config.model.dtype]
+        if rc.attention_backend == "cpu":  # refused before the weights load, not after
+            resolve_attention_backend("cpu", torch.device(rc.device), args.head_dim, model_dtype)
         model = load_model(path, args, dtype=model_dtype,
                            device=torch.device(rc.device), max_positions=sc.max_model_len + 32)
         if rc.device == "cpu":
@@ -409,24 +411,30 @@ def _accept(targets: list[int], drafts: Any) -> list[int]:
     return targets
 
 
-def resolve_attention_backend(name: str, device: torch.device, head_dim: int) -> str:
+def resolve_attention_backend(name: str, device: torch.device, head_dim: int,
+                              kv_dtype: torch.dtype = torch.float32) -> str:
     """The attention implementation ``runner.attention_backend = name`` means here.
 
     Raises:
-        ConfigError: ``cpu`` asked for where the kernel cannot serve (no compiler, or a
-            head_dim that is not a multiple of 8).
+        ConfigError: ``cpu`` asked for where the kernel cannot serve (a CUDA device, no
+            compiler, a head_dim that is not a multiple of 8, a float16 cache the
+            compiler cannot hold).
     """
     if device.type == "cuda":
+        if name == "cpu":
+            raise ConfigError("runner.attention_backend = 'cpu' needs runner.device = 'cpu'")
         return "triton" if name == "auto" else name
     if name not in ("auto", "cpu"):
         return name
-    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_attention
+    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_attention, supports_float16
 
     why = None
     if head_dim % 8:
         why = f"head_dim {head_dim} is not a multiple of 8"
     elif load_cpu_attention() is None:
         why = f"the kernel could not be built: {build_error()}"
+    elif kv_dtype == torch.float16 and not supports_float16():
+        why = "float16 caches need a compiler with _Float16 (GCC >= 12, clang >= 15)"
     if why is None:
         return "cpu"
     if name == "cpu":

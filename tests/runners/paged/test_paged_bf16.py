@@ -28,7 +28,12 @@ from schedkit.runners.paged.testing import (  # noqa: E402
 )
 
 
-def test_bf16_top1_agreement_on_a_trained_model() -> None:
+@pytest.mark.parametrize("compute_dtype", ["model", "float32"])
+def test_bf16_top1_agreement_on_a_trained_model(compute_dtype: str) -> None:
+    """``model``: bfloat16 arithmetic, against transformers in bfloat16. ``float32`` (what
+    ``auto`` picks on a CPU without native bf16 matmul): float32 arithmetic on the
+    bfloat16 weights with a bfloat16 KV cache, against transformers in float32 on the
+    same bfloat16-rounded weights."""
     seqs = held_out_text_sequences(6, 300)
     hf_fp32, _ = hf_next_tokens(load_hf_model(BYTE_LM), seqs)
     # the fixture has learnt something: it predicts most held-out bytes
@@ -36,11 +41,16 @@ def test_bf16_top1_agreement_on_a_trained_model() -> None:
                    for p, t in zip(pred[:-1], s[1:], strict=True)) / sum(len(s) - 1 for s in seqs)
     assert accuracy > 0.4
     runner = PagedModelRunner.from_config(paged_config(BYTE_LM, dtype="bfloat16", vocab_size=256,
-                                                       max_model_len=512))
+                                                       max_model_len=512, compute_dtype=compute_dtype))
+    assert runner.kv_dtype == torch.bfloat16
+    assert runner.dtype == (torch.bfloat16 if compute_dtype == "model" else torch.float32)
     runner.initialize(160, 16)
     got = paged_next_tokens(runner, seqs, chunk=48)  # later chunks attend to cached context
-    hf_bf16, _ = hf_next_tokens(load_hf_model(BYTE_LM, dtype=torch.bfloat16), seqs)
-    assert top1_agreement(got, hf_bf16) >= 0.99
+    hf = load_hf_model(BYTE_LM, dtype=torch.bfloat16)
+    if compute_dtype == "float32":
+        hf = hf.float()
+    expected, _ = hf_next_tokens(hf, seqs)
+    assert top1_agreement(got, expected) >= 0.99
 
 
 def test_bf16_top1_agreement_on_random_weights(model_dir: Any) -> None:

@@ -174,3 +174,89 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, 
     assert cpu_kernels.load_cpu_attention() is None
     assert "failed" in (cpu_kernels.build_error() or "")
     assert not list((tmp_path / "kernels").glob("*.so")), "no half-built library is left behind"
+
+
+def test_silu_and_mul_of_large_negative_gates_is_zero_not_nan() -> None:
+    gate = torch.tensor([-88.0, -89.0, -90.0, -100.0, -1e4, -3e38, 0.5, 3.0] * 2)
+    out = cpu_kernels.silu_and_mul(torch.cat([gate, torch.ones(16)]).view(1, 32))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[0], F.silu(gate), atol=1e-6, rtol=1e-5)
+
+
+def test_loading_the_kernels_keeps_denormals_for_the_rest_of_the_process() -> None:
+    """Linked with -ffast-math, a shared library turns on flush-to-zero process-wide."""
+    import numpy as np
+
+    assert cpu_kernels.load_cpu_attention() is not None
+    assert float(torch.tensor([1e-39]) * 1) > 0
+    assert float(np.float32(1e-39) * np.float32(1)) > 0
+
+
+def _fused_case(dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
+    import numpy as np
+
+    specs, heads, kv_heads, head_dim, bs = [(0, 5), (9, 1)], 4, 2, 8, 4
+    _, k_cache, v_cache, meta = make_attention_case(specs, block_size=bs, num_heads=heads,
+                                                    num_kv_heads=kv_heads, head_dim=head_dim,
+                                                    dtype=dtype, seed=1)
+    positions = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in specs]).astype(np.int64))
+    slots = [int(meta.block_table[i, p // bs]) * bs + p % bs
+             for i, (c, n) in enumerate(specs) for p in range(c, c + n)]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * head_dim)
+    cos, sin = _rope_tables(32, head_dim)
+    return qkv, positions, cos, sin, k_cache, v_cache, meta, heads
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("slot", -1, "slot outside"), ("slot", 10**6, "slot outside"),
+    ("block", -2, "block id outside"), ("block", 10**6, "block id outside"),
+    ("position", 32, "position outside")])
+def test_bad_indices_are_refused_before_anything_is_written(field: str, value: int, message: str) -> None:
+    """A bad slot, block id or position used to be an IndexError in torch; the kernel
+    checks them all up front instead of writing into another layer's cache."""
+    qkv, positions, cos, sin, k_cache, v_cache, meta, heads = _fused_case()
+    if field == "slot":
+        meta.slot_mapping[2] = value
+    elif field == "block":
+        meta.block_table[1, 0] = value
+    else:
+        positions[0] = value
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        rope_store_attention_cpu(qkv, positions, cos, sin, k_cache, v_cache, meta, heads, 0.3)
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+def test_fused_call_with_a_float16_cache_and_wrong_inputs() -> None:
+    if not cpu_kernels.supports_float16():  # pragma: no cover - an old compiler
+        pytest.skip("this compiler has no _Float16")
+    qkv, positions, cos, sin, k_cache, v_cache, meta, heads = _fused_case(torch.float16)
+    out = rope_store_attention_cpu(qkv, positions, cos, sin, k_cache, v_cache, meta, heads, 0.3)
+    assert out.shape == (qkv.shape[0], heads * 8) and not out.isnan().any()
+    with pytest.raises(ValueError, match="int64"):
+        rope_store_attention_cpu(qkv, positions.int(), cos, sin, k_cache, v_cache, meta, heads, 0.3)
+    with pytest.raises(ValueError, match="unit stride"):
+        rope_store_attention_cpu(qkv.t().contiguous().t(), positions, cos, sin, k_cache, v_cache,
+                                 meta, heads, 0.3)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        rope_store_attention_cpu(qkv, positions, cos, sin, k_cache, v_cache.float(), meta, heads, 0.3)
+
+
+def test_cpu_backend_on_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="needs runner.device = 'cpu'"):
+        resolve_attention_backend("cpu", torch.device("cuda"), 64)
+
+
+def test_prepare_cpu_model_keeps_the_rope_tables_in_float32(model_dir: Any) -> None:
+    from schedkit.runners.paged.cpu_linear import prepare_cpu_model
+    from schedkit.runners.paged.loader import load_model, read_model_args
+
+    path = model_dir("llama", num_heads=4, num_kv_heads=2)
+    args = read_model_args(path)
+    model = load_model(path, args, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=64)
+    prepare_cpu_model(model, torch.float32)
+    assert model.model.rotary_emb.cos.dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.float32
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.lm_head, PackedLinear), "the tied head gets a packed copy"

@@ -89,20 +89,25 @@ def _run_two_waves(engine: EngineCore, first: list[list[int]],
     return outputs
 
 
-@pytest.mark.parametrize("name,async_scheduling", [(n, False) for n in CASES] + [
-    ("qwen2-mha-tied-bs8-preempt-prefix", True), ("llama-gqa4-llama3rope-bs32-preempt-chunked", True)])
-def test_greedy_tokens_match_transformers(name: str, async_scheduling: bool, model_dir: Any,
-                                          hf_model: Any) -> None:
+@pytest.mark.parametrize("name,async_scheduling,backend", [(n, False, "auto") for n in CASES] + [
+    ("qwen2-mha-tied-bs8-preempt-prefix", True, "auto"),
+    ("llama-gqa4-llama3rope-bs32-preempt-chunked", True, "auto"),
+    ("qwen2-mha-tied-bs8-preempt-prefix", False, "torch"),
+    ("llama-gqa4-llama3rope-bs32-preempt-chunked", True, "torch")])
+def test_greedy_tokens_match_transformers(name: str, async_scheduling: bool, backend: str,
+                                          model_dir: Any, hf_model: Any) -> None:
     """Also with async scheduling: two steps in flight, each decode step's input token
-    taken on the device from the step before it."""
+    taken on the device from the step before it. ``auto`` is the compiled CPU kernel
+    (checked: no silent fallback), ``torch`` the per-op PyTorch reference path."""
     case = dict(CASES[name])
     family, model_kw = case.pop("family"), case.pop("model")
     expect_preemption = case.pop("expect_preemption", False)
     path = model_dir(family, **model_kw)
     counter = ChunkCounter()
-    engine = EngineCore(paged_config(path, max_model_len=256,
+    engine = EngineCore(paged_config(path, max_model_len=256, attention_backend=backend,
                                      scheduler={"async_scheduling": async_scheduling}, **case),
                         extra_plugins=[counter])
+    assert engine.runner.attention_backend == ("cpu" if backend == "auto" else backend)
     first, second = _workload()
     outputs = _run_two_waves(engine, first, second)
     num_chunks = counter.num_chunks

@@ -33,7 +33,10 @@ inline float to_float(uint16_t bf16) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+#if defined(__FLT16_MAX__)
+#define SCHEDKIT_HAVE_FLOAT16 1  // _Float16: GCC >= 12 / clang >= 15 on x86
 inline float to_float(_Float16 x) { return static_cast<float>(x); }
+#endif
 
 struct Item {
   int32_t seq, row_begin, row_end;
@@ -47,6 +50,7 @@ struct Problem {
   const int32_t* block_table;
   int64_t block_table_stride, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  int64_t num_cache_blocks;
 };
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -76,10 +80,12 @@ inline void rows_to_float(const uint16_t* src, int64_t stride, int64_t n, int64_
       std::memcpy(dst + t * D + c, &w, sizeof w);
     }
 }
+#ifdef SCHEDKIT_HAVE_FLOAT16
 inline void rows_to_float(const _Float16* src, int64_t stride, int64_t n, int64_t D, float* dst) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < D; ++c) dst[t * D + c] = static_cast<float>(src[t * stride + c]);
 }
+#endif
 
 
 // One query against `valid` keys of one block (rows `stride` floats apart): the scores,
@@ -222,6 +228,7 @@ void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -229,9 +236,11 @@ inline void store_as(float* dst, const float* src, int64_t n) { std::memcpy(dst,
 inline void store_as(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
+#ifdef SCHEDKIT_HAVE_FLOAT16
 inline void store_as(_Float16* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
 }
+#endif
 
 // This step's fused q/k/v projection, before attention: RoPE on q and k (neox layout,
 // tables of D columns per position), q kept for attention, k and v written to their
@@ -244,6 +253,7 @@ struct RopeStore {
   const float* sin;
   const int64_t* slot_mapping;
   int64_t num_tokens;
+  int64_t num_positions;  // rows of the cos / sin tables
 };
 
 inline void rope(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
@@ -315,6 +325,24 @@ int attention(const Problem& p, void* k_cache, void* v_cache, const int32_t* seq
               int dtype, int64_t rows_per_item, int num_threads, const RopeStore* rs) {
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return -2;
   if (p.head_dim % 8 != 0) return -3;
+  // every index the kernel will follow, checked before anything is written
+  for (int64_t j = 0; j < num_seqs; ++j) {
+    const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
+    const int64_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    const int64_t seq_len = p.seq_lens[seq];
+    if (q_len < 0 || seq_len < q_len) return -7;
+    const int64_t nb = (seq_len + p.block_size - 1) / p.block_size;
+    if (q_len > 0 && nb > p.block_table_stride) return -4;
+    for (int64_t b = 0; q_len > 0 && b < nb; ++b) {
+      const int32_t id = p.block_table[seq * p.block_table_stride + b];
+      if (id < 0 || id >= p.num_cache_blocks) return -4;
+    }
+  }
+  if (rs)
+    for (int64_t t = 0; t < rs->num_tokens; ++t) {
+      if (rs->slot_mapping[t] < 0 || rs->slot_mapping[t] >= p.num_cache_blocks * p.block_size) return -5;
+      if (rs->positions[t] < 0 || rs->positions[t] >= rs->num_positions) return -6;
+    }
   rows_per_item = std::max<int64_t>(1, rows_per_item);
   switch (dtype) {
     case 0:
@@ -325,10 +353,12 @@ int attention(const Problem& p, void* k_cache, void* v_cache, const int32_t* seq
       run(p, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), seqs, num_seqs,
           rows_per_item, num_threads, rs);
       return 0;
+#ifdef SCHEDKIT_HAVE_FLOAT16
     case 2:
       run(p, static_cast<_Float16*>(k_cache), static_cast<_Float16*>(v_cache), seqs, num_seqs,
           rows_per_item, num_threads, rs);
       return 0;
+#endif
     default:
       return -1;
   }
@@ -338,9 +368,21 @@ int attention(const Problem& p, void* k_cache, void* v_cache, const int32_t* seq
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches). Each returns 0, or -1 for an
-// unknown dtype, -2 for heads that do not divide into KV heads and -3 for a head_dim
-// that is not a multiple of 8. seqs: the sequences to attend (NULL: all num_seqs).
+// dtype: 0 float32, 1 bfloat16, 2 float16 (of the caches). Each returns 0, or before
+// touching anything -1 for a dtype this build lacks, -2 for heads that do not divide
+// into KV heads, -3 for a head_dim that is not a multiple of 8, -4 for a block id
+// outside the cache (or a table too short for seq_len), -5 for a slot outside the
+// cache, -6 for a position outside the RoPE tables, -7 for lengths that do not add up.
+// seqs: the sequences to attend (NULL: all num_seqs).
+
+// Bit 0: float16 caches are supported (the compiler has _Float16).
+int schedkit_kernel_features() {
+#ifdef SCHEDKIT_HAVE_FLOAT16
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // Attention of q (already rotated) over the caches.
 int schedkit_paged_attention(const float* q, const void* k_cache, const void* v_cache, float* out,
@@ -348,9 +390,10 @@ int schedkit_paged_attention(const float* q, const void* k_cache, const void* v_
                              const int32_t* block_table, int64_t block_table_stride,
                              const int32_t* seqs, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                             int dtype, int64_t rows_per_item, int num_threads) {
+                             int dtype, int64_t rows_per_item, int num_threads,
+                             int64_t num_cache_blocks) {
   Problem p{q, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
-            num_kv_heads, head_dim, block_size, scale};
+            num_kv_heads, head_dim, block_size, scale, num_cache_blocks};
   return attention(p, const_cast<void*>(k_cache), const_cast<void*>(v_cache), seqs, num_seqs, dtype,
                    rows_per_item, num_threads, nullptr);
 }
@@ -364,10 +407,11 @@ int schedkit_rope_store_attention(const float* qkv, int64_t qkv_stride, const in
                                   const int32_t* block_table, int64_t block_table_stride,
                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_dim, int64_t block_size, float scale, int dtype,
-                                  int64_t rows_per_item, int num_threads) {
+                                  int64_t rows_per_item, int num_threads, int64_t num_cache_blocks,
+                                  int64_t num_positions) {
   Problem p{out, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
-            num_kv_heads, head_dim, block_size, scale};
-  RopeStore rs{qkv, qkv_stride, positions, cos, sin, slot_mapping, num_tokens};
+            num_kv_heads, head_dim, block_size, scale, num_cache_blocks};
+  RopeStore rs{qkv, qkv_stride, positions, cos, sin, slot_mapping, num_tokens, num_positions};
   return attention(p, k_cache, v_cache, nullptr, num_seqs, dtype, rows_per_item, num_threads, &rs);
 }
 
@@ -402,7 +446,11 @@ void schedkit_silu_and_mul(const float* x, float* out, int64_t rows, int64_t dim
     const float* u = g + dim;
     float* dst = out + r * dim;
 #pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) dst[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < dim; ++i) {  // below -80 silu is 0 to float precision; exp's
+      // argument is clamped because 1 / inf is not 0 under -ffast-math
+      const float e = std::exp(std::min(-g[i], 80.0f));
+      dst[i] = (g[i] < -80.0f ? 0.0f : g[i] / (1.0f + e)) * u[i];
+    }
   }
 }
 

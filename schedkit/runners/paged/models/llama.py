@@ -149,7 +149,7 @@ class CausalLM(nn.Module):
         """Final hidden states [T, hidden] of the packed tokens (KV written on the way)."""
         m = self.model
         x = m.embed_tokens(input_ids)
-        if meta.backend == "cpu" and x.dtype == torch.float32:
+        if meta.backend == "cpu" and x.dtype == torch.float32 and len(m.layers):
             return self._forward_cpu(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
             x = layer(x, positions, m.rotary_emb, kv_cache, meta)

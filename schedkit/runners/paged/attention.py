@@ -121,7 +121,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         RuntimeError: The kernel library could not be built (see
             :func:`schedkit.runners.paged.cpu_kernels.build_error`).
     """
-    from schedkit.runners.paged.cpu_kernels import build_error, check_kernel_result, load_cpu_attention
+    from schedkit.runners.paged.cpu_kernels import (
+        build_error,
+        check_kernel_result,
+        load_cpu_attention,
+    )
 
     lib = load_cpu_attention()
     if lib is None:

@@ -9,6 +9,8 @@ match it token for token.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,7 +164,7 @@ class CausalLM(nn.Module):
         with the residual add before it), RoPE + KV store + attention and SiLU-and-mul;
         the residual stream is updated in place."""
         m, eps = self.model, self.args.rms_norm_eps
-        layers = m.layers
+        layers = cast(list[DecoderLayer], list(m.layers))
         h = add_rms_norm(residual, None, layers[0].input_layernorm.weight, eps)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             a = layer.self_attn.forward_cpu(h, positions, m.rotary_emb, kv_cache, meta)

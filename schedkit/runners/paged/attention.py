@@ -30,6 +30,12 @@ __all__ = ["AttentionMetadata", "paged_attention", "paged_attention_cpu", "paged
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _rows_per_item(num_heads: int) -> int:
+    """Query rows of one CPU kernel work item: a prefill tile of ~48 query vectors, which
+    share every key block the item loads."""
+    return max(1, 48 // num_heads)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write this step's keys and values ([T, kv_heads, head_dim]) into their slots."""
@@ -67,13 +73,17 @@ def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: to
     Returns:
         [T, heads * head_dim] float32.
     """
-    from schedkit.runners.paged.cpu_kernels import _check_cpu, check_kernel_result, cpu_kernels
+    from schedkit.runners.paged.cpu_kernels import (
+        check_cpu_tensors,
+        check_kernel_result,
+        cpu_kernels,
+    )
 
     num_tokens = qkv.shape[0]
     num_kv_heads, block_size, head_dim = k_cache.shape[2], k_cache.shape[1], k_cache.shape[3]
     if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.is_cuda:
         raise ValueError("qkv must be float32 on the CPU with unit stride along its rows")
-    _check_cpu(cos, sin)
+    check_cpu_tensors(cos, sin)
     _check_caches(k_cache, v_cache)
     if positions.dtype != torch.int64 or positions.is_cuda or not positions.is_contiguous():
         raise ValueError("positions must be contiguous int64 on the CPU")
@@ -84,7 +94,7 @@ def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: to
         meta.slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
         out.data_ptr(), qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
         len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
-        _CACHE_DTYPES[k_cache.dtype], max(1, 48 // num_heads), torch.get_num_threads(),
+        _CACHE_DTYPES[k_cache.dtype], _rows_per_item(num_heads), torch.get_num_threads(),
         k_cache.shape[0], cos.shape[0])
     check_kernel_result("schedkit_rope_store_attention", rc)
     return out
@@ -138,12 +148,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qf = q.to(torch.float32).contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     qsl, seq_lens, table = _kernel_tables(meta)
-    rows_per_item = max(1, 48 // num_heads)  # a prefill tile: ~48 query vectors per key block
     rc = lib.schedkit_paged_attention(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
         None, len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
-        _CACHE_DTYPES[k_cache.dtype], rows_per_item,
+        _CACHE_DTYPES[k_cache.dtype], _rows_per_item(num_heads),
         num_threads if num_threads is not None else torch.get_num_threads(), k_cache.shape[0])
     check_kernel_result("schedkit_paged_attention", rc)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

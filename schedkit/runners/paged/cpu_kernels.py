@@ -2,7 +2,7 @@
 
 The library is compiled once per source, compiler and CPU (``-march=native``) into
 ``cache_dir()/kernels`` and loaded with ctypes: no PyTorch headers, no build step at
-install time, about two seconds on first use. It links the OpenMP runtime torch already
+install time, a few seconds on first use. It links the OpenMP runtime torch already
 loaded, so its threads are torch's. :func:`load_cpu_attention` returns None (and
 :func:`build_error` says why) where no compiler works; the runner then falls back to
 the PyTorch reference. torch is imported before the library loads, so its libgomp is
@@ -143,7 +143,7 @@ def supports_float16() -> bool:
     return bool(cpu_kernels().schedkit_kernel_features() & 1)
 
 
-def _check_cpu(*tensors: torch.Tensor) -> None:
+def check_cpu_tensors(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"the CPU kernels take contiguous float32 CPU tensors, got "
@@ -154,7 +154,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` ([rows, dim] float32); with ``residual``, of ``residual += x``
     (updated in place)."""
-    _check_cpu(x, weight, *(() if residual is None else (residual,)))
+    check_cpu_tensors(x, weight, *(() if residual is None else (residual,)))
     rows, dim = x.shape
     out = torch.empty_like(x)
     cpu_kernels().schedkit_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -165,7 +165,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused [rows, 2 * dim] float32 projection."""
-    _check_cpu(x)
+    check_cpu_tensors(x)
     rows, two_dim = x.shape
     out = x.new_empty(rows, two_dim // 2)
     cpu_kernels().schedkit_silu_and_mul(x.data_ptr(), out.data_ptr(), rows, two_dim // 2,

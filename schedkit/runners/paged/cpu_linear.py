@@ -3,8 +3,8 @@
 On the CPU every ``nn.Linear`` of the decoder (and the LM head) is swapped for a
 :class:`PackedLinear` once the weights are loaded: its weight is reordered a single time
 into oneDNN's blocked layout, so each call runs oneDNN's matmul without re-packing
-(about 15-30% faster than MKL's sgemm at these shapes on a 2-core AVX2 host, and the
-path to AMX where the CPU has it). Where oneDNN has no matmul for the model's dtype
+(faster than MKL's sgemm at these shapes on this project's AVX2 hosts, see
+docs/model-runner.md, and the path to AMX where the CPU has it). Where oneDNN has no matmul for the model's dtype
 (bfloat16 needs AVX512-BF16 or AMX; float16 AMX-FP16), :func:`cpu_compute_dtype` picks
 float32 arithmetic on the same weights instead: widened once at load, so each GEMM runs
 at float32 speed rather than through bfloat16 emulation; the KV cache stays in the
@@ -69,16 +69,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` under ``model`` by a :class:`PackedLinear` (where
-    oneDNN serves its dtype); returns how many were replaced."""
-    count = 0
+    oneDNN serves its dtype)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and onednn_matmul_supported(child.weight.dtype):
                 setattr(parent, name, PackedLinear.from_linear(child))
-                count += 1
-    return count
 
 
 def prepare_cpu_model(model: nn.Module, compute_dtype: torch.dtype) -> None:

@@ -151,8 +151,6 @@ class PagedModelRunner:
             raise ConfigError("runner.device = 'cuda' but no CUDA device is available")
         if rc.attention_backend == "triton" and rc.device == "cpu":
             raise ConfigError("runner.attention_backend = 'triton' needs runner.device = 'cuda'")
-        if rc.attention_backend == "cpu" and rc.device != "cpu":
-            raise ConfigError("runner.attention_backend = 'cpu' needs runner.device = 'cpu'")
         if rc.num_threads is not None and rc.device == "cpu":
             torch.set_num_threads(rc.num_threads)
         path = resolve_model_path(config.model.name, config.model.seed)

@@ -26,16 +26,8 @@ namespace {
 
 constexpr float kNegBig = -1e30f;  // finite: the kernel is built with -ffast-math
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {
-  uint32_t u = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 #if defined(__FLT16_MAX__)
 #define SCHEDKIT_HAVE_FLOAT16 1  // _Float16: GCC >= 12 / clang >= 15 on x86
-inline float to_float(_Float16 x) { return static_cast<float>(x); }
 #endif
 
 struct Item {
@@ -67,26 +59,20 @@ inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// n rows of D values (stride `stride` elements apart) as contiguous float32
-inline void rows_to_float(const float* src, int64_t stride, int64_t n, int64_t D, float* dst) {
-  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * D, src + t * stride, D * sizeof(float));
-}
-inline void rows_to_float(const uint16_t* src, int64_t stride, int64_t n, int64_t D, float* dst) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < D; c += 8) {
-      v8u16 h;
-      std::memcpy(&h, src + t * stride + c, sizeof h);
-      v8u32 w = __builtin_convertvector(h, v8u32) << 16;
-      std::memcpy(dst + t * D + c, &w, sizeof w);
-    }
+// n values widened to float32 (n a multiple of 8: whole KV rows)
+inline void widen(const uint16_t* src, int64_t n, float* dst) {  // bfloat16
+  for (int64_t c = 0; c < n; c += 8) {
+    v8u16 h;
+    std::memcpy(&h, src + c, sizeof h);
+    v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+    std::memcpy(dst + c, &w, sizeof w);
+  }
 }
 #ifdef SCHEDKIT_HAVE_FLOAT16
-inline void rows_to_float(const _Float16* src, int64_t stride, int64_t n, int64_t D, float* dst) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < D; ++c) dst[t * D + c] = static_cast<float>(src[t * stride + c]);
+inline void widen(const _Float16* src, int64_t n, float* dst) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<float>(src[c]);
 }
 #endif
-
 
 // One query against `valid` keys of one block (rows `stride` floats apart): the scores,
 // the online-softmax update of (m, l) and the accumulator a[8 * DVC].
@@ -193,8 +179,8 @@ void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item
     if constexpr (std::is_same_v<KT, float>) {
       kblock = kp, vblock = vp;
     } else {
-      rows_to_float(kp, 0, 1, n * token_stride, kb);
-      rows_to_float(vp, 0, 1, n * token_stride, vb);
+      widen(kp, n * token_stride, kb);
+      widen(vp, n * token_stride, vb);
       kblock = kb, vblock = vb;
     }
     for (int64_t i = 0; i < nq; ++i) {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -129,6 +130,19 @@ def _check_writable(path: str) -> None:
         raise ConfigError(f"--output {path}: cannot write there (no such writable folder, or a folder)")
 
 
+def _serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: must be in [0, 65535]")
+    try:
+        from schedkit.server.launch import serve
+    except ImportError as e:
+        raise ConfigError(f"schedkit serve needs the server extras ({e.name} is missing): "
+                          "pip install 'schedkit[serve]'") from e
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return serve(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+
+
 def _check(args: argparse.Namespace) -> int:
     from schedkit.core.scheduler import Scheduler
     from schedkit.plugins.facade import HookFacade
@@ -180,6 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                                    "under the SLO (KNOB: rate or time_scale)")
     p.add_argument("--sweep-only", action="store_true", help="skip the single-load comparison")
     p.set_defaults(func=_compare)
+    p = sub.add_parser("serve", help="serve the YAML's engine over an OpenAI-compatible HTTP API")
+    p.add_argument("config")
+    p.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default: server.port, 8000; 0: any free one)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes "
+                                     "(default: $SCHEDKIT_API_KEY, then server.api_key)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_serve)
     p = sub.add_parser("check", help="validate a config file")
     p.add_argument("config")
     p.set_defaults(func=_check)

@@ -64,6 +64,10 @@ class FakeRunnerConfig(_RunnerBase):
     """Which model runner executes the steps: a deterministic model with no weights."""
     step_time_ms: float = Field(default=10.0, gt=0)
     """Virtual duration of one fake-runner step, which drives the engine's clock."""
+    clock: Literal["virtual", "wall"] = "virtual"
+    """``virtual``: steps take no real time and advance the engine's virtual clock by
+    ``step_time_ms``; ``wall``: each step sleeps ``step_time_ms`` and the engine runs on
+    the wall clock (a stand-in model behind ``schedkit serve``)."""
 
 
 class SimulatedRunnerConfig(_RunnerBase):
@@ -338,6 +342,33 @@ class CompareConfig(_Strict):
     """The policy profiles ``schedkit compare`` runs on the same workload."""
 
 
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    """Address ``schedkit serve`` binds (loopback unless told otherwise)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port (0: any free port, printed at start)."""
+    api_key: str | None = Field(default=None, min_length=1)
+    """With a key every ``/v1`` route needs ``Authorization: Bearer KEY`` (also from
+    ``--api-key`` or the ``SCHEDKIT_API_KEY`` environment variable)."""
+    served_model_name: str | None = Field(default=None, min_length=1)
+    """The model name clients send and ``/v1/models`` lists (None: the last part of
+    ``model.name``)."""
+    max_pending_requests: int = Field(default=1024, ge=1)
+    """Generation requests in flight at once (each of ``n`` choices counts); beyond it a
+    request is answered 503 with ``Retry-After``."""
+    retry_after_s: int = Field(default=1, ge=0)
+    """The ``Retry-After`` seconds of a 503 (too many pending requests) or 429 (rejected)."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Largest request body; a longer one is answered 413."""
+    max_n: int = Field(default=16, ge=1, le=1024)
+    """Largest ``n`` (choices per request)."""
+    drain_grace_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM: seconds in-flight requests get to finish before they are aborted."""
+    max_tenant_labels: int = Field(default=64, ge=1, le=10000)
+    """Tenants (the ``user`` field) with their own label on the per-tenant metrics; the
+    others are counted under ``other``."""
+
+
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to serve."""
@@ -353,6 +384,8 @@ class Config(_Strict):
     """The workload that ``schedkit run`` drives through the engine."""
     compare: CompareConfig | None = None
     """Policy profiles for ``schedkit compare`` (default: just this config's policy)."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """The HTTP server of ``schedkit serve``."""
 
     _origin: ConfigOrigin | None = PrivateAttr(default=None)
 

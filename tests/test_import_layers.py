@@ -4,6 +4,7 @@ included).
 
     schedkit (the public surface), cli ... anything
     lab/ ........................... engine and below (it runs whole engines)
+    server/ ........................ engine and below (the HTTP front door)
     engine/ ........................ plugins, runners and below
     plugins/ ....................... hookspecs, policies, runners (the registry), core, kv
     policies/, runners/ ............ hookspecs, core, kv, config, errors
@@ -24,7 +25,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "schedkit"
 _BELOW_ENGINE = {"hookspecs", "policies", "runners", "plugins", "core", "kv", "config", "errors"}
 ALLOWED = {
-    "schedkit.cli": _BELOW_ENGINE | {"engine", "lab", "cli"},
+    "schedkit.cli": _BELOW_ENGINE | {"engine", "lab", "server", "cli"},
+    "schedkit.server": _BELOW_ENGINE | {"engine", "server"},
     "schedkit.lab": _BELOW_ENGINE | {"engine", "lab"},
     "schedkit.engine": _BELOW_ENGINE | {"engine"},
     "schedkit.plugins": {"hookspecs", "policies", "core", "kv", "config", "errors", "plugins", "runners"},

@@ -79,6 +79,15 @@ def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
                            request_id=request_id)
 
 
+def check_ttft_slo(request_id: str, ttft_slo_s: object) -> None:
+    """Raise RequestError unless the SLO is None or a finite number of seconds > 0."""
+    if ttft_slo_s is None:
+        return
+    if not _is_number(ttft_slo_s) or not 0.0 < ttft_slo_s < math.inf:  # type: ignore[operator]
+        raise RequestError(f"request {request_id!r}: ttft_slo_s must be None or a finite number "
+                           f"of seconds > 0, got {ttft_slo_s!r}", request_id=request_id)
+
+
 def _is_int(value: object) -> bool:
     """An int that is not a bool (``True`` is no token count)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -168,6 +177,9 @@ class Request:
     client_index: int = 0
     tenant: str = "default"
     cache_salt: str | None = None
+    ttft_slo_s: float | None = None
+    """The client's time-to-first-token target in seconds (None: the policy's default);
+    deadline policies and admission plugins read it (``arrival_time + ttft_slo_s``)."""
     skip_reading_prefix_cache: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -78,7 +78,8 @@ def utility_error(method: str, error: str) -> SchedkitError:
 
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
-                 cache_salt: str | None = None, final_only: bool = False) -> WireRequest:
+                 cache_salt: str | None = None, final_only: bool = False,
+                 ttft_slo_s: float | None = None) -> WireRequest:
     """The wire form of one request, validated.
 
     Raises:
@@ -91,7 +92,8 @@ def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampl
     if isinstance(ids, Sequence) and not isinstance(ids, str | bytes):
         ids = list(ids)  # anything else (an ndarray, an int) fails the check below
     w = WireRequest(request_id, ids, sampling_to_wire(params), priority=priority, tenant=tenant,
-                    cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only)
+                    cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only,
+                    ttft_slo_s=ttft_slo_s)
     check_request(w)
     return w
 
@@ -489,7 +491,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                        *, request_id: str | None = None, priority: int = 0,
-                       tenant: str = "default") -> AsyncIterator[RequestOutput]:
+                       tenant: str = "default", ttft_slo_s: float | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs.
 
         Leaving the iteration early aborts the request when the generator closes: at once
@@ -504,7 +507,7 @@ class AsyncLLM:
             raise EngineDeadError(str(self._dead))
         rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
         req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
-                           priority=priority, tenant=tenant)
+                           priority=priority, tenant=tenant, ttft_slo_s=ttft_slo_s)
         if rid in self._queues:
             raise RequestError(f"request {rid!r} is already streaming in this client "
                                "(request ids must be unique)", request_id=rid)

@@ -369,10 +369,16 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
         kv = sched.kv_cache_manager
+        totals = kv.prefix_cache_totals
+        hooks = sched.hooks
         return {
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "kv_cache_usage": kv.usage, "num_preemptions": sched.num_preemptions_total,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
             "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
             "pause_state": sched.pause_state.value, "now": self.now(),
+            "prefix_cache_queries": totals.queries + totals.preempted_queries,
+            "prefix_cache_hits": totals.hits + totals.preempted_hits,
+            "num_rejected_by_plugin": dict(getattr(hooks, "rejections", {})),
+            "num_hook_errors": [[p, h, n] for (p, h), n in getattr(hooks, "errors", {}).items()],
         }

@@ -18,7 +18,13 @@ from typing import Any
 import msgspec
 
 from schedkit.core.outputs import EngineCoreOutput, RequestMetricsData
-from schedkit.core.request import INT64_MAX, INT64_MIN, SamplingParams, check_arrival_offset
+from schedkit.core.request import (
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    check_arrival_offset,
+    check_ttft_slo,
+)
 from schedkit.errors import RequestError
 
 
@@ -97,6 +103,7 @@ def check_request(w: WireRequest) -> SamplingParams:
     if w.cache_salt is not None and not isinstance(w.cache_salt, str):
         raise _bad(rid, "cache_salt", w.cache_salt, "a string or None")
     check_arrival_offset(rid, w.arrival_offset)
+    check_ttft_slo(rid, w.ttft_slo_s)
     if type(w.final_only) is not bool:
         raise _bad(rid, "final_only", w.final_only, "a bool")
     return sampling_from_wire(w.sampling_params, rid)
@@ -116,6 +123,8 @@ class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     final_only: bool = False
     """Send nothing until the request ends, then all its tokens at once (offline batches,
     like vLLM's FINAL_ONLY output kind); False streams a delta every step."""
+    ttft_slo_s: float | None = None
+    """The client's TTFT target in seconds (``Request.ttft_slo_s``; None: the policy's)."""
 
 
 class AddRequests(msgspec.Struct, tag="add", frozen=True):

@@ -84,7 +84,7 @@ def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     params = check_request(w)
     return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                    priority=w.priority, client_index=client_index, tenant=w.tenant,
-                   cache_salt=w.cache_salt)
+                   cache_salt=w.cache_salt, ttft_slo_s=w.ttft_slo_s)
 
 
 class RateLimitedLog:

@@ -11,6 +11,7 @@ found from the traceback. The plugin set is read once, when the facade is built.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,11 @@ class HookFacade:
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self.pm = pm
+        self.errors: Counter[tuple[str, str]] = Counter()
+        """Hook errors so far by ``(plugin, hook)``: raises and impossible answers,
+        its waiting queue's included (the server exports them as a metric)."""
+        self.rejections: Counter[str] = Counter()
+        """Requests each plugin's ``schedkit_admit_request`` rejected so far."""
         self._impls: dict[str, tuple[_Impl, ...] | None] = {}
         for name in HOOK_NAMES:
             impls = getattr(pm.hook, name).get_hookimpls()
@@ -66,6 +72,7 @@ class HookFacade:
             except KeyboardInterrupt:
                 raise
             except BaseException as e:  # a plugin calling sys.exit() must not end the engine
+                self.errors[(plugin, name)] += 1
                 raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
                                   f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
                                   request_id=_request_id(kwargs)) from e
@@ -86,13 +93,14 @@ class HookFacade:
             while tb is not None and plugin is None:
                 plugin = codes.get(tb.tb_frame.f_code)
                 tb = tb.tb_next
+            self.errors[(plugin or "unknown", name)] += 1
             raise PluginError(f"plugin {plugin!r} raised in hook {name}: "
                               f"{type(e).__name__}: {e}", plugin=plugin, hook=name,
                               request_id=_request_id(kwargs)) from e
 
-    @staticmethod
-    def _bad_answer(name: str, plugin: str | None, answer: Any, why: str,
+    def _bad_answer(self, name: str, plugin: str | None, answer: Any, why: str,
                     request: Request | None = None) -> PluginError:
+        self.errors[(plugin or "unknown", name)] += 1
         about = f" for request {request.request_id!r}" if request is not None else ""
         return PluginError(f"plugin {plugin!r}: hook {name} returned {answer!r}{about}: {why}",
                            plugin=plugin, hook=name,
@@ -108,7 +116,7 @@ class HookFacade:
         missing = [m for m in _QUEUE_METHODS if not hasattr(queue, m)]
         if queue is None or missing:
             raise self._bad_answer(name, plugin, queue, f"not a waiting queue (missing {missing})")
-        return GuardedQueue(queue, plugin)
+        return GuardedQueue(queue, plugin, self.errors)
 
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request:
         name = "schedkit_select_preemption_victim"
@@ -145,6 +153,8 @@ class HookFacade:
                                              "kv_cache_usage": kv_cache_usage, "now": now}, True)
         if not isinstance(decision, AdmissionDecision):
             raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision", request)
+        if decision is AdmissionDecision.REJECT:
+            self.rejections[plugin or "unknown"] += 1
         return decision
 
     def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:

@@ -14,6 +14,7 @@ runs plugin code: a request is in once an ``add`` or ``prepend`` returned, and o
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,11 +35,14 @@ class GuardedQueue:
         plugin: That plugin's name.
     """
 
-    __slots__ = ("policy_queue", "plugin", "_ids", "_peeked", "_suspect")
+    __slots__ = ("policy_queue", "plugin", "errors", "_ids", "_peeked", "_suspect")
 
-    def __init__(self, policy_queue: RequestQueue, plugin: str | None) -> None:
+    def __init__(self, policy_queue: RequestQueue, plugin: str | None,
+                 errors: Counter[tuple[str, str]] | None = None) -> None:
         self.policy_queue = policy_queue
         self.plugin = plugin
+        self.errors: Counter[tuple[str, str]] = Counter() if errors is None else errors
+        """Where its errors are counted, by ``(plugin, hook)`` (the facade's counter)."""
         self._ids: set[str] = set()
         self._peeked: Request | None = None
         self._suspect: str | None = None
@@ -47,6 +51,7 @@ class GuardedQueue:
         qname = type(self.policy_queue).__name__
         rid = request.request_id if request is not None else None
         about = f" for request {rid!r}" if rid is not None else ""
+        self.errors[(self.plugin or "unknown", _HOOK)] += 1
         return PluginError(
             f"plugin {self.plugin!r}: its waiting queue ({qname}.{method}) raised{about}: "
             f"{type(e).__name__}: {e}", plugin=self.plugin, hook=f"{_HOOK} ({qname}.{method})",

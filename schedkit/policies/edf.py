@@ -19,9 +19,10 @@ _WAITING = RequestStatus.WAITING
 class EarliestDeadlineFirst:
     """Serve the waiting request whose TTFT deadline comes first; refuse hopeless ones.
 
-    A request's deadline is ``arrival_time + slo``, where ``slo`` is
-    ``slo_by_priority[request.priority]`` when that priority is listed and
-    ``ttft_slo_s`` otherwise. ``arrival_time`` must be on the scheduler's clock (it is for
+    A request's deadline is ``arrival_time + slo``, where ``slo`` is the request's own
+    ``ttft_slo_s`` when its client set one (the HTTP server's ``ttft_slo_s`` field),
+    else ``slo_by_priority[request.priority]`` when that priority is listed, else
+    ``ttft_slo_s``. ``arrival_time`` must be on the scheduler's clock (it is for
     requests the engine holds until their arrival, and in the simulator).
 
     A request that has never run is *hopeless* when
@@ -70,8 +71,12 @@ class EarliestDeadlineFirst:
         self._late: set[str] = set()
 
     def deadline(self, request: Request) -> float:
-        """``arrival_time`` plus the request's TTFT SLO."""
-        return request.arrival_time + self.slo_by_priority.get(request.priority, self.ttft_slo_s)
+        """``arrival_time`` plus the request's TTFT SLO: its own ``ttft_slo_s`` when the
+        client set one, else the priority's, else the default."""
+        slo = request.ttft_slo_s
+        if slo is None:
+            slo = self.slo_by_priority.get(request.priority, self.ttft_slo_s)
+        return request.arrival_time + slo
 
     def is_hopeless(self, request: Request, now: float) -> bool:
         """True if even an immediate admission would miss the deadline (by the estimate)."""

@@ -8,6 +8,7 @@ correct prefix of each draft list, as a real target model would.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ class _ReqState:
     eos_at: int | None = None
 
 
-def request_seed(request_id: str) -> int:
-    return zlib.crc32(request_id.encode())
+def request_seed(request_id: str, seed: int | None = None) -> int:
+    """What a request's fake tokens derive from: its sampling seed when it has one (the
+    same seed gives the same tokens whatever the id), else its id."""
+    return zlib.crc32(request_id.encode()) if seed is None else seed % (2**32) + 1
 
 
 @dataclass
@@ -37,6 +40,8 @@ class FakeRunner:
         output_len: ``request_id -> number of outputs before EOS`` (None: never EOS).
         draft_error_every: Every this many draft positions the proposal is wrong (0: never).
         step_time_s: Virtual duration reported for every step (drives the engine clock).
+        is_virtual_clock: False: every step that runs a request sleeps ``step_time_s``
+            and the engine keeps the wall clock.
     """
 
     vocab_size: int = 32000
@@ -46,8 +51,8 @@ class FakeRunner:
     step_time_s: float = 0.01
     is_virtual_clock: bool = True
     states: dict[str, _ReqState] = field(default_factory=dict)
-    _parked: dict[str, int] = field(default_factory=dict)
-    """Preempted request -> its prompt length (to resume counting outputs)."""
+    _parked: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Preempted request -> its prompt length (to resume counting outputs) and seed."""
     _last_sampled: list[str] = field(default_factory=list)
 
     @classmethod
@@ -55,7 +60,7 @@ class FakeRunner:
         """Build from a :class:`schedkit.config.Config` (its ``runner`` section)."""
         rc = config.runner
         return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id,
-                   step_time_s=rc.step_time_ms / 1e3)
+                   step_time_s=rc.step_time_ms / 1e3, is_virtual_clock=rc.clock == "virtual")
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         return num_blocks
@@ -76,16 +81,17 @@ class FakeRunner:
         for rid in scheduler_output.preempted_req_ids:
             old = states.pop(rid, None)
             if old is not None:
-                self._parked[rid] = old.num_prompt_tokens
+                self._parked[rid] = (old.num_prompt_tokens, old.seed)
         for new in scheduler_output.scheduled_new_reqs:
             eos_at = self.output_len(new.req_id) if self.output_len is not None else None
-            states[new.req_id] = _ReqState(request_seed(new.req_id), len(new.prompt_token_ids),
+            states[new.req_id] = _ReqState(request_seed(new.req_id, new.sampling_params.seed),
+                                           len(new.prompt_token_ids),
                                            list(new.prompt_token_ids), new.num_computed_tokens, eos_at)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, tokens in cached.resumed_token_ids.items():
-            num_prompt = self._parked.pop(rid)
+            num_prompt, seed = self._parked.pop(rid)
             eos_at = self.output_len(rid) if self.output_len is not None else None
-            states[rid] = _ReqState(request_seed(rid), num_prompt, list(tokens), 0, eos_at)
+            states[rid] = _ReqState(seed, num_prompt, list(tokens), 0, eos_at)
         for rid, computed, num_out in zip(cached.req_ids, cached.num_computed_tokens,
                                           cached.num_output_tokens, strict=True):
             st = states[rid]
@@ -108,6 +114,8 @@ class FakeRunner:
             st.num_computed_tokens -= len(drafts) - (len(out) - 1)
             sampled.append(out)
         self._last_sampled = [r for r, s in zip(req_ids, sampled, strict=True) if s]
+        if req_ids and not self.is_virtual_clock:
+            time.sleep(self.step_time_s)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled,
                                  step_duration=self.step_time_s if req_ids else 0.0)

@@ -1,0 +1,114 @@
+"""``schedkit serve``: the engine process and the HTTP server from one YAML.
+
+uvicorn on uvloop and httptools serves the app. SIGTERM (or Ctrl-C) drains: the
+listening socket closes, ``/health`` answers 503, new requests on open connections get
+503, in-flight requests have ``server.drain_grace_s`` to finish and are then aborted
+(streams end with finish_reason "abort"); then the engine shuts down and the process
+exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from schedkit.config import Config
+from schedkit.server.app import build_app
+from schedkit.server.serving import Server
+
+log = logging.getLogger("schedkit.server")
+
+API_KEY_ENV = "SCHEDKIT_API_KEY"
+
+
+def served_model_name(config: Config) -> str:
+    return config.server.served_model_name or Path(config.model.name).name
+
+
+def resolve_api_key(config: Config, cli_key: str | None) -> str | None:
+    """``--api-key``, else ``$SCHEDKIT_API_KEY``, else ``server.api_key`` (None: open)."""
+    return cli_key or os.environ.get(API_KEY_ENV) or config.server.api_key
+
+
+async def start_server(config: Config) -> Server:
+    """Start the engine process and everything the endpoints share."""
+    from schedkit.engine.client import AsyncLLM, load_tokenizer
+    from schedkit.server.metrics import ServerMetrics
+
+    tokenizer = await asyncio.to_thread(load_tokenizer, config)
+    llm = await AsyncLLM.create(config)
+    try:
+        plugins = await llm.call_utility("list_plugins")
+        name = served_model_name(config)
+        metrics = ServerMetrics(name, config.scheduler.policy, plugins, config.server.max_tenant_labels)
+        llm.tokenizer = tokenizer
+        return Server(config, llm, tokenizer, metrics, name)
+    except BaseException:
+        await llm.close()
+        raise
+
+
+def serve(config: Config, *, host: str | None = None, port: int | None = None,
+          api_key: str | None = None, log_level: str = "warning") -> int:
+    """Run the server until SIGTERM / SIGINT; returns the exit code (0 after a drain,
+    1 when it could not start)."""
+
+    sc = config.server
+    host = sc.host if host is None else host
+    port = sc.port if port is None else port
+    key = resolve_api_key(config, api_key)
+    app, get_server = build_app(lambda: start_server(config), max_body_bytes=sc.max_body_bytes,
+                                api_key=key)
+    ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools",
+                          lifespan="on", log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,
+                          timeout_keep_alive=5)
+    server = DrainingServer(ucfg, get_server, sc.drain_grace_s, key is not None)
+    server.run()
+    return 0 if server.started_ok else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with schedkit's drain (a timer aborts what the grace did not
+    finish) and a startup line naming where it listens."""
+
+    def __init__(self, config: uvicorn.Config, get_server: Callable[[], Server | None],
+                 grace: float, with_key: bool) -> None:
+        super().__init__(config)
+        self.get_server = get_server
+        self.grace = grace
+        self.with_key = with_key
+        self.started_ok = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        srv = self.get_server()
+        if self.should_exit or srv is None:
+            return
+        self.started_ok = True
+        bound = [s.getsockname() for server in self.servers for s in server.sockets]
+        h, p = bound[0][:2] if bound else (self.config.host, self.config.port)
+        print(f"schedkit serve: listening on http://{h}:{p} (model {srv.model_name!r}, "
+              f"policy {srv.config.scheduler.policy!r}, "
+              f"{'API key required' if self.with_key else 'no API key'})", flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        srv = self.get_server()
+        loop = self._loop
+        if srv is not None and not srv.draining:
+            srv.draining = True
+            print(f"schedkit serve: draining ({srv.num_pending} requests in flight, "
+                  f"{self.grace:g} s grace)", file=sys.stderr, flush=True)
+            if loop is not None:
+                loop.call_soon_threadsafe(loop.call_later, self.grace, srv.abort_all)
+        super().handle_exit(sig, frame)

@@ -1,0 +1,165 @@
+"""Prometheus metrics of the server: vLLM's set under a ``schedkit:`` prefix, plus the
+policy's view.
+
+Names, types, units and histogram buckets follow vLLM 0.32's ``vllm:`` metrics (a vLLM
+dashboard works after renaming the prefix); every series has vLLM's ``model_name``
+label. Per-request series (tokens, successes, latencies) are recorded by the server as
+requests end; latencies are measured where the client sees them (from the HTTP
+request's arrival), except the queue time, which is the engine's. Engine-wide series
+(running, waiting, KV usage, prefix cache, preemptions) and the policy's (rejections and
+hook errors by plugin) are read from the engine's ``stats`` when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "schedkit:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets (seconds) for TTFT, inter-token latency, and E2E / queue time."""
+
+
+class EngineStatsCollector(Collector):
+    """Engine-wide series from the last ``stats`` snapshot the server fetched."""
+
+    def __init__(self, model_name: str, policy: str, plugins: Sequence[tuple[str, Sequence[str]]]) -> None:
+        self.model_name = model_name
+        self.policy = policy
+        self.plugins = [(name, list(hooks)) for name, hooks in plugins]
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        m, st = self.model_name, self.stats
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([m], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric([m], value)
+            return c
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                    st.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                    st.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    st.get("kv_cache_usage", 0.0))
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      st.get("prefix_cache_queries", 0))
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      st.get("prefix_cache_hits", 0))
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      st.get("num_preemptions", 0))
+        info = GaugeMetricFamily(PREFIX + "policy_info", "The scheduling policy and the plugins "
+                                 "switched on (value 1).", labels=["model_name", "policy", "plugins"])
+        info.add_metric([m, self.policy, ",".join(n for n, _ in self.plugins)], 1)
+        yield info
+        plugin = GaugeMetricFamily(PREFIX + "plugin_info", "A plugin switched on and the hooks it "
+                                   "implements (value 1).", labels=["model_name", "plugin", "hooks"])
+        for name, hooks in self.plugins:
+            plugin.add_metric([m, name, ",".join(hooks)], 1)
+        yield plugin
+        rej = CounterMetricFamily(PREFIX + "admission_rejections", "Requests an admission plugin "
+                                  "rejected.", labels=["model_name", "plugin"])
+        for name, n in sorted(st.get("num_rejected_by_plugin", {}).items()):
+            rej.add_metric([m, name], n)
+        yield rej
+        err = CounterMetricFamily(PREFIX + "hook_errors", "Hook calls that raised or answered "
+                                  "something impossible, by plugin and hook.",
+                                  labels=["model_name", "plugin", "hook"])
+        for name, hook, n in st.get("num_hook_errors", []):
+            err.add_metric([m, name, hook], n)
+        yield err
+        yield gauge("engine_healthy", "1 while the engine process answers, 0 once it is gone.",
+                    0.0 if st.get("dead") else 1.0)
+
+
+class ServerMetrics:
+    """The server's Prometheus registry and the per-request series it records.
+
+    Args:
+        model_name: The served model name (the ``model_name`` label).
+        policy: ``scheduler.policy``.
+        plugins: ``(plugin, hooks)`` switched on.
+        max_tenant_labels: Tenants with a label of their own; later ones count as "other".
+    """
+
+    def __init__(self, model_name: str, policy: str, plugins: Sequence[tuple[str, Sequence[str]]],
+                 max_tenant_labels: int = 64) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.engine = EngineStatsCollector(model_name, policy, plugins)
+        self.registry.register(self.engine)
+        r, lb = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.",
+                                     lb, registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens "
+                                         "processed.", lb, registry=r).labels(model_name)
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed "
+                                       "requests.", ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first "
+                              "token in seconds.", lb, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token "
+                             "latency in seconds.", lb, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request "
+                             "latency in seconds.", lb, buckets=REQUEST_LATENCY_BUCKETS,
+                             registry=r).labels(model_name)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Histogram of time spent "
+                                    "in WAITING phase for request.", lb,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.tenant_prompt = Counter(PREFIX + "tenant_prompt_tokens", "Prompt tokens served per "
+                                     "tenant (the request's user field).", ["model_name", "tenant"],
+                                     registry=r)
+        self.tenant_generation = Counter(PREFIX + "tenant_generation_tokens", "Output tokens served "
+                                         "per tenant.", ["model_name", "tenant"], registry=r)
+        self.request_errors = Counter(PREFIX + "http_request_errors", "HTTP requests answered "
+                                      "with an error, by status.", ["model_name", "status"], registry=r)
+        self.max_tenant_labels = max_tenant_labels
+        self._tenants: set[str] = set()
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` while fewer than ``max_tenant_labels`` tenants have a label; else "other"."""
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < self.max_tenant_labels:
+            self._tenants.add(tenant)
+            return tenant
+        return "other"
+
+    def request_finished(self, *, finish_reason: str, tenant: str, num_prompt_tokens: int,
+                         num_output_tokens: int, ttft: float | None, e2e: float,
+                         queue_time: float | None) -> None:
+        """Record one engine request (one choice) that ended."""
+        m = self.model_name
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
+        self.request_success.labels(m, finish_reason).inc()
+        label = self.tenant_label(tenant)
+        self.tenant_prompt.labels(m, label).inc(num_prompt_tokens)
+        self.tenant_generation.labels(m, label).inc(num_output_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
+
+    def http_error(self, status: int) -> None:
+        self.request_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,211 @@
+"""OpenAI request bodies and error objects, validated field by field.
+
+Every field of the OpenAI completions and chat APIs a client library sends is known
+here. The ones schedkit implements are typed and range-checked; the ones it does not
+(penalties, logit bias, tools...) are accepted only at their neutral value, so a request
+that relies on them is answered 400 naming the field instead of being served wrongly.
+A field no API has is a 400 too. Types are strict: ``"5"`` is not a number and ``true``
+is not an integer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
+
+
+class APIError(Exception):
+    """An answer other than 200, with OpenAI's error object as its body.
+
+    Args:
+        status: HTTP status.
+        message: What was wrong, naming the field or limit.
+        param: The offending request field, where there is one.
+        headers: Extra response headers (``Retry-After``).
+    """
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _Sampling(_Body):
+    """Fields the completions and chat APIs share."""
+
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = Field(default=1, ge=1)
+    temperature: FiniteFloat | None = Field(default=None, ge=0)
+    top_p: FiniteFloat | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    return_token_ids: StrictBool = False
+    """vLLM's extension: ``prompt_token_ids`` and each choice's ``token_ids``."""
+    # schedkit's policy fields
+    user: StrictStr | None = Field(default=None, max_length=256)
+    """The tenant: what fairness policies (``vtc``) share service by."""
+    priority: StrictInt = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    """vLLM's priority: smaller is served first under the ``priority`` policy."""
+    ttft_slo_s: FiniteFloat | None = Field(default=None, gt=0)
+    """This request's time-to-first-token target (``edf``, admission plugins)."""
+    # accepted only at their neutral value
+    frequency_penalty: FiniteFloat | None = None
+    presence_penalty: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    min_p: FiniteFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
+    "min_p": (0.0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+    "best_of": (1,), "suffix": ("",), "echo": (False,), "tools": ([],), "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
+}
+"""OpenAI fields schedkit does not implement, and the values that ask nothing of them."""
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+    echo: StrictBool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this (possibly batched) request, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        c = self.content
+        if c is None:
+            return ""
+        return c if isinstance(c, str) else "".join(part.text for part in c)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: StrictBool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+
+class TokenizeRequest(_Body):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body against ``model``.
+
+    Raises:
+        APIError: 400 naming the first field that is wrong and why.
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        # Of a union's failures, the deepest names the element that is wrong.
+        errors = [(err, [str(x) for x in err["loc"] if not _is_union_tag(x)])
+                  for err in e.errors(include_url=False)]
+        err, loc = max(errors, key=lambda el: len(el[1]))
+        param = ".".join(loc) or None
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown field {param!r}", param=param) from None
+        if err["type"] == "missing":
+            raise APIError(400, f"{param} is required", param=param) from None
+        raise APIError(400, f"{param}: {err['msg']} (got {_describe(err.get('input'))})",
+                       param=param) from None
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name, None)
+        if value is not None and value not in neutral:
+            allowed = " or ".join(repr(v) for v in neutral)
+            raise APIError(400, f"{name}={_describe(value)} is not supported by schedkit "
+                           f"(leave it unset, or send {allowed})", param=name)
+    return req
+
+
+def _is_union_tag(x: Any) -> bool:
+    """Pydantic puts the union member's name in an error's location: not a field."""
+    return isinstance(x, str) and (x.startswith(("list[", "dict[", "function-")) or x in (
+        "str", "int", "float", "bool", "none", "ContentPart", "StreamOptions"))
+

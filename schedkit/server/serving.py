@@ -1,0 +1,475 @@
+"""The OpenAI completions and chat endpoints over one :class:`AsyncLLM`.
+
+One HTTP request becomes one engine request per prompt and choice (``n > 1`` runs as
+separate requests), with the engine id ``<id>[-<k>]-<random>``: the client's id (its
+``X-Request-Id`` or a new one) first, so logs match, and unique even when a client
+reuses its id. Each runs as a task that turns the engine's token
+deltas into text (:class:`TextStream`: stop strings are found here, and a request whose
+stop string appeared is aborted in the engine) and puts its events on one queue; the
+endpoint reads that queue to build a JSON answer or a stream of server-sent events.
+
+Nothing is sent before the first event: a request the admission policy rejects, or one
+the engine refuses, is answered with its HTTP error (429, 400) even when it asked to
+stream. Errors after the first byte of a stream arrive as an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from schedkit.config import Config
+from schedkit.core.request import SamplingParams
+from schedkit.engine.client import AsyncLLM, RequestOutput
+from schedkit.errors import EngineDeadError, RequestError
+from schedkit.server.metrics import ServerMetrics
+from schedkit.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Sampling,
+)
+from schedkit.server.text import TextStream
+
+log = logging.getLogger("schedkit.server")
+
+MAX_REQUEST_ID_LEN = 256
+
+
+def request_id_from_header(value: str | None, prefix: str) -> str:
+    """The client's ``X-Request-Id`` (printable ASCII, at most 256 characters) or a new id.
+
+    Raises:
+        APIError: 400 for an empty, too long or non-printable header.
+    """
+    if value is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not value or len(value) > MAX_REQUEST_ID_LEN or not all(32 < ord(c) < 127 for c in value):
+        raise APIError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
+                       "characters without spaces", param="X-Request-Id")
+    return value
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request: a prompt's k-th choice."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: APIError | None = None
+
+
+@dataclass(slots=True)
+class Event:
+    """A choice's new text (and ids), or its end (``done``), or its failure (``error``)."""
+
+    choice: Choice
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """Set on the choice's last text event (or on ``done`` when it ended without one)."""
+    stop_reason: int | str | None = None
+    done: bool = False
+    error: APIError | None = None
+
+
+class Server:
+    """What the endpoints share: the engine client, tokenizer, config, metrics, limits."""
+
+    def __init__(self, config: Config, llm: AsyncLLM, tokenizer: Any, metrics: ServerMetrics,
+                 model_name: str) -> None:
+        self.config = config
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = config.runner.vocab_size if tokenizer is None else max(
+            config.runner.vocab_size, len(tokenizer))
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_id: int | None = eos if isinstance(eos, int) else config.runner.eos_token_id
+        self.num_pending = 0
+        """Engine requests (choices) in flight."""
+        self.choices: dict[str, Choice] = {}
+        self.draining = False
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # -- prompts -------------------------------------------------------------------------
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer, and this model has none "
+                           "(set model.tokenizer); send token ids", param="prompt")
+        return self.tokenizer
+
+    def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Token ids of a text or token-id prompt, checked against the vocabulary.
+
+        Raises:
+            APIError: 400 for text without a tokenizer, an empty prompt or an id outside
+                the vocabulary.
+        """
+        if isinstance(prompt, str):
+            ids = list(self._need_tokenizer("a text prompt").encode(prompt))
+        else:
+            ids = prompt
+            bad = next((i for i, t in enumerate(ids) if t >= self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"{param}[{bad}] = {ids[bad]} is not a token of this model "
+                               f"(vocabulary size {self.vocab_size})", param=param)
+        if not ids:
+            raise APIError(400, f"{param} is empty", param=param)
+        return ids
+
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """The chat template applied to ``messages``, tokenized.
+
+        Raises:
+            APIError: 400 without a tokenizer or a chat template.
+        """
+        tok = self._need_tokenizer("chat")
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        convo = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = tok.apply_chat_template(convo, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a template that raises on this conversation (jinja's raise_exception)
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        return self.encode(list(tok.encode(text, add_special_tokens=False)), "messages")
+
+    # -- limits --------------------------------------------------------------------------
+    def _max_tokens(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                           f"{self.max_model_len} tokens (scheduler.max_model_len), so at most "
+                           f"{self.max_model_len - 1} fit with one output token", param="prompt")
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise APIError(400, f"{param}={max_tokens} plus the prompt's {prompt_len} tokens "
+                           f"exceeds this model's context of {self.max_model_len} tokens "
+                           "(scheduler.max_model_len)", param=param)
+        return max_tokens
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model")
+
+    def _admit(self, count: int) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down",
+                           headers={"Retry-After": str(self.config.server.retry_after_s)})
+        if not self.llm_alive():
+            raise APIError(503, "the engine is not running")
+        limit = self.config.server.max_pending_requests
+        if self.num_pending + count > limit:
+            raise APIError(503, f"too many pending requests: {self.num_pending} in flight, this "
+                           f"request adds {count}, the limit is {limit} (server.max_pending_requests)",
+                           headers={"Retry-After": str(self.config.server.retry_after_s)})
+
+    def llm_alive(self) -> bool:
+        return self.llm._dead is None and self.llm.engine.is_alive()
+
+    # -- choices -------------------------------------------------------------------------
+    def make_choices(self, req: _Sampling, request_id: str, prompts: list[list[int]],
+                     max_tokens: int | None, max_tokens_param: str) -> list[Choice]:
+        if req.n > self.config.server.max_n:
+            raise APIError(400, f"n={req.n} exceeds the limit of {self.config.server.max_n} "
+                           "(server.max_n)", param="n")
+        stop = req.stop_strings()
+        if stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer, and this model has none; "
+                           "use stop_token_ids", param="stop")
+        single = len(prompts) == 1 and req.n == 1
+        choices = []
+        for p, ids in enumerate(prompts):
+            limit = self._max_tokens(len(ids), max_tokens, max_tokens_param)
+            for k in range(req.n):
+                index = p * req.n + k
+                seed = req.seed if req.seed is None or k == 0 else (req.seed + k) % 2**63
+                try:
+                    params = SamplingParams(
+                        max_tokens=limit, min_tokens=req.min_tokens,
+                        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                        eos_token_id=self.eos_token_id,
+                        temperature=1.0 if req.temperature is None else req.temperature,
+                        top_p=1.0 if req.top_p is None else req.top_p,
+                        top_k=-1 if req.top_k is None else req.top_k, seed=seed)
+                except RequestError as e:
+                    raise APIError(400, str(e), param=_param_of(str(e))) from None
+                text = TextStream(self.tokenizer, ids, stop=stop,
+                                  include_stop=req.include_stop_str_in_output,
+                                  min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
+                # The engine's id carries the client's and a random suffix: a client may
+                # reuse its X-Request-Id while the engine still winds the old one down.
+                suffix = uuid.uuid4().hex[:8]
+                rid = f"{request_id}-{suffix}" if single else f"{request_id}-{index}-{suffix}"
+                choices.append(Choice(index, rid, ids, params, text))
+        return choices
+
+    def start(self, choices: list[Choice], req: _Sampling,
+              ) -> tuple[asyncio.Queue[Event], list[asyncio.Task[None]]]:
+        """Send every choice to the engine; their events arrive on the returned queue.
+
+        Raises:
+            APIError: 503 while draining, with the engine gone, or over the pending limit.
+        """
+        self._admit(len(choices))
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        tenant = req.user if req.user is not None else "default"
+        tasks = []
+        for c in choices:
+            self.num_pending += 1
+            self.choices[c.request_id] = c
+            task = asyncio.create_task(self._run(c, queue, tenant, req))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            tasks.append(task)
+        return queue, tasks
+
+    async def _run(self, c: Choice, queue: asyncio.Queue[Event], tenant: str, req: _Sampling) -> None:
+        start = time.perf_counter()
+        first: float | None = None
+        last = start
+        metrics = None
+        told_end = False
+        try:
+            gen: Any = self.llm.generate(c.prompt_token_ids, c.params, request_id=c.request_id,
+                                    priority=req.priority, tenant=tenant, ttft_slo_s=req.ttft_slo_s)
+            async with aclosing(gen):
+                async for out in gen:
+                    now = time.perf_counter()
+                    if out.output_token_ids:
+                        if first is None:
+                            first = now
+                        else:
+                            self.metrics.itl.observe(now - last)
+                        last = now
+                    ev = self._apply(c, out)
+                    if out.metrics is not None:
+                        metrics = out.metrics
+                    if ev.text or ev.token_ids or ev.finish_reason is not None:
+                        queue.put_nowait(ev)
+                        told_end = ev.finish_reason is not None
+                    if c.finish_reason is not None:
+                        break  # a stop string: closing the generator aborts it in the engine
+        except RequestError as e:
+            c.error = APIError(400, str(e).removeprefix(f"request {c.request_id!r} failed: "))
+        except EngineDeadError as e:
+            c.error = APIError(503, f"the engine died: {e}")
+        except asyncio.CancelledError:
+            c.finish_reason = c.finish_reason or "abort"
+            raise
+        except Exception as e:  # a bug here must not leave the HTTP request hanging
+            log.exception("request %s failed in the server", c.request_id)
+            c.error = APIError(500, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.num_pending -= 1
+            self.choices.pop(c.request_id, None)
+            if c.error is None and c.finish_reason is None:
+                c.finish_reason = "abort"
+            end = c.finish_reason if not told_end and c.error is None else None
+            queue.put_nowait(Event(c, finish_reason=end, done=True, error=c.error))
+            if c.error is None:
+                queue_time = None
+                if metrics is not None and metrics.first_scheduled_time is not None:
+                    queue_time = max(metrics.first_scheduled_time - metrics.arrival_time, 0.0)
+                self.metrics.request_finished(
+                    finish_reason=str(c.finish_reason), tenant=tenant,
+                    num_prompt_tokens=len(c.prompt_token_ids),
+                    num_output_tokens=len(c.text.output_token_ids),
+                    ttft=None if first is None else first - start,
+                    e2e=time.perf_counter() - start, queue_time=queue_time)
+
+    def _apply(self, c: Choice, out: RequestOutput) -> Event:
+        """Fold one engine delta into the choice; returns the event to send."""
+        n_before = len(c.text.output_token_ids)
+        text = c.text.add(out.output_token_ids)
+        if c.text.stopped:
+            c.finish_reason, c.stop_reason = "stop", c.text.stop_reason
+        elif out.finished:
+            text += c.text.finish()
+            if out.finish_reason == "error":
+                c.error = APIError(500, f"the request failed in the engine: {out.error}")
+            elif out.finish_reason == "abort" and out.stop_reason == "rejected":
+                c.error = self._rejected()
+            else:
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            if out.metrics is not None:
+                c.num_cached_tokens = out.metrics.num_cached_tokens
+        return Event(c, text, c.text.output_token_ids[n_before:], c.finish_reason, c.stop_reason,
+                     error=c.error)
+
+    def _rejected(self) -> APIError:
+        admit = [name for name, hooks in self.metrics.engine.plugins if "schedkit_admit_request" in hooks]
+        by = f" (plugin {', '.join(admit)})" if admit else ""
+        return APIError(429, f"rejected by the scheduling policy's admission control{by}: the "
+                        "request cannot be served in time or over its quota; retry later or with "
+                        "a looser ttft_slo_s", headers={"Retry-After": str(self.config.server.retry_after_s)})
+
+    def abort_all(self) -> None:
+        """Cancel every choice in flight (their engine requests are aborted)."""
+        for task in list(self.tasks):
+            task.cancel()
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams error names (``invalid sampling value NAME=...``)."""
+    head = "invalid sampling value "
+    i = message.find(head)
+    return message[i + len(head):].split("=", 1)[0] if i >= 0 else None
+
+
+# -- answers -----------------------------------------------------------------------------
+def usage(choices: Sequence[Choice], prompts: Sequence[list[int]]) -> dict[str, Any]:
+    """OpenAI's usage object: each prompt counted once, every choice's output tokens."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(c.text.output_token_ids) for c in choices)
+    per_prompt = max(len(choices) // max(len(prompts), 1), 1)
+    cached = sum(c.num_cached_tokens for c in choices[::per_prompt])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Generation:
+    """One HTTP generation request in progress: its choices and their event queue."""
+
+    def __init__(self, server: Server, kind: str, request_id: str, req: CompletionRequest | ChatCompletionRequest,
+                 prompts: list[list[int]], choices: list[Choice]) -> None:
+        self.server = server
+        self.kind = kind  # "completion" or "chat"
+        self.id = request_id
+        self.req = req
+        self.prompts = prompts
+        self.choices = choices
+        self.created = int(time.time())
+        self.queue, self.tasks = server.start(choices, req)
+        self.open = len(choices)
+        self.pending: list[Event] = []
+
+    async def next_event(self) -> Event | None:
+        """The next event (None once every choice is done)."""
+        if self.pending:
+            return self.pending.pop(0)
+        if not self.open:
+            return None
+        ev = await self.queue.get()
+        if ev.done:
+            self.open -= 1
+        return ev
+
+    async def first(self) -> None:
+        """Wait for the first sign of life; raise its error if it is one (nothing is sent yet).
+
+        Raises:
+            APIError: The first event was a failure (a rejection, a refused request).
+        """
+        ev = await self.next_event()
+        if ev is None:
+            return
+        if ev.error is not None:
+            self.cancel()
+            raise ev.error
+        self.pending.append(ev)
+
+    def cancel(self) -> None:
+        """Abort the choices still running (their tasks close their engine streams)."""
+        for task in self.tasks:
+            task.cancel()
+
+    # -- whole answers -------------------------------------------------------------------
+    async def collect(self) -> dict[str, Any]:
+        texts = {c.index: "" for c in self.choices}
+        ids: dict[int, list[int]] = {c.index: [] for c in self.choices}
+        while (ev := await self.next_event()) is not None:
+            if ev.error is not None:
+                self.cancel()
+                raise ev.error
+            texts[ev.choice.index] += ev.text
+            ids[ev.choice.index].extend(ev.token_ids)
+        out = []
+        for c in self.choices:
+            item: dict[str, Any]
+            if self.kind == "chat":
+                item = {"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+                        "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            else:
+                item = {"index": c.index, "text": texts[c.index], "logprobs": None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if self.req.return_token_ids:
+                item["token_ids"] = ids[c.index]
+                item["prompt_token_ids"] = c.prompt_token_ids
+            out.append(item)
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.server.model_name, "choices": out,
+                "usage": usage(self.choices, self.prompts)}
+
+    # -- streams -------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], usage_obj: dict[str, Any] | None = None) -> bytes:
+        body: dict[str, Any] = {
+                "id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.server.model_name, "choices": choices}
+        if usage_obj is not None or self._continuous:
+            body["usage"] = usage_obj
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    @property
+    def _continuous(self) -> bool:
+        so = self.req.stream_options
+        return so is not None and so.continuous_usage_stats
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per choice delta, usage last when asked, [DONE]."""
+        chat = self.kind == "chat"
+        started: set[int] = set()
+        ended: set[int] = set()
+        try:
+            while (ev := await self.next_event()) is not None:
+                c = ev.choice
+                if ev.error is not None:
+                    yield b"data: " + json.dumps(ev.error.body()).encode() + b"\n\n"
+                    self.cancel()
+                    break
+                if c.index in ended or not (ev.text or ev.token_ids or ev.finish_reason):
+                    continue
+                if chat:
+                    delta: dict[str, Any] = {}
+                    if c.index not in started:
+                        started.add(c.index)
+                        delta["role"] = "assistant"
+                    if ev.text or "role" in delta:
+                        delta["content"] = ev.text
+                    item: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
+                                            "finish_reason": None}
+                else:
+                    item = {"index": c.index, "text": ev.text, "logprobs": None, "finish_reason": None}
+                if ev.finish_reason is not None:
+                    ended.add(c.index)
+                    item["finish_reason"] = ev.finish_reason
+                    item["stop_reason"] = ev.stop_reason
+                if self.req.return_token_ids:
+                    item["token_ids"] = ev.token_ids
+                yield self._chunk([item], usage(self.choices, self.prompts) if self._continuous else None)
+            so = self.req.stream_options
+            if so is not None and so.include_usage:
+                yield self._chunk([], usage(self.choices, self.prompts))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.cancel()

@@ -1,0 +1,130 @@
+"""The official ``openai`` client, sync and async, streaming and not, against a live server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from tests.server.conftest import SPECIALS  # noqa: E402
+
+
+def words(ids):
+    """The text the word tokenizer gives for output ids (specials skipped)."""
+    return "".join(f" w{i}" for i in ids if i >= len(SPECIALS))
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["word-model"]
+
+
+def test_completion_text_and_usage(client):
+    r = client.completions.create(model="word-model", prompt="w7 w8 w9", max_tokens=6,
+                                  extra_body={"return_token_ids": True})
+    (choice,) = r.choices
+    assert choice.finish_reason == "length"
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 6 and choice.text == words(ids)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 6, 9)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_token_id_prompts_in_a_batch_with_n(client):
+    r = client.completions.create(model="word-model", prompt=[[7, 8], [9, 10, 11]], max_tokens=3, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+
+
+def test_stream_matches_the_whole_answer(client):
+    """The same seed gives the fake runner the same tokens: streamed deltas join to the
+    non-streamed text, and the usage chunk comes last; X-Request-Id is the answer's id."""
+    whole = client.completions.create(model="word-model", prompt="w20 w21", max_tokens=8, seed=5,
+                                      extra_headers={"X-Request-Id": "same-1"})
+    chunks = list(client.completions.create(model="word-model", prompt="w20 w21", max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True},
+                                            seed=5, extra_headers={"X-Request-Id": "same-1"}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.id == "same-1" for c in chunks)
+
+
+def test_stop_string_ends_the_text_and_the_request(client):
+    full = client.completions.create(model="word-model", prompt="w30", max_tokens=10, seed=7,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    ids = full.model_extra["token_ids"]
+    k = next(k for k in range(3, 10) if ids[k] >= len(SPECIALS) and ids[k] not in ids[:k])
+    stop = f"w{ids[k]}"
+    for stream in (False, True):
+        kw = {"model": "word-model", "prompt": "w30", "max_tokens": 10, "stop": [stop], "seed": 7,
+              "extra_body": {"ignore_eos": True}}
+        if stream:
+            parts = list(client.completions.create(stream=True, **kw))
+            text = "".join(p.choices[0].text for p in parts)
+            finish = parts[-1].choices[0].finish_reason
+        else:
+            c = client.completions.create(**kw).choices[0]
+            text, finish = c.text, c.finish_reason
+        assert finish == "stop"
+        assert text == words(ids[:k]) + " ", (stream, text)
+
+
+def test_chat_completion_uses_the_chat_template(client):
+    r = client.chat.completions.create(model="word-model", max_tokens=4,
+                                       messages=[{"role": "user", "content": "w40 w41"}])
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    # <|user|> w40 w41 <|assistant|>
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 4
+
+
+def test_chat_stream(client):
+    chunks = list(client.chat.completions.create(model="word-model", max_completion_tokens=5, stream=True,
+                                                 messages=[{"role": "user", "content": "w42"}],
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() and chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_async_client_concurrent_streams(live):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(i):
+            stream = await aclient.completions.create(model="word-model", prompt=f"w{50 + i}",
+                                                      max_tokens=5, stream=True)
+            return [c async for c in stream]
+
+        async def chat(i):
+            return await aclient.chat.completions.create(
+                model="word-model", max_tokens=3, messages=[{"role": "user", "content": f"w{60 + i}"}])
+
+        streams = await asyncio.gather(*(one(i) for i in range(16)))
+        chats = await asyncio.gather(*(chat(i) for i in range(8)))
+        await aclient.close()
+        return streams, chats
+
+    streams, chats = asyncio.run(main())
+    for chunks in streams:
+        assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage.completion_tokens == 3 for c in chats)
+
+
+def test_errors_arrive_as_the_clients_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="word-model", prompt="w7", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.completions.create(model="no-such-model", prompt="w7")
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="word-model", prompt="w7", logprobs=2)
+    assert client.completions.create(model="word-model", prompt="w7", max_tokens=1).choices

@@ -255,6 +255,7 @@ SECTION_MODELS = {
     "runner (fake)": config_models.FakeRunnerConfig,
     "runner (simulated)": config_models.SimulatedRunnerConfig,
     "runner (paged)": config_models.PagedRunnerConfig,
+    "server": config_models.ServerConfig,
 }
 
 

@@ -226,6 +226,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}"))
 
     async def _generate(request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()  # the latencies recorded count from here
         s = srv()
         body = await _json_body(request)
         if kind == "chat":
@@ -236,8 +237,9 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
             prefix = "cmpl"
         s.check_model(req.model)
         if req.logprobs or getattr(req, "top_logprobs", None):
-            raise APIError(400, "logprobs are not available: schedkit's runners return sampled "
-                           "token ids only", param="logprobs")
+            param = "logprobs" if req.logprobs else "top_logprobs"
+            raise APIError(400, f"{param}: logprobs are not available, schedkit's runners return "
+                           "sampled token ids only", param=param)
         rid = request_id_from_header(request.headers.get("x-request-id"), prefix)
         if kind == "chat":
             prompts = [s.chat_prompt(req.messages, req.add_generation_prompt)]
@@ -248,15 +250,19 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
                                 else "prompt") for i, p in enumerate(req.prompts())]
             max_tokens, param = req.max_tokens, "max_tokens"
         choices = s.make_choices(req, rid, prompts, max_tokens, param)
-        gen = Generation(s, kind, rid, req, prompts, choices)
+        gen = Generation(s, kind, rid, req, prompts, choices, arrival)
         headers = {"X-Request-Id": rid}
         if req.stream:
-            await _unless_disconnected(request, gen.first())
+            gone = await _unless_disconnected(request, gen.first())
+            if isinstance(gone, Response):  # the client left before the first token
+                gen.cancel()
+                return gone
             if gen.open == 0 and not gen.pending:
                 return Response(status_code=499)
             return EventStream(gen.stream(), headers)
         answer = await _unless_disconnected(request, gen.collect())
-        if isinstance(answer, Response):
+        if isinstance(answer, Response):  # the client left: cancelling collect() stops no choice
+            gen.cancel()
             return answer
         return JSONResponse(answer, headers=headers)
 

@@ -13,7 +13,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -48,7 +49,8 @@ async def start_server(config: Config) -> Server:
     try:
         plugins = await llm.call_utility("list_plugins")
         name = served_model_name(config)
-        metrics = ServerMetrics(name, config.scheduler.policy, plugins, config.server.max_tenant_labels)
+        metrics = ServerMetrics(name, config.scheduler.policy, plugins, config.server.max_tenant_labels,
+                                config.scheduler.max_model_len)
         llm.tokenizer = tokenizer
         return Server(config, llm, tokenizer, metrics, name)
     except BaseException:
@@ -101,6 +103,15 @@ class DrainingServer(uvicorn.Server):
         print(f"schedkit serve: listening on http://{h}:{p} (model {srv.model_name!r}, "
               f"policy {srv.config.scheduler.policy!r}, "
               f"{'API key required' if self.with_key else 'no API key'})", flush=True)
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, less its last step: re-raising the signal that stopped the server
+        once it has shut down, which would kill the process with SIGTERM after the drain
+        instead of letting it exit 0."""
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         srv = self.get_server()

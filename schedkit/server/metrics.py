@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,7 +33,20 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-"""vLLM's buckets (seconds) for TTFT, inter-token latency, and E2E / queue time."""
+"""vLLM's buckets (seconds) for TTFT, inter-token latency (and time per output token), and
+the per-request phase times (E2E, queue, prefill, decode, inference)."""
+
+
+def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineStatsCollector(Collector):
@@ -74,15 +93,21 @@ class EngineStatsCollector(Collector):
         for name, hooks in self.plugins:
             plugin.add_metric([m, name, ",".join(hooks)], 1)
         yield plugin
+        # Every plugin's series exist from the start (at 0), so a dashboard shows 0, not
+        # "no data", until something is rejected or fails.
+        rejected = {name: 0 for name, hooks in self.plugins if "schedkit_admit_request" in hooks}
+        rejected |= st.get("num_rejected_by_plugin", {})
         rej = CounterMetricFamily(PREFIX + "admission_rejections", "Requests an admission plugin "
                                   "rejected.", labels=["model_name", "plugin"])
-        for name, n in sorted(st.get("num_rejected_by_plugin", {}).items()):
+        for name, n in sorted(rejected.items()):
             rej.add_metric([m, name], n)
         yield rej
+        errors = {(name, hook): 0 for name, hooks in self.plugins for hook in hooks}
+        errors |= {(name, hook): n for name, hook, n in st.get("num_hook_errors", [])}
         err = CounterMetricFamily(PREFIX + "hook_errors", "Hook calls that raised or answered "
                                   "something impossible, by plugin and hook.",
                                   labels=["model_name", "plugin", "hook"])
-        for name, hook, n in st.get("num_hook_errors", []):
+        for (name, hook), n in sorted(errors.items()):
             err.add_metric([m, name, hook], n)
         yield err
         yield gauge("engine_healthy", "1 while the engine process answers, 0 once it is gone.",
@@ -100,7 +125,8 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str, policy: str, plugins: Sequence[tuple[str, Sequence[str]]],
-                 max_tenant_labels: int = 64) -> None:
+                 max_tenant_labels: int = 64, max_model_len: int = 2048) -> None:
+        disable_created_metrics()  # vLLM's series have no _created twins either
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.engine = EngineStatsCollector(model_name, policy, plugins)
@@ -122,6 +148,33 @@ class ServerMetrics:
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Histogram of time spent "
                                     "in WAITING phase for request.", lb,
                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        tokens = token_count_buckets(max_model_len)
+        self.req_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Number of prefill "
+                                           "tokens processed.", lb, buckets=tokens,
+                                           registry=r).labels(model_name)
+        self.req_generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Number of "
+                                               "generation tokens processed.", lb, buckets=tokens,
+                                               registry=r).labels(model_name)
+        self.req_max_tokens = Histogram(PREFIX + "request_params_max_tokens", "Histogram of the "
+                                        "max_tokens request parameter.", lb, buckets=tokens,
+                                        registry=r).labels(model_name)
+        self.req_max_generation = Histogram(PREFIX + "request_max_num_generation_tokens", "Histogram "
+                                            "of maximum number of requested generation tokens.", lb,
+                                            buckets=tokens, registry=r).labels(model_name)
+        self.req_n = Histogram(PREFIX + "request_params_n", "Histogram of the n request parameter.",
+                               lb, buckets=(1, 2, 5, 10, 20), registry=r).labels(model_name)
+        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds", "Histogram of "
+                              "time_per_output_token_seconds per request.", lb, buckets=ITL_BUCKETS,
+                              registry=r).labels(model_name)
+        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "Histogram of time "
+                                      "spent in PREFILL phase for request.", lb,
+                                      buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds", "Histogram of time "
+                                     "spent in DECODE phase for request.", lb,
+                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.inference_time = Histogram(PREFIX + "request_inference_time_seconds", "Histogram of "
+                                        "time spent in RUNNING phase for request.", lb,
+                                        buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.tenant_prompt = Counter(PREFIX + "tenant_prompt_tokens", "Prompt tokens served per "
                                      "tenant (the request's user field).", ["model_name", "tenant"],
                                      registry=r)
@@ -143,9 +196,26 @@ class ServerMetrics:
 
     def request_finished(self, *, finish_reason: str, tenant: str, num_prompt_tokens: int,
                          num_output_tokens: int, ttft: float | None, e2e: float,
-                         queue_time: float | None) -> None:
-        """Record one engine request (one choice) that ended."""
+                         queue_time: float | None, max_tokens: int, n: int,
+                         engine: Any = None) -> None:
+        """Record one engine request (one choice) that ended; ``engine`` is its
+        :class:`~schedkit.core.outputs.RequestMetricsData` (phase times) when it has one."""
         m = self.model_name
+        self.req_prompt_tokens.observe(num_prompt_tokens)
+        self.req_generation_tokens.observe(num_output_tokens)
+        self.req_max_tokens.observe(max_tokens)
+        self.req_max_generation.observe(max_tokens)
+        self.req_n.observe(n)
+        if ttft is not None and num_output_tokens > 1:
+            self.tpot.observe((e2e - ttft) / (num_output_tokens - 1))
+        if engine is not None and engine.first_scheduled_time is not None:
+            start = engine.first_scheduled_time
+            if engine.first_token_time is not None:
+                self.prefill_time.observe(max(engine.first_token_time - start, 0.0))
+                if engine.finish_time is not None:
+                    self.decode_time.observe(max(engine.finish_time - engine.first_token_time, 0.0))
+            if engine.finish_time is not None:
+                self.inference_time.observe(max(engine.finish_time - start, 0.0))
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
         self.request_success.labels(m, finish_reason).inc()

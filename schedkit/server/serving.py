@@ -152,12 +152,13 @@ class Server:
         return self.encode(list(tok.encode(text, add_special_tokens=False)), "messages")
 
     # -- limits --------------------------------------------------------------------------
-    def _max_tokens(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+    def _max_tokens(self, prompt_len: int, max_tokens: int | None, param: str,
+                    prompt_param: str = "prompt") -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
                            f"{self.max_model_len} tokens (scheduler.max_model_len), so at most "
-                           f"{self.max_model_len - 1} fit with one output token", param="prompt")
+                           f"{self.max_model_len - 1} fit with one output token", param=prompt_param)
         if max_tokens is None:
             return room
         if max_tokens > room:
@@ -199,7 +200,10 @@ class Server:
         single = len(prompts) == 1 and req.n == 1
         choices = []
         for p, ids in enumerate(prompts):
-            limit = self._max_tokens(len(ids), max_tokens, max_tokens_param)
+            # the field the prompt came from: a chat's messages, or one prompt of a batch
+            prompt_param = ("messages" if isinstance(req, ChatCompletionRequest)
+                            else f"prompt[{p}]" if len(prompts) > 1 else "prompt")
+            limit = self._max_tokens(len(ids), max_tokens, max_tokens_param, prompt_param)
             for k in range(req.n):
                 index = p * req.n + k
                 seed = req.seed if req.seed is None or k == 0 else (req.seed + k) % 2**63
@@ -223,9 +227,11 @@ class Server:
                 choices.append(Choice(index, rid, ids, params, text))
         return choices
 
-    def start(self, choices: list[Choice], req: _Sampling,
+    def start(self, choices: list[Choice], req: _Sampling, arrival: float | None = None,
               ) -> tuple[asyncio.Queue[Event], list[asyncio.Task[None]]]:
         """Send every choice to the engine; their events arrive on the returned queue.
+        ``arrival`` (``time.perf_counter()``, default now) is when the HTTP request came:
+        the latencies recorded count from it.
 
         Raises:
             APIError: 503 while draining, with the engine gone, or over the pending limit.
@@ -237,14 +243,15 @@ class Server:
         for c in choices:
             self.num_pending += 1
             self.choices[c.request_id] = c
-            task = asyncio.create_task(self._run(c, queue, tenant, req))
+            task = asyncio.create_task(self._run(c, queue, tenant, req, arrival))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             tasks.append(task)
         return queue, tasks
 
-    async def _run(self, c: Choice, queue: asyncio.Queue[Event], tenant: str, req: _Sampling) -> None:
-        start = time.perf_counter()
+    async def _run(self, c: Choice, queue: asyncio.Queue[Event], tenant: str, req: _Sampling,
+                   arrival: float | None = None) -> None:
+        start = time.perf_counter() if arrival is None else arrival
         first: float | None = None
         last = start
         metrics = None
@@ -295,7 +302,8 @@ class Server:
                     num_prompt_tokens=len(c.prompt_token_ids),
                     num_output_tokens=len(c.text.output_token_ids),
                     ttft=None if first is None else first - start,
-                    e2e=time.perf_counter() - start, queue_time=queue_time)
+                    e2e=time.perf_counter() - start, queue_time=queue_time,
+                    max_tokens=c.params.max_tokens, n=req.n, engine=metrics)
 
     def _apply(self, c: Choice, out: RequestOutput) -> Event:
         """Fold one engine delta into the choice; returns the event to send."""
@@ -352,7 +360,7 @@ class Generation:
     """One HTTP generation request in progress: its choices and their event queue."""
 
     def __init__(self, server: Server, kind: str, request_id: str, req: CompletionRequest | ChatCompletionRequest,
-                 prompts: list[list[int]], choices: list[Choice]) -> None:
+                 prompts: list[list[int]], choices: list[Choice], arrival: float | None = None) -> None:
         self.server = server
         self.kind = kind  # "completion" or "chat"
         self.id = request_id
@@ -360,7 +368,7 @@ class Generation:
         self.prompts = prompts
         self.choices = choices
         self.created = int(time.time())
-        self.queue, self.tasks = server.start(choices, req)
+        self.queue, self.tasks = server.start(choices, req, arrival)
         self.open = len(choices)
         self.pending: list[Event] = []
 
@@ -435,41 +443,86 @@ class Generation:
         so = self.req.stream_options
         return so is not None and so.continuous_usage_stats
 
+    def _ready_events(self) -> list[Event]:
+        """Events already waiting (taken without blocking)."""
+        out = []
+        while self.pending:
+            out.append(self.pending.pop(0))
+        while self.open:
+            try:
+                ev = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if ev.done:
+                self.open -= 1
+            out.append(ev)
+        return out
+
+    @staticmethod
+    def _merge(events: list[Event]) -> list[Event]:
+        """One event per choice (in order of first appearance): a client that reads slower
+        than the engine writes gets the deltas that piled up as one chunk, as vLLM's
+        output collector merges them. An error is kept as it is and ends the list."""
+        merged: dict[int, Event] = {}
+        for ev in events:
+            if ev.error is not None:
+                return [*merged.values(), ev]
+            m = merged.get(ev.choice.index)
+            if m is None:
+                merged[ev.choice.index] = Event(ev.choice, ev.text, list(ev.token_ids),
+                                                ev.finish_reason, ev.stop_reason)
+            else:
+                m.text += ev.text
+                m.token_ids.extend(ev.token_ids)
+                if ev.finish_reason is not None and m.finish_reason is None:
+                    m.finish_reason, m.stop_reason = ev.finish_reason, ev.stop_reason
+        return list(merged.values())
+
     async def stream(self) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per choice delta, usage last when asked, [DONE]."""
         chat = self.kind == "chat"
         started: set[int] = set()
         ended: set[int] = set()
         try:
-            while (ev := await self.next_event()) is not None:
-                c = ev.choice
-                if ev.error is not None:
-                    yield b"data: " + json.dumps(ev.error.body()).encode() + b"\n\n"
+            while (first := await self.next_event()) is not None:
+                chunks = []
+                failed = False
+                for ev in self._merge([first, *self._ready_events()]):
+                    c = ev.choice
+                    if ev.error is not None:
+                        chunks.append(b"data: " + json.dumps(ev.error.body()).encode() + b"\n\n")
+                        failed = True
+                        break
+                    if c.index in ended or not (ev.text or ev.token_ids or ev.finish_reason):
+                        continue
+                    if chat:
+                        delta: dict[str, Any] = {}
+                        if c.index not in started:
+                            started.add(c.index)
+                            delta["role"] = "assistant"
+                        if ev.text or "role" in delta:
+                            delta["content"] = ev.text
+                        item: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
+                                                "finish_reason": None}
+                    else:
+                        item = {"index": c.index, "text": ev.text, "logprobs": None, "finish_reason": None}
+                    if ev.finish_reason is not None:
+                        ended.add(c.index)
+                        item["finish_reason"] = ev.finish_reason
+                        item["stop_reason"] = ev.stop_reason
+                    if self.req.return_token_ids:
+                        item["token_ids"] = ev.token_ids
+                    chunks.append(self._chunk([item], usage(self.choices, self.prompts)
+                                              if self._continuous else None))
+                if chunks:
+                    yield b"".join(chunks)
+                if failed:
                     self.cancel()
                     break
-                if c.index in ended or not (ev.text or ev.token_ids or ev.finish_reason):
-                    continue
-                if chat:
-                    delta: dict[str, Any] = {}
-                    if c.index not in started:
-                        started.add(c.index)
-                        delta["role"] = "assistant"
-                    if ev.text or "role" in delta:
-                        delta["content"] = ev.text
-                    item: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
-                                            "finish_reason": None}
-                else:
-                    item = {"index": c.index, "text": ev.text, "logprobs": None, "finish_reason": None}
-                if ev.finish_reason is not None:
-                    ended.add(c.index)
-                    item["finish_reason"] = ev.finish_reason
-                    item["stop_reason"] = ev.stop_reason
-                if self.req.return_token_ids:
-                    item["token_ids"] = ev.token_ids
-                yield self._chunk([item], usage(self.choices, self.prompts) if self._continuous else None)
-            so = self.req.stream_options
-            if so is not None and so.include_usage:
-                yield self._chunk([], usage(self.choices, self.prompts))
+            else:
+                so = self.req.stream_options
+                if so is not None and so.include_usage:
+                    yield self._chunk([], usage(self.choices, self.prompts))
             yield b"data: [DONE]\n\n"
         finally:
             self.cancel()

@@ -128,3 +128,18 @@ def test_errors_arrive_as_the_clients_typed_errors(client):
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model="word-model", prompt="w7", logprobs=2)
     assert client.completions.create(model="word-model", prompt="w7", max_tokens=1).choices
+
+
+def test_tokenize_detokenize_and_health(live):
+    import httpx
+
+    with httpx.Client(base_url=live.url, timeout=10) as h:
+        r = h.post("/tokenize", json={"prompt": "w7 w8 w9"}).json()
+        assert r == {"count": 3, "max_model_len": 512, "tokens": [7, 8, 9]}
+        chat = h.post("/tokenize", json={"messages": [{"role": "user", "content": "w7"}]}).json()
+        assert chat["tokens"] == [3, 7, 4]  # <|user|> w7 <|assistant|>
+        assert h.post("/detokenize", json={"tokens": [7, 8, 9]}).json() == {"prompt": "w7 w8 w9"}
+        bad = h.post("/detokenize", json={"tokens": [7, 9999]})
+        assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+        assert h.post("/tokenize", json={}).status_code == 400
+        assert h.get("/health").status_code == 200

@@ -1,0 +1,263 @@
+"""Writes docs/grafana/schedkit-dashboard.json: a Grafana dashboard for every metric of
+``schedkit serve`` (tests/server/test_dashboard.py checks that each panel's series exist
+and that every exposed series has a panel).
+
+    python scripts/make_grafana_dashboard.py
+"""
+import json
+from pathlib import Path
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+M = 'model_name="$model_name"'
+RI = "[$__rate_interval]"
+
+_ids = iter(range(1, 1000))
+
+
+def target(expr, legend="__auto", ref="A", instant=False, fmt=None):
+    t = {"datasource": DS, "editorMode": "code", "expr": expr, "legendFormat": legend,
+         "range": not instant, "instant": instant, "refId": ref}
+    if fmt:
+        t["format"] = fmt
+    return t
+
+
+def targets(*pairs, **kw):
+    return [target(e, leg, chr(ord("A") + i), **kw) for i, (e, leg) in enumerate(pairs)]
+
+
+def timeseries(title, desc, pos, tgts, unit="short", min_=0, max_=None, stack=False, overrides=()):
+    defaults = {"color": {"mode": "palette-classic"}, "unit": unit, "min": min_,
+                "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if stack else 0,
+                           "showPoints": "never", "spanNulls": False,
+                           "stacking": {"mode": "normal" if stack else "none", "group": "A"}}}
+    if max_ is not None:
+        defaults["max"] = max_
+    return {"id": next(_ids), "type": "timeseries", "title": title, "description": desc,
+            "datasource": DS, "gridPos": pos,
+            "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}},
+            "targets": tgts}
+
+
+def quantiles(metric, qs):
+    return [(f"histogram_quantile({q}, sum by (le) (rate(schedkit:{metric}_bucket{{{M}}}{RI})))",
+             f"p{int(q * 100)}") for q in qs]
+
+
+def gp(x, y, w, h):
+    return {"x": x, "y": y, "w": w, "h": h}
+
+
+panels = []
+# --- health and the active policy (y 0..5) ---------------------------------------------
+panels.append({
+    "id": next(_ids), "type": "stat", "title": "Engine healthy",
+    "description": "schedkit:engine_healthy: 1 while the engine process answers the server, 0 once "
+                   "it is gone (the server then answers 503 on /health).",
+    "datasource": DS, "gridPos": gp(0, 0, 4, 6),
+    "fieldConfig": {"defaults": {
+        "mappings": [{"type": "value", "options": {
+            "0": {"text": "DOWN", "color": "red", "index": 0},
+            "1": {"text": "UP", "color": "green", "index": 1}}}],
+        "thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None},
+                                                      {"color": "green", "value": 1}]},
+        "unit": "none"}, "overrides": []},
+    "options": {"colorMode": "background", "graphMode": "none", "justifyMode": "center",
+                "textMode": "value", "reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                                        "values": False}},
+    "targets": targets((f"min(schedkit:engine_healthy{{{M}}})", "healthy"))})
+
+
+def info_table(title, desc, pos, expr, columns):
+    return {
+        "id": next(_ids), "type": "table", "title": title, "description": desc, "datasource": DS,
+        "gridPos": pos, "fieldConfig": {"defaults": {"custom": {"align": "left"}}, "overrides": []},
+        "options": {"showHeader": True, "cellHeight": "sm"},
+        "transformations": [{"id": "organize", "options": {
+            "excludeByName": {"Time": True, "Value": True, "__name__": True, "job": True,
+                              "model_name": True},
+            "indexByName": {c: i for i, c in enumerate(columns)}}}],
+        "targets": [target(expr, "", "A", instant=True, fmt="table")]}
+
+
+panels.append(info_table(
+    "Active policy", "schedkit:policy_info: scheduler.policy and every plugin switched on "
+    "(the policy's own plugin and the defaults included), per scraped server.",
+    gp(4, 0, 8, 6), f"max by (instance, policy, plugins) (schedkit:policy_info{{{M}}})",
+    ["instance", "policy", "plugins"]))
+panels.append(info_table(
+    "Plugins and their hooks", "schedkit:plugin_info: one row per plugin switched on, with the "
+    "hooks it implements.", gp(12, 0, 12, 6),
+    f"max by (plugin, hooks) (schedkit:plugin_info{{{M}}})", ["plugin", "hooks"]))
+
+# --- load (y 6) ------------------------------------------------------------------------
+panels.append(timeseries(
+    "Requests running / waiting", "schedkit:num_requests_running (in the step's batch) and "
+    "schedkit:num_requests_waiting (in the policy's waiting queue).", gp(0, 6, 8, 8),
+    targets((f"sum(schedkit:num_requests_running{{{M}}})", "running"),
+            (f"sum(schedkit:num_requests_waiting{{{M}}})", "waiting"))))
+panels.append(timeseries(
+    "KV cache usage", "schedkit:kv_cache_usage_perc: fraction of KV-cache blocks in use (1 = full).",
+    gp(8, 6, 8, 8), targets((f"max(schedkit:kv_cache_usage_perc{{{M}}})", "KV cache used")),
+    unit="percentunit", max_=1))
+panels.append(timeseries(
+    "Preemptions", "rate(schedkit:num_preemptions_total): requests preempted per second (the "
+    "policy's victim choice, when KV blocks run out).", gp(16, 6, 8, 8),
+    targets((f"sum(rate(schedkit:num_preemptions_total{{{M}}}{RI}))", "preemptions/s"))))
+
+# --- latency (y 14, 22) ---------------------------------------------------------------
+panels.append(timeseries(
+    "Time to first token", "histogram_quantile over rate(schedkit:time_to_first_token_seconds_bucket), "
+    "measured from the HTTP request's arrival.", gp(0, 14, 12, 8),
+    targets(*quantiles("time_to_first_token_seconds", (0.5, 0.9, 0.99))), unit="s"))
+panels.append(timeseries(
+    "Inter-token latency", "histogram_quantile over rate(schedkit:inter_token_latency_seconds_bucket): "
+    "time between successive output deltas of a request.", gp(12, 14, 12, 8),
+    targets(*quantiles("inter_token_latency_seconds", (0.5, 0.99))), unit="s"))
+panels.append(timeseries(
+    "End-to-end request latency", "histogram_quantile over "
+    "rate(schedkit:e2e_request_latency_seconds_bucket), from the HTTP request's arrival to its "
+    "last token.", gp(0, 22, 12, 8),
+    targets(*quantiles("e2e_request_latency_seconds", (0.5, 0.99))), unit="s"))
+panels.append(timeseries(
+    "Queue time", "histogram_quantile over rate(schedkit:request_queue_time_seconds_bucket): time a "
+    "request spent WAITING in the engine before it was first scheduled (the policy's ordering "
+    "and admission show up here first).", gp(12, 22, 12, 8),
+    targets(*quantiles("request_queue_time_seconds", (0.5, 0.99))), unit="s"))
+
+# --- throughput (y 30) ----------------------------------------------------------------
+panels.append(timeseries(
+    "Token throughput", "rate(schedkit:prompt_tokens_total) and rate(schedkit:generation_tokens_total) "
+    "for requests that ended.", gp(0, 30, 8, 8),
+    targets((f"sum(rate(schedkit:prompt_tokens_total{{{M}}}{RI}))", "prompt tokens/s"),
+            (f"sum(rate(schedkit:generation_tokens_total{{{M}}}{RI}))", "generation tokens/s"))))
+panels.append(timeseries(
+    "Finished requests by reason", "rate(schedkit:request_success_total) by finished_reason "
+    "(stop, length, ...).", gp(8, 30, 8, 8),
+    targets((f"sum by (finished_reason) (rate(schedkit:request_success_total{{{M}}}{RI}))",
+             "{{finished_reason}}")), unit="reqps", stack=True))
+panels.append(timeseries(
+    "Prefix cache hit rate", "rate(schedkit:prefix_cache_hits_total) / "
+    "rate(schedkit:prefix_cache_queries_total): the fraction of queried prompt tokens found "
+    "cached (no data while nothing is queried).", gp(16, 30, 8, 8),
+    targets((f"sum(rate(schedkit:prefix_cache_hits_total{{{M}}}{RI})) / "
+             f"(sum(rate(schedkit:prefix_cache_queries_total{{{M}}}{RI})) > 0)", "hit rate")),
+    unit="percentunit", max_=1))
+
+# --- the policy's view (y 38, 46) -----------------------------------------------------
+panels.append(timeseries(
+    "Admission rejections by plugin", "rate(schedkit:admission_rejections_total) by plugin: "
+    "requests an admission hook (schedkit_admit_request) refused; the client got 429.",
+    gp(0, 38, 8, 8),
+    targets((f"sum by (plugin) (rate(schedkit:admission_rejections_total{{{M}}}{RI}))",
+             "{{plugin}}")), unit="reqps", stack=True))
+panels.append(timeseries(
+    "Hook errors by plugin and hook", "rate(schedkit:hook_errors_total) by plugin and hook: hook "
+    "calls that raised or answered something impossible.", gp(8, 38, 8, 8),
+    targets((f"sum by (plugin, hook) (rate(schedkit:hook_errors_total{{{M}}}{RI}))",
+             "{{plugin}} / {{hook}}")), unit="ops", stack=True))
+panels.append(timeseries(
+    "HTTP errors by status", "rate(schedkit:http_request_errors_total) by status: requests answered "
+    "with an error (400, 401, 404, 413, 429, 500, 503, ...).", gp(16, 38, 8, 8),
+    targets((f"sum by (status) (rate(schedkit:http_request_errors_total{{{M}}}{RI}))",
+             "{{status}}")), unit="reqps", stack=True))
+panels.append(timeseries(
+    "Tokens served per tenant", "rate(schedkit:tenant_prompt_tokens_total) and "
+    "rate(schedkit:tenant_generation_tokens_total) by tenant (the request's user field; tenants "
+    "past server.max_tenant_labels count as \"other\").", gp(0, 46, 16, 8),
+    targets((f"sum by (tenant) (rate(schedkit:tenant_prompt_tokens_total{{{M}}}{RI}))",
+             "{{tenant}} prompt"),
+            (f"sum by (tenant) (rate(schedkit:tenant_generation_tokens_total{{{M}}}{RI}))",
+             "{{tenant}} generation"))))
+panels.append({
+    "id": next(_ids), "type": "bargauge", "title": "Generation tokens per tenant (time range)",
+    "description": "increase(schedkit:tenant_generation_tokens_total) over the dashboard's time "
+                   "range, by tenant: each tenant's share of the output tokens served.",
+    "datasource": DS, "gridPos": gp(16, 46, 8, 8),
+    "fieldConfig": {"defaults": {"unit": "short", "min": 0, "color": {"mode": "palette-classic"}},
+                    "overrides": []},
+    "options": {"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+    "targets": [target(f"sort_desc(sum by (tenant) (increase(schedkit:tenant_generation_tokens_total"
+                       f"{{{M}}}[$__range])))", "{{tenant}}", "A", instant=True)]})
+
+# --- per-request detail (y 54, 62): vLLM's request histograms ---------------------------
+panels.append(timeseries(
+    "Time per output token", "histogram_quantile over "
+    "rate(schedkit:request_time_per_output_token_seconds_bucket): (E2E - TTFT) / (outputs - 1) "
+    "per request.", gp(0, 54, 8, 8),
+    targets(*quantiles("request_time_per_output_token_seconds", (0.5, 0.99))), unit="s"))
+panels.append(timeseries(
+    "Request phases (p50)", "histogram_quantile(0.5) of schedkit:request_prefill_time_seconds "
+    "(first scheduled to first token), request_decode_time_seconds (first token to the end) and "
+    "request_inference_time_seconds (first scheduled to the end), on the engine's clock.",
+    gp(8, 54, 8, 8),
+    targets(*[(f"histogram_quantile(0.5, sum by (le) (rate(schedkit:request_{name}_time_seconds_bucket"
+               f"{{{M}}}{RI})))", name) for name in ("prefill", "decode", "inference")]), unit="s"))
+panels.append(timeseries(
+    "Tokens per request (p50)", "histogram_quantile(0.5) of schedkit:request_prompt_tokens and "
+    "schedkit:request_generation_tokens.", gp(16, 54, 8, 8),
+    targets((f"histogram_quantile(0.5, sum by (le) (rate(schedkit:request_prompt_tokens_bucket{{{M}}}{RI})))",
+             "prompt"),
+            (f"histogram_quantile(0.5, sum by (le) (rate(schedkit:request_generation_tokens_bucket{{{M}}}{RI})))",
+             "generation"))))
+panels.append(timeseries(
+    "Request parameters (p50)", "histogram_quantile(0.5) of schedkit:request_params_max_tokens, "
+    "schedkit:request_max_num_generation_tokens and schedkit:request_params_n.", gp(0, 62, 12, 8),
+    targets(*[(f"histogram_quantile(0.5, sum by (le) (rate(schedkit:{name}_bucket{{{M}}}{RI})))", label)
+              for name, label in (("request_params_max_tokens", "max_tokens"),
+                                  ("request_max_num_generation_tokens", "max generation tokens"),
+                                  ("request_params_n", "n"))])))
+
+dashboard = {
+    "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "
+                  "that scrapes schedkit serve's /metrics", "type": "datasource",
+                  "pluginId": "prometheus", "pluginName": "Prometheus"}],
+    "__requires": [
+        {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.4.0"},
+        {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+        {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+        {"type": "panel", "id": "stat", "name": "Stat", "version": ""},
+        {"type": "panel", "id": "table", "name": "Table", "version": ""},
+        {"type": "panel", "id": "bargauge", "name": "Bar gauge", "version": ""}],
+    "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                              "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+                              "name": "Annotations & Alerts", "type": "dashboard"}]},
+    "description": "schedkit serve: vLLM-style serving metrics and the scheduling policy's view "
+                   "(policy, plugins, admission rejections, hook errors, tenants).",
+    "editable": True,
+    "fiscalYearStartMonth": 0,
+    "graphTooltip": 1,
+    "id": None,
+    "links": [],
+    "liveNow": False,
+    "panels": panels,
+    "refresh": "10s",
+    "schemaVersion": 39,
+    "tags": ["schedkit", "llm-serving"],
+    "templating": {"list": [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {"selected": False, "text": "${DS_PROMETHEUS}", "value": "${DS_PROMETHEUS}"},
+         "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1, "regex": "",
+         "skipUrlSync": False},
+        {"name": "model_name", "label": "Model", "type": "query", "datasource": DS,
+         "definition": "label_values(schedkit:num_requests_running, model_name)",
+         "query": {"query": "label_values(schedkit:num_requests_running, model_name)",
+                   "refId": "StandardVariableQuery"},
+         "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [],
+         "refresh": 2, "regex": "", "skipUrlSync": False, "sort": 1}]},
+    "time": {"from": "now-30m", "to": "now"},
+    "timepicker": {},
+    "timezone": "",
+    "title": "schedkit",
+    "uid": "schedkit-serve",
+    "version": 1,
+    "weekStart": "",
+}
+
+with open(Path(__file__).resolve().parents[1] / "docs" / "grafana" / "schedkit-dashboard.json", "w") as f:
+    json.dump(dashboard, f, indent=2)
+    f.write("\n")
+print(len(panels), "panels")

@@ -1,0 +1,177 @@
+"""docs/grafana/schedkit-dashboard.json: valid dashboard JSON, and its queries match what a
+live ``schedkit serve`` exposes on /metrics, both ways (every series a panel reads exists;
+every metric family the server exposes is on some panel)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server.conftest import LiveServer, server_config
+
+httpx = pytest.importorskip("httpx")
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "schedkit-dashboard.json"
+_METRIC = re.compile(r"schedkit:[A-Za-z0-9_]+")
+_TYPE = re.compile(r"^# TYPE (schedkit:\S+) (\w+)$", re.M)
+_SUFFIXES = ("_bucket", "_sum", "_count")
+
+# Counters labelled by plugin that have no series until a plugin rejects a request or a hook
+# fails; on the default server (fcfs, no failing plugin) only their # TYPE line is there.
+NO_SAMPLES_ON_DEFAULT_SERVER = {"schedkit:admission_rejections_total", "schedkit:hook_errors_total"}
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panel_exprs(dashboard: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def variable_queries(dashboard: dict[str, Any]) -> list[str]:
+    out = []
+    for v in dashboard["templating"]["list"]:
+        if v["type"] == "query":
+            q = v["query"]
+            out.append(q["query"] if isinstance(q, dict) else q)
+    return out
+
+
+def referenced(dashboard: dict[str, Any]) -> set[str]:
+    return {m for e in panel_exprs(dashboard) + variable_queries(dashboard) for m in _METRIC.findall(e)}
+
+
+def scrape(server: LiveServer) -> tuple[dict[str, str], set[str]]:
+    """``(family name -> type, sample names)`` of the server's /metrics. Families are named as
+    the exposition names them (counters with ``_total``); prometheus_client's ``_created``
+    timestamps are left out (no panel wants when a counter was created)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    families = dict(_TYPE.findall(text))
+    for name in [n for n in families if n.endswith("_created")]:
+        base = name.removesuffix("_created")
+        if base + "_total" in families or families.get(base) == "histogram":
+            del families[name]
+    samples = {key.partition("{")[0] for key in server.stats()}
+    return families, samples
+
+
+def series_family(name: str, families: dict[str, str]) -> str | None:
+    """The family a series name belongs to, or None when the server exposes no such family."""
+    if name in families:
+        return name
+    for suffix in _SUFFIXES:
+        base = name.removesuffix(suffix)
+        if base != name and families.get(base) == "histogram":
+            return base
+    return None
+
+
+def traffic(server: LiveServer) -> None:
+    """Enough requests that every histogram and counter of the default server has samples:
+    plain and streamed completions from two tenants, a chat, and one 400."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "w7 w8", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", json={"prompt": "w7 w8 w9", "max_tokens": 3, "user": "alice",
+                                             "stream": True})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w9"}],
+                                                  "max_tokens": 2, "user": "bob"})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+
+
+def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
+    assert dashboard["title"] and dashboard["uid"]
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    panels = dashboard["panels"]
+    assert panels
+    ids = [p["id"] for p in panels]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids), ids
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        where = f"panel {p['id']} ({p.get('title')!r})"
+        assert p["type"] and p["title"], where
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+        g = p["gridPos"]
+        assert g["w"] >= 1 and g["h"] >= 1 and g["x"] >= 0 and g["y"] >= 0 and g["x"] + g["w"] <= 24, where
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, f"{where} overlaps another panel"
+        cells |= mine
+        targets = p["targets"]
+        assert targets, where
+        refs = [t["refId"] for t in targets]
+        assert len(set(refs)) == len(refs), where
+        for t in targets:
+            assert isinstance(t["expr"], str) and t["expr"].strip(), where
+            assert t["datasource"] == p["datasource"], where
+            # every selector is on the chosen model
+            for m in re.finditer(r"(schedkit:[A-Za-z0-9_]+)(\{[^}]*\})?", t["expr"]):
+                assert m.group(2) and 'model_name="$model_name"' in m.group(2), f"{where}: {m.group(0)}"
+    assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
+    assert dashboard["__inputs"][0]["pluginId"] == "prometheus"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["datasource"]["current"]["value"] == "${DS_PROMETHEUS}"
+    model = variables["model_name"]
+    assert model["type"] == "query" and model["datasource"]["uid"] == "${datasource}"
+    assert model["query"]["query"] == model["definition"] == "label_values(schedkit:num_requests_running, model_name)"
+
+
+def test_quantile_panels_read_rates_of_buckets(dashboard: dict[str, Any]) -> None:
+    quantile_exprs = [e for e in panel_exprs(dashboard) if "histogram_quantile" in e]
+    assert quantile_exprs
+    for e in quantile_exprs:
+        assert re.search(r"histogram_quantile\(0\.\d+, sum by \(le\) \(rate\(schedkit:\w+_bucket\{", e), e
+    for e in panel_exprs(dashboard):
+        for name in _METRIC.findall(e):
+            if name.endswith("_total"):  # counters are only ever read as rates or increases
+                assert re.search(rf"(rate|increase)\({re.escape(name)}\{{", e), e
+
+
+def test_every_referenced_series_exists_and_every_family_is_shown(live: LiveServer,
+                                                                  dashboard: dict[str, Any]) -> None:
+    traffic(live)
+    families, samples = scrape(live)
+    names = referenced(dashboard)
+    unknown = sorted(n for n in names if series_family(n, families) is None)
+    assert not unknown, f"the dashboard reads series the server does not expose: {unknown}"
+    for name in names:
+        kind = families[series_family(name, families)]
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        if kind == "histogram":
+            assert name.endswith(_SUFFIXES), f"{name}: read a histogram through its _bucket series"
+    empty = {n for n in names if n not in samples}
+    assert empty <= NO_SAMPLES_ON_DEFAULT_SERVER, f"no samples after traffic: {sorted(empty)}"
+
+    def shown(family: str) -> bool:
+        return family + "_bucket" in names if families[family] == "histogram" else family in names
+
+    missing = sorted(f for f in families if not shown(f))
+    assert not missing, f"exposed on /metrics but on no panel: {missing}"
+
+
+def test_policy_panels_see_an_admission_plugin(serve, word_tokenizer, dashboard: dict[str, Any]) -> None:
+    """With edf rejecting every request (a prefill estimate no deadline survives), the
+    rejections panel's series appears, labelled by the plugin, next to the 429s."""
+    server = serve(server_config(word_tokenizer, scheduler={"policy": "edf"},
+                                 plugins=[{"name": "edf", "settings": {"prefill_s_per_token": 1000.0}}]))
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "w7 w8", "max_tokens": 3})
+    assert r.status_code == 429, r.text
+    stats = server.stats()
+    assert stats['schedkit:admission_rejections_total{model_name="word-model",plugin="edf"}'] == 1
+    assert stats['schedkit:http_request_errors_total{model_name="word-model",status="429"}'] == 1
+    assert any(k.startswith("schedkit:policy_info{") and 'policy="edf"' in k for k in stats)
+    exprs = panel_exprs(dashboard)
+    assert any("sum by (plugin) (rate(schedkit:admission_rejections_total{" in e for e in exprs)
+    assert any("sum by (status) (rate(schedkit:http_request_errors_total{" in e for e in exprs)

@@ -6,8 +6,9 @@ ignored) at a fixed concurrency C (each of C workers sends its next request when
 previous one ends). ``--step-ms 0`` runs the fake runner on its virtual clock (steps
 take no time: the ceiling of the front end); ``--step-ms 10`` on the wall clock (each step
 sleeps 10 ms, like a small model), where the difference in latency is the server's.
-The HTTP client is httpx (one AsyncClient, C connections) in this process; the server
-runs in its own process, its engine in a third. AsyncLLM runs in this process with its
+The HTTP client is aiohttp (one session, C connections; the load generator vLLM's
+benchmarks use; ``pip install aiohttp``) in this process; the server runs in its own
+process, its engine in a third. AsyncLLM runs in this process with its
 engine in a second. Each side starts fresh, does a warm-up of C requests, then the
 measured N. Prints one JSON line per side and the ratio.
 
@@ -100,17 +101,17 @@ async def bench_asyncllm(args) -> dict:
 
 
 async def bench_http(args, url: str) -> dict:
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    conn = aiohttp.TCPConnector(limit=args.concurrency)
+    async with aiohttp.ClientSession(url, connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as http:
         async def one(i):
             body = {"prompt": [10 + (i + j) % 1000 for j in range(args.prompt)], "max_tokens": args.out,
                     "ignore_eos": True, "stream": True, "return_token_ids": True}
-            async with client.stream("POST", "/v1/completions", json=body) as r:
+            async with http.post("/v1/completions", json=body) as r:
                 r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
+                async for line in r.content:  # one SSE line at a time
+                    if line.startswith(b"data: {"):
                         k = len(json.loads(line[6:])["choices"][0]["token_ids"])
                         if k:
                             yield k

@@ -233,6 +233,9 @@ class RequestOutput:
     error: str | None = None
     metrics: WireMetrics | None = None
     text: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache or a KV connector (known from the
+    first delta on)."""
 
     @property
     def finished(self) -> bool:
@@ -526,7 +529,8 @@ class AsyncLLM:
                     raise RequestError(f"request {rid!r} failed: {item.error}", request_id=rid)
                 finished = item.finish_reason is not None
                 yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
-                                    item.stop_reason, item.error, item.metrics)
+                                    item.stop_reason, item.error, item.metrics,
+                                    num_cached_tokens=item.num_cached_tokens)
         finally:
             self._queues.pop(rid, None)
             if not finished and self._dead is None:
@@ -539,8 +543,11 @@ class AsyncLLM:
         call_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self.in_sock.send(client_encoder.encode(UtilityCall(call_id, method, list(args))))
-        return await fut
+        try:
+            await self.in_sock.send(client_encoder.encode(UtilityCall(call_id, method, list(args))))
+            return await fut
+        finally:  # answered, failed, or given up on (a caller's timeout): forget it
+            self._calls.pop(call_id, None)
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schedkit.server.protocol import (
     APIError,
@@ -124,6 +125,8 @@ async def _json_body(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -165,9 +168,8 @@ class EventStream(Response):
         self.chunks = chunks
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-
         async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -187,6 +189,8 @@ class EventStream(Response):
                     await t
                 except (asyncio.CancelledError, OSError):
                     pass
+                except Exception:  # a stream that failed: log it, still close what it holds
+                    log.exception("a response stream failed")
             aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -209,6 +213,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
             srv.abort_all()
             await asyncio.sleep(0)
             await srv.llm.close()
+            srv.close()
 
     app = FastAPI(title="schedkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -219,6 +224,12 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         state["server"].metrics.http_error(e.status)
         return _error_response(e, request.headers.get("x-request-id"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # an unknown route (404) or method (405): OpenAI's error shape, like every other error
+        return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: "
+                                                  f"{e.detail}"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
@@ -236,23 +247,31 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
             req = parse_body(CompletionRequest, body)
             prefix = "cmpl"
         s.check_model(req.model)
-        if req.logprobs or getattr(req, "top_logprobs", None):
-            param = "logprobs" if req.logprobs else "top_logprobs"
+        wants_logprobs = req.logprobs is not None and req.logprobs is not False
+        if wants_logprobs or getattr(req, "top_logprobs", None) is not None:
+            param = "logprobs" if wants_logprobs else "top_logprobs"
             raise APIError(400, f"{param}: logprobs are not available, schedkit's runners return "
                            "sampled token ids only", param=param)
         rid = request_id_from_header(request.headers.get("x-request-id"), prefix)
         if kind == "chat":
-            prompts = [s.chat_prompt(req.messages, req.add_generation_prompt)]
+            prompts = [await s.chat_prompt(req.messages, req.add_generation_prompt)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         else:
-            prompts = [s.encode(p, f"prompt[{i}]" if not isinstance(req.prompt, str) and len(req.prompts()) > 1
+            prompts = [await s.encode(p, f"prompt[{i}]" if not isinstance(req.prompt, str) and len(req.prompts()) > 1
                                 else "prompt") for i, p in enumerate(req.prompts())]
             max_tokens, param = req.max_tokens, "max_tokens"
         choices = s.make_choices(req, rid, prompts, max_tokens, param)
         gen = Generation(s, kind, rid, req, prompts, choices, arrival)
-        headers = {"X-Request-Id": rid}
-        if req.stream:
+        try:
+            return await _answer(request, gen, req.stream, {"X-Request-Id": rid})
+        except asyncio.CancelledError:  # uvicorn gave up on this request (shutdown timeout)
+            gen.cancel()
+            raise
+
+    async def _answer(request: Request, gen: Generation, stream: bool,
+                      headers: dict[str, str]) -> Response:
+        if stream:
             gone = await _unless_disconnected(request, gen.first())
             if isinstance(gone, Response):  # the client left before the first token
                 gen.cancel()
@@ -289,10 +308,10 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = s.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
         else:
             tok = s._need_tokenizer("tokenize")
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = list(await s.off_loop(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens))
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -301,8 +320,8 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         req = parse_body(DetokenizeRequest, await _json_body(request))
         s.check_model(req.model)
         tok = s._need_tokenizer("detokenize")
-        ids = s.encode(list(req.tokens), "tokens") if req.tokens else []
-        return {"prompt": tok.decode(ids)}
+        ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []
+        return {"prompt": await s.off_loop(tok.decode, ids)}
 
     @app.get("/health")
     async def health() -> Response:

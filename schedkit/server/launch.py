@@ -44,6 +44,10 @@ async def start_server(config: Config) -> Server:
     from schedkit.engine.client import AsyncLLM, load_tokenizer
     from schedkit.server.metrics import ServerMetrics
 
+    if config.runner.kind == "simulated" or getattr(config.runner, "clock", "wall") == "virtual":
+        log.warning("runner %s runs on a virtual clock: the engine's times (queue time, "
+                    "ttft_slo_s deadlines) are virtual seconds while the HTTP latencies are "
+                    "wall time (runner.clock: wall makes the fake runner real-time)", config.runner.kind)
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
     llm = await AsyncLLM.create(config)
     try:

@@ -16,11 +16,13 @@ stream. Errors after the first byte of a stream arrive as an ``error`` event.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,10 @@ from schedkit.server.text import TextStream
 log = logging.getLogger("schedkit.server")
 
 MAX_REQUEST_ID_LEN = 256
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_LEN = 512
+"""Stop strings are searched on every delta, on the event loop: bounded, so one request
+cannot slow every stream."""
 
 
 def request_id_from_header(value: str | None, prefix: str) -> str:
@@ -71,6 +77,8 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: APIError | None = None
+    started: bool = False
+    """Its task began running (a task cancelled before that never runs its own cleanup)."""
 
 
 @dataclass(slots=True)
@@ -107,6 +115,7 @@ class Server:
         self.choices: dict[str, Choice] = {}
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="schedkit-tokenizer")
 
     # -- prompts -------------------------------------------------------------------------
     def _need_tokenizer(self, what: str) -> Any:
@@ -115,7 +124,13 @@ class Server:
                            "(set model.tokenizer); send token ids", param="prompt")
         return self.tokenizer
 
-    def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run tokenizer work on the server's one tokenizer thread: a long prompt or chat
+        template must not stall every stream on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+    async def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Token ids of a text or token-id prompt, checked against the vocabulary.
 
         Raises:
@@ -123,7 +138,7 @@ class Server:
                 the vocabulary.
         """
         if isinstance(prompt, str):
-            ids = list(self._need_tokenizer("a text prompt").encode(prompt))
+            ids = list(await self.off_loop(self._need_tokenizer("a text prompt").encode, prompt))
         else:
             ids = prompt
             bad = next((i for i, t in enumerate(ids) if t >= self.vocab_size), None)
@@ -134,7 +149,7 @@ class Server:
             raise APIError(400, f"{param} is empty", param=param)
         return ids
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """The chat template applied to ``messages``, tokenized.
 
         Raises:
@@ -145,11 +160,12 @@ class Server:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         convo = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = tok.apply_chat_template(convo, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+            text = await self.off_loop(tok.apply_chat_template, convo, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template that raises on this conversation (jinja's raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-        return self.encode(list(tok.encode(text, add_special_tokens=False)), "messages")
+        ids = await self.off_loop(tok.encode, text, add_special_tokens=False)
+        return await self.encode(list(ids), "messages")
 
     # -- limits --------------------------------------------------------------------------
     def _max_tokens(self, prompt_len: int, max_tokens: int | None, param: str,
@@ -194,6 +210,9 @@ class Server:
             raise APIError(400, f"n={req.n} exceeds the limit of {self.config.server.max_n} "
                            "(server.max_n)", param="n")
         stop = req.stop_strings()
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_LEN for x in stop):
+            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most "
+                           f"{MAX_STOP_STRING_LEN} characters each", param="stop")
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer, and this model has none; "
                            "use stop_token_ids", param="stop")
@@ -246,11 +265,22 @@ class Server:
             task = asyncio.create_task(self._run(c, queue, tenant, req, arrival))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+            task.add_done_callback(functools.partial(self._never_started, c, queue))
             tasks.append(task)
         return queue, tasks
 
+    def _never_started(self, c: Choice, queue: asyncio.Queue[Event], _: object = None) -> None:
+        """The bookkeeping of a choice whose task was cancelled before it ran (its client
+        left at once): nothing reached the engine."""
+        if not c.started:
+            self.num_pending -= 1
+            self.choices.pop(c.request_id, None)
+            c.finish_reason = "abort"
+            queue.put_nowait(Event(c, finish_reason="abort", done=True))
+
     async def _run(self, c: Choice, queue: asyncio.Queue[Event], tenant: str, req: _Sampling,
                    arrival: float | None = None) -> None:
+        c.started = True
         start = time.perf_counter() if arrival is None else arrival
         first: float | None = None
         last = start
@@ -285,14 +315,17 @@ class Server:
             raise
         except Exception as e:  # a bug here must not leave the HTTP request hanging
             log.exception("request %s failed in the server", c.request_id)
-            c.error = APIError(500, f"internal error: {type(e).__name__}: {e}")
+            c.error = APIError(500, f"internal error ({type(e).__name__}); see the server log")
         finally:
             self.num_pending -= 1
             self.choices.pop(c.request_id, None)
             if c.error is None and c.finish_reason is None:
                 c.finish_reason = "abort"
-            end = c.finish_reason if not told_end and c.error is None else None
-            queue.put_nowait(Event(c, finish_reason=end, done=True, error=c.error))
+            told = told_end or c.error is not None
+            # An abort (drain, disconnect) still hands out the text held back for stop strings.
+            queue.put_nowait(Event(c, "" if told else c.text.finish(),
+                                   finish_reason=None if told else c.finish_reason,
+                                   done=True, error=c.error))
             if c.error is None:
                 queue_time = None
                 if metrics is not None and metrics.first_scheduled_time is not None:
@@ -308,6 +341,7 @@ class Server:
     def _apply(self, c: Choice, out: RequestOutput) -> Event:
         """Fold one engine delta into the choice; returns the event to send."""
         n_before = len(c.text.output_token_ids)
+        c.num_cached_tokens = max(c.num_cached_tokens, out.num_cached_tokens)
         text = c.text.add(out.output_token_ids)
         if c.text.stopped:
             c.finish_reason, c.stop_reason = "stop", c.text.stop_reason
@@ -319,8 +353,6 @@ class Server:
                 c.error = self._rejected()
             else:
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-            if out.metrics is not None:
-                c.num_cached_tokens = out.metrics.num_cached_tokens
         return Event(c, text, c.text.output_token_ids[n_before:], c.finish_reason, c.stop_reason,
                      error=c.error)
 
@@ -330,6 +362,9 @@ class Server:
         return APIError(429, f"rejected by the scheduling policy's admission control{by}: the "
                         "request cannot be served in time or over its quota; retry later or with "
                         "a looser ttft_slo_s", headers={"Retry-After": str(self.config.server.retry_after_s)})
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def abort_all(self) -> None:
         """Cancel every choice in flight (their engine requests are aborted)."""

@@ -143,3 +143,37 @@ def test_tokenize_detokenize_and_health(live):
         assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
         assert h.post("/tokenize", json={}).status_code == 400
         assert h.get("/health").status_code == 200
+
+
+def test_logprobs_zero_is_refused_too(client):
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="word-model", prompt="w7", logprobs=0)
+
+
+def test_cached_tokens_are_reported_when_a_stop_string_ends_the_choice(client):
+    """A stop string aborts the engine request before its final output: the cached count
+    still comes from the deltas."""
+    prompt = " ".join(f"w{100 + i}" for i in range(40))  # 2 full blocks of 16, then 8
+    first = client.completions.create(model="word-model", prompt=prompt, max_tokens=6, seed=11,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = first.choices[0].model_extra["token_ids"]
+    k = next(k for k in range(1, 6) if ids[k] >= len(SPECIALS) and ids[k] not in ids[:k])
+    again = client.completions.create(model="word-model", prompt=prompt, max_tokens=6, seed=11,
+                                      stop=[f"w{ids[k]}"], extra_body={"ignore_eos": True})
+    assert again.choices[0].finish_reason == "stop"
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_unknown_routes_and_methods_get_openai_error_objects(live):
+    import httpx
+
+    with httpx.Client(base_url=live.url, timeout=10) as h:
+        r = h.get("/v1/nothing-here")
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        r = h.get("/v1/completions")
+        assert r.status_code == 405 and "GET" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", content=b"[" * 100_000)
+        assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", json={"prompt": "w7", "stop": [f"w{i}" for i in range(33)]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+        assert h.post("/v1/completions", json={"prompt": "w7", "max_tokens": 1}).status_code == 200

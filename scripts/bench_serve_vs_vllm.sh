@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # schedkit serve side by side with vLLM 0.32's OpenAI server on this CPU: the same model
-# folder (SmolLM2-135M-Instruct), dtype bfloat16, max_model_len 2048, max_num_seqs 64,
+# folder (SmolLM2-135M-Instruct), dtype DTYPE, max_model_len 2048, max_num_seqs 64,
 # max_num_batched_tokens 2048 (vLLM's CPU server default), prefix caching on, THREADS
 # compute threads each, both measured by vLLM's own load generator
-# (`vllm bench serve --backend openai --dataset-name random --ignore-eos`, seed 0) at each
-# request rate. Both servers are started first and stay up; at each rate vLLM is measured,
-# then schedkit, so drift in the machine's speed hits both alike. One JSON file per run
-# goes to OUT (vLLM's --save-result format).
+# (`vllm bench serve --backend openai --dataset-name random --ignore-eos`) at each request
+# rate, each rate with its own seed (1, 2, ...) so that no rate finds its prompts cached
+# by the one before. Both servers are started first and stay up; at each rate vLLM is
+# measured, then schedkit, so drift in the machine's speed hits both alike. One JSON file
+# per run goes to OUT (vLLM's --save-result format), one summary line per run to
+# OUT/summary.jsonl.
 #
 #   bash scripts/bench_serve_vs_vllm.sh [OUT] [VLLM_VENV] [MODEL_DIR]
 #
 # Env: RATES (default "0.25 0.5 1 inf"), N prompts per rate (16), IN / OUT_LEN tokens
-# (128 / 32), THREADS (1: vLLM then keeps the second core for its front end, as
-# ../shared/bench/vllm_serve.sh runs it; 2: both cores compute).
+# (128 / 32), DTYPE (bfloat16, or float32), THREADS (1: vLLM then keeps the second core
+# for its front end, as ../shared/bench/vllm_serve.sh runs it; 2: both cores compute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-serve-vs-vllm}
@@ -24,6 +26,7 @@ N=${N:-16}
 IN=${IN:-128}
 OUT_LEN=${OUT_LEN:-32}
 THREADS=${THREADS:-1}
+DTYPE=${DTYPE:-bfloat16}
 VPORT=8811
 SPORT=8812
 mkdir -p "$OUT"
@@ -31,7 +34,7 @@ OUT=$(cd "$OUT" && pwd)
 if [ "$THREADS" = 1 ]; then bind=0; reserved=1; else bind="0-$((THREADS - 1))"; reserved=0; fi
 
 cat > "$OUT/schedkit-serve.yaml" <<EOF
-model: {name: $MODEL, dtype: bfloat16}
+model: {name: $MODEL, dtype: $DTYPE}
 runner: {kind: paged, device: cpu, vocab_size: 49152, eos_token_id: 2, num_threads: $THREADS}
 cache: {block_size: 16, num_blocks: 4096, enable_prefix_caching: true}
 scheduler: {policy: fcfs, max_num_batched_tokens: 2048, max_num_seqs: 64, max_model_len: 2048}
@@ -39,7 +42,7 @@ server: {port: $SPORT, served_model_name: smollm2}
 EOF
 
 VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=$bind VLLM_CPU_NUM_OF_RESERVED_CPU=$reserved \
-  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
+  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype "$DTYPE" \
   --host 127.0.0.1 --port $VPORT --max-model-len 2048 --max-num-seqs 64 --served-model-name smollm2 \
   > "$OUT/vllm-serve.log" 2>&1 &
 VPID=$!
@@ -54,9 +57,10 @@ for port in $VPORT $SPORT; do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server on $port did not start"; exit 1; }
 done
 
-bench() {  # bench NAME PORT RATE
+bench() {  # bench NAME PORT RATE SEED
   VENV=$VENV bash ../shared/bench/vllm_serve.sh bench "http://127.0.0.1:$2" smollm2 "$MODEL" \
     --request-rate "$3" --num-prompts "$N" --random-input-len "$IN" --random-output-len "$OUT_LEN" \
+    --seed "$4" \
     --save-result --result-dir "$OUT" --result-filename "$1-rate$3.json" > "$OUT/$1-rate$3.txt" 2>&1
   "$PY" - "$OUT/$1-rate$3.json" "$1" "$3" <<'PY'
 import json, sys
@@ -73,7 +77,10 @@ for port in $VPORT $SPORT; do
   curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
     -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8}' > /dev/null
 done
+# A seed per rate: the prompts of one rate are not in the prefix cache from the last one.
+seed=0
 for rate in $RATES; do
-  bench vllm $VPORT "$rate" | tee -a "$OUT/summary.jsonl"
-  bench schedkit $SPORT "$rate" | tee -a "$OUT/summary.jsonl"
+  seed=$((seed + 1))
+  bench vllm $VPORT "$rate" $seed | tee -a "$OUT/summary.jsonl"
+  bench schedkit $SPORT "$rate" $seed | tee -a "$OUT/summary.jsonl"
 done

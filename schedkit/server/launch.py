@@ -10,6 +10,7 @@ exits 0.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -39,6 +40,26 @@ def resolve_api_key(config: Config, cli_key: str | None) -> str | None:
     return cli_key or os.environ.get(API_KEY_ENV) or config.server.api_key
 
 
+def model_eos_ids(config: Config) -> tuple[int, ...]:
+    """Every ``eos_token_id`` of the paged runner's model folder (config.json and
+    generation_config.json, an int or a list each); () for the other runners."""
+    if config.runner.kind != "paged":
+        return ()
+    from schedkit.runners.paged.loader import resolve_model_path
+
+    folder = resolve_model_path(config.model.name, config.model.seed)
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            eos = json.loads((folder / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for t in eos if isinstance(eos, list) else [eos]:
+            if type(t) is int and t >= 0 and t not in ids:
+                ids.append(t)
+    return tuple(ids)
+
+
 async def start_server(config: Config) -> Server:
     """Start the engine process and everything the endpoints share."""
     from schedkit.engine.client import AsyncLLM, load_tokenizer
@@ -49,6 +70,7 @@ async def start_server(config: Config) -> Server:
                     "ttft_slo_s deadlines) are virtual seconds while the HTTP latencies are "
                     "wall time (runner.clock: wall makes the fake runner real-time)", config.runner.kind)
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
+    eos_ids = await asyncio.to_thread(model_eos_ids, config)
     llm = await AsyncLLM.create(config)
     try:
         plugins = await llm.call_utility("list_plugins")
@@ -56,7 +78,7 @@ async def start_server(config: Config) -> Server:
         metrics = ServerMetrics(name, config.scheduler.policy, plugins, config.server.max_tenant_labels,
                                 config.scheduler.max_model_len)
         llm.tokenizer = tokenizer
-        return Server(config, llm, tokenizer, metrics, name)
+        return Server(config, llm, tokenizer, metrics, name, eos_ids)
     except BaseException:
         await llm.close()
         raise

@@ -99,7 +99,7 @@ class Server:
     """What the endpoints share: the engine client, tokenizer, config, metrics, limits."""
 
     def __init__(self, config: Config, llm: AsyncLLM, tokenizer: Any, metrics: ServerMetrics,
-                 model_name: str) -> None:
+                 model_name: str, model_eos_ids: Sequence[int] = ()) -> None:
         self.config = config
         self.llm = llm
         self.tokenizer = tokenizer
@@ -110,6 +110,9 @@ class Server:
             config.runner.vocab_size, len(tokenizer))
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id: int | None = eos if isinstance(eos, int) else config.runner.eos_token_id
+        self.extra_eos_ids = tuple(t for t in model_eos_ids if t != self.eos_token_id)
+        """The model's other end tokens (config.json / generation_config.json, e.g. an
+        end-of-turn token besides the tokenizer's EOS): stop tokens unless ignore_eos."""
         self.num_pending = 0
         """Engine requests (choices) in flight."""
         self.choices: dict[str, Choice] = {}
@@ -229,7 +232,8 @@ class Server:
                 try:
                     params = SamplingParams(
                         max_tokens=limit, min_tokens=req.min_tokens,
-                        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                        stop_token_ids=tuple(req.stop_token_ids or ())
+                        + (() if req.ignore_eos else self.extra_eos_ids), ignore_eos=req.ignore_eos,
                         eos_token_id=self.eos_token_id,
                         temperature=1.0 if req.temperature is None else req.temperature,
                         top_p=1.0 if req.top_p is None else req.top_p,
@@ -357,7 +361,8 @@ class Server:
                      error=c.error)
 
     def _rejected(self) -> APIError:
-        admit = [name for name, hooks in self.metrics.engine.plugins if "schedkit_admit_request" in hooks]
+        admit = [name for name, hooks in self.metrics.engine.plugins  # "defaults" always admits
+                 if "schedkit_admit_request" in hooks and name != "defaults"]
         by = f" (plugin {', '.join(admit)})" if admit else ""
         return APIError(429, f"rejected by the scheduling policy's admission control{by}: the "
                         "request cannot be served in time or over its quota; retry later or with "

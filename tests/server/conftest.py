@@ -32,6 +32,7 @@ EOS = 2
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 _LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+_LABELS = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def build_word_tokenizer(path: Path) -> Path:
@@ -151,3 +152,16 @@ def live(tmp_path_factory, word_tokenizer) -> Iterator[LiveServer]:
         except subprocess.TimeoutExpired:
             s.proc.kill()
             s.proc.wait()
+
+
+def metric(stats: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    total = 0.0
+    for key, value in stats.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        have = dict(_LABELS.findall(rest))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += value
+    return total

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.server.conftest import LiveServer, server_config, start_server
+from tests.server.conftest import LiveServer, metric, server_config, start_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -32,7 +32,6 @@ MAX_BODY = 2048
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GOOD = {"prompt": "w7", "max_tokens": 1}
 DRAIN_GRACE_S = 1.0
-_LABELS = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -62,19 +61,6 @@ def assert_serves(client: httpx.Client, path: str = "/v1/completions", **headers
     r = client.post(path, json=body, headers=headers)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
-
-
-def metric(stats: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    total = 0.0
-    for key, value in stats.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        have = dict(_LABELS.findall(rest))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
@@ -600,6 +586,21 @@ def test_stream_client_hangs_up(slow):
     wait_idle(slow)
     with slow.client() as c:
         assert_serves(c)
+
+
+def test_a_hang_up_aborts_within_about_one_engine_step(slow):
+    """The client's disconnect reaches the engine at once: the request is gone from the
+    running batch by the end of the step that was under way (50 ms steps here; /metrics
+    itself is answered between steps, so each probe can wait up to one step)."""
+    raw = Raw(slow.url, "/v1/completions", _long(400))
+    raw.read_until(b'"text"')
+    assert engine_load(slow)[0] == 1
+    t0 = time.monotonic()
+    raw.close()
+    wait_for(lambda: engine_load(slow)[0] == 0, 2.0, "the request to leave the batch", step=0.005)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 4 * 0.05, f"the abort took {elapsed * 1e3:.0f} ms ({elapsed / 0.05:.1f} steps of 50 ms)"
+    wait_idle(slow)
 
 
 def test_chat_stream_client_hangs_up(slow):

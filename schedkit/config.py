@@ -362,6 +362,10 @@ class ServerConfig(_Strict):
     """Largest request body; a longer one is answered 413."""
     max_n: int = Field(default=16, ge=1, le=1024)
     """Largest ``n`` (choices per request)."""
+    keep_alive_s: float = Field(default=10.0, ge=1)
+    """Seconds an idle keep-alive connection stays open. Longer than the 5 s after which
+    httpx (and so the openai client) drops an idle pooled connection, so the client always
+    closes first: a request sent on a connection the server is closing would fail."""
     drain_grace_s: float = Field(default=30.0, ge=0)
     """On SIGTERM: seconds in-flight requests get to finish before they are aborted."""
     max_tenant_labels: int = Field(default=64, ge=1, le=10000)

@@ -98,7 +98,7 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
     ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools",
                           lifespan="on", log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,
-                          timeout_keep_alive=5)
+                          timeout_keep_alive=max(1, round(sc.keep_alive_s)))
     server = DrainingServer(ucfg, get_server, sc.drain_grace_s, key is not None)
     server.run()
     return 0 if server.started_ok else 1

@@ -177,3 +177,36 @@ def test_unknown_routes_and_methods_get_openai_error_objects(live):
         r = h.post("/v1/completions", json={"prompt": "w7", "stop": [f"w{i}" for i in range(33)]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
         assert h.post("/v1/completions", json={"prompt": "w7", "max_tokens": 1}).status_code == 200
+
+
+def test_idle_keep_alive_outlives_the_clients_pool_expiry(live):
+    """httpx (so the openai client) drops a pooled connection after 5 s idle; the server
+    keeps it longer (server.keep_alive_s, 10 s), so a client reusing its connection at 5 s
+    never races the server's close (a ReadError with no answer)."""
+    import socket
+    import time
+
+    import httpx
+
+    url = httpx.URL(live.url)
+    body = b'{"prompt": "w7", "max_tokens": 1}'
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    def answer(sock) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed the connection: {data!r}"
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        return head
+
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            sock.sendall(request)
+            assert answer(sock).startswith(b"HTTP/1.1 200"), pause

@@ -142,6 +142,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     error: str | None = None
     """Why the request failed (finish_reason "error"): a plugin, the runner, bad input."""
     metrics: RequestMetricsData | None = None
+    rejected_by: str | None = None
+    """With stop_reason "rejected": the plugin whose admission hook rejected it."""
 
     @property
     def finished(self) -> bool:

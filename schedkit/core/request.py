@@ -200,6 +200,8 @@ class Request:
     """Discard stale outputs instead of appending them (forced preemptions, e.g. a
     prefix-cache reset of running requests)."""
     stop_reason: int | str | None = None
+    rejected_by: str | None = None
+    """The plugin whose ``schedkit_admit_request`` answered REJECT (set by the hook facade)."""
     spec_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)

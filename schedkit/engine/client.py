@@ -236,6 +236,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache or a KV connector (known from the
     first delta on)."""
+    rejected_by: str | None = None
+    """With stop_reason "rejected": the plugin whose admission hook rejected it."""
 
     @property
     def finished(self) -> bool:
@@ -530,7 +532,8 @@ class AsyncLLM:
                 finished = item.finish_reason is not None
                 yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
                                     item.stop_reason, item.error, item.metrics,
-                                    num_cached_tokens=item.num_cached_tokens)
+                                    num_cached_tokens=item.num_cached_tokens,
+                                    rejected_by=item.rejected_by)
         finally:
             self._queues.pop(rid, None)
             if not finished and self._dead is None:

@@ -155,6 +155,7 @@ class HookFacade:
             raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision", request)
         if decision is AdmissionDecision.REJECT:
             self.rejections[plugin or "unknown"] += 1
+            request.rejected_by = plugin
         return decision
 
     def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:

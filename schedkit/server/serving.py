@@ -354,16 +354,14 @@ class Server:
             if out.finish_reason == "error":
                 c.error = APIError(500, f"the request failed in the engine: {out.error}")
             elif out.finish_reason == "abort" and out.stop_reason == "rejected":
-                c.error = self._rejected()
+                c.error = self._rejected(out.rejected_by)
             else:
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         return Event(c, text, c.text.output_token_ids[n_before:], c.finish_reason, c.stop_reason,
                      error=c.error)
 
-    def _rejected(self) -> APIError:
-        admit = [name for name, hooks in self.metrics.engine.plugins  # "defaults" always admits
-                 if "schedkit_admit_request" in hooks and name != "defaults"]
-        by = f" (plugin {', '.join(admit)})" if admit else ""
+    def _rejected(self, plugin: str | None) -> APIError:
+        by = f" (plugin {plugin!r})" if plugin else ""
         return APIError(429, f"rejected by the scheduling policy's admission control{by}: the "
                         "request cannot be served in time or over its quota; retry later or with "
                         "a looser ttft_slo_s", headers={"Retry-After": str(self.config.server.retry_after_s)})

@@ -254,7 +254,8 @@ def test_hook_schedkit_admit_request():
     assert by_id["spam"].new_token_ids == []
     assert by_id["spam"].finish_reason == FinishReason.ABORT == "abort"
     assert by_id["spam"].stop_reason == "rejected"
-    assert by_id["a"].finish_reason == "length"
+    assert by_id["spam"].rejected_by.startswith("Gatekeeper") and reqs[1].rejected_by == by_id["spam"].rejected_by
+    assert by_id["a"].finish_reason == "length" and by_id["a"].rejected_by is None
 
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["later"]

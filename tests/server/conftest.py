@@ -85,7 +85,8 @@ class LiveServer:
 def server_config(tokenizer: Path | None, **sections: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": {"name": "word-model", **({"tokenizer": str(tokenizer)} if tokenizer else {})},
-        "runner": {"kind": "fake", "vocab_size": VOCAB, "step_time_ms": 2, "clock": "wall"},
+        "runner": {"kind": "fake", "vocab_size": VOCAB, "step_time_ms": 2, "clock": "wall",
+                   "eos_token_id": EOS},  # the fake runner then never emits EOS by chance
         "cache": {"block_size": 16, "num_blocks": 512},
         "scheduler": {"max_num_seqs": 64, "max_model_len": 512, "max_num_batched_tokens": 512},
         "server": {"port": 0, "drain_grace_s": 2},

@@ -41,9 +41,12 @@ def timeseries(title, desc, pos, tgts, unit="short", min_=0, max_=None, stack=Fa
             "targets": tgts}
 
 
+def quantile(metric, q):
+    return f"histogram_quantile({q}, sum by (le) (rate(schedkit:{metric}_bucket{{{M}}}{RI})))"
+
+
 def quantiles(metric, qs):
-    return [(f"histogram_quantile({q}, sum by (le) (rate(schedkit:{metric}_bucket{{{M}}}{RI})))",
-             f"p{int(q * 100)}") for q in qs]
+    return [(quantile(metric, q), f"p{int(q * 100)}") for q in qs]
 
 
 def gp(x, y, w, h):
@@ -194,22 +197,24 @@ panels.append(timeseries(
     "(first scheduled to first token), request_decode_time_seconds (first token to the end) and "
     "request_inference_time_seconds (first scheduled to the end), on the engine's clock.",
     gp(8, 54, 8, 8),
-    targets(*[(f"histogram_quantile(0.5, sum by (le) (rate(schedkit:request_{name}_time_seconds_bucket"
-               f"{{{M}}}{RI})))", name) for name in ("prefill", "decode", "inference")]), unit="s"))
+    targets(*[(quantile(f"request_{name}_time_seconds", 0.5), name)
+              for name in ("prefill", "decode", "inference")]), unit="s"))
 panels.append(timeseries(
     "Tokens per request (p50)", "histogram_quantile(0.5) of schedkit:request_prompt_tokens and "
     "schedkit:request_generation_tokens.", gp(16, 54, 8, 8),
-    targets((f"histogram_quantile(0.5, sum by (le) (rate(schedkit:request_prompt_tokens_bucket{{{M}}}{RI})))",
-             "prompt"),
-            (f"histogram_quantile(0.5, sum by (le) (rate(schedkit:request_generation_tokens_bucket{{{M}}}{RI})))",
-             "generation"))))
+    targets((quantile("request_prompt_tokens", 0.5), "prompt"),
+            (quantile("request_generation_tokens", 0.5), "generation"))))
 panels.append(timeseries(
     "Request parameters (p50)", "histogram_quantile(0.5) of schedkit:request_params_max_tokens, "
     "schedkit:request_max_num_generation_tokens and schedkit:request_params_n.", gp(0, 62, 12, 8),
-    targets(*[(f"histogram_quantile(0.5, sum by (le) (rate(schedkit:{name}_bucket{{{M}}}{RI})))", label)
-              for name, label in (("request_params_max_tokens", "max_tokens"),
-                                  ("request_max_num_generation_tokens", "max generation tokens"),
-                                  ("request_params_n", "n"))])))
+    targets(*[(quantile(name, 0.5), label) for name, label in (
+        ("request_params_max_tokens", "max_tokens"),
+        ("request_max_num_generation_tokens", "max generation tokens"),
+        ("request_params_n", "n"))])))
+panels.append(timeseries(
+    "Engine steps", "rate(schedkit:engine_steps_total): engine steps (schedule, execute, update) "
+    "per second.", gp(12, 62, 12, 8),
+    targets((f"sum(rate(schedkit:engine_steps_total{{{M}}}{RI}))", "steps/s")), unit="ops"))
 
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "

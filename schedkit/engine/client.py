@@ -489,6 +489,10 @@ class AsyncLLM:
                 if not fut.done():
                     fut.set_exception(e)
 
+    def is_alive(self) -> bool:
+        """The engine process runs and answers (False once it died or went silent)."""
+        return self._dead is None and self.engine.is_alive()
+
     def _readable(self) -> bool:
         """A message waits on the output socket (read without awaiting)."""
         events = self.out_sock.get(zmq.EVENTS)

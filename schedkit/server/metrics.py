@@ -49,6 +49,26 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
         scale *= 10
 
 
+_ENGINE_SERIES: tuple[tuple[Any, str, str, str], ...] = (
+    (GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches.",
+     "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be processed.",
+     "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+     "kv_cache_usage"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in terms of number of "
+     "queried tokens.", "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+     "tokens.", "prefix_cache_hits"),
+    (CounterMetricFamily, "num_preemptions", "Cumulative number of preemptions from the engine.",
+     "num_preemptions"),
+    (CounterMetricFamily, "engine_steps", "Engine steps run (schedule, execute, update).",
+     "num_steps"),
+)
+"""``(family, name, help, engine stats key)`` of the engine-wide series with only the
+``model_name`` label."""
+
+
 class EngineStatsCollector(Collector):
     """Engine-wide series from the last ``stats`` snapshot the server fetched."""
 
@@ -62,28 +82,10 @@ class EngineStatsCollector(Collector):
         m, st = self.model_name, self.stats
         labels = ["model_name"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric([m], value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric([m], value)
-            return c
-
-        yield gauge("num_requests_running", "Number of requests in model execution batches.",
-                    st.get("num_running", 0))
-        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                    st.get("num_waiting", 0))
-        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    st.get("kv_cache_usage", 0.0))
-        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      st.get("prefix_cache_queries", 0))
-        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      st.get("prefix_cache_hits", 0))
-        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                      st.get("num_preemptions", 0))
+        for family, name, doc, key in _ENGINE_SERIES:
+            metric = family(PREFIX + name, doc, labels=labels)
+            metric.add_metric([m], st.get(key, 0))
+            yield metric
         info = GaugeMetricFamily(PREFIX + "policy_info", "The scheduling policy and the plugins "
                                  "switched on (value 1).", labels=["model_name", "policy", "plugins"])
         info.add_metric([m, self.policy, ",".join(n for n, _ in self.plugins)], 1)
@@ -110,8 +112,10 @@ class EngineStatsCollector(Collector):
         for (name, hook), n in sorted(errors.items()):
             err.add_metric([m, name, hook], n)
         yield err
-        yield gauge("engine_healthy", "1 while the engine process answers, 0 once it is gone.",
-                    0.0 if st.get("dead") else 1.0)
+        healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine process "
+                                    "answers, 0 once it is gone.", labels=labels)
+        healthy.add_metric([m], 0.0 if st.get("dead") else 1.0)
+        yield healthy
 
 
 class ServerMetrics:
@@ -138,43 +142,36 @@ class ServerMetrics:
                                          "processed.", lb, registry=r).labels(model_name)
         self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed "
                                        "requests.", ["model_name", "finished_reason"], registry=r)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first "
-                              "token in seconds.", lb, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token "
-                             "latency in seconds.", lb, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of e2e request "
-                             "latency in seconds.", lb, buckets=REQUEST_LATENCY_BUCKETS,
-                             registry=r).labels(model_name)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Histogram of time spent "
-                                    "in WAITING phase for request.", lb,
-                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(PREFIX + name, doc, lb, buckets=buckets, registry=r).labels(model_name)
+
         tokens = token_count_buckets(max_model_len)
-        self.req_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Number of prefill "
-                                           "tokens processed.", lb, buckets=tokens,
-                                           registry=r).labels(model_name)
-        self.req_generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Number of "
-                                               "generation tokens processed.", lb, buckets=tokens,
-                                               registry=r).labels(model_name)
-        self.req_max_tokens = Histogram(PREFIX + "request_params_max_tokens", "Histogram of the "
-                                        "max_tokens request parameter.", lb, buckets=tokens,
-                                        registry=r).labels(model_name)
-        self.req_max_generation = Histogram(PREFIX + "request_max_num_generation_tokens", "Histogram "
-                                            "of maximum number of requested generation tokens.", lb,
-                                            buckets=tokens, registry=r).labels(model_name)
-        self.req_n = Histogram(PREFIX + "request_params_n", "Histogram of the n request parameter.",
-                               lb, buckets=(1, 2, 5, 10, 20), registry=r).labels(model_name)
-        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds", "Histogram of "
-                              "time_per_output_token_seconds per request.", lb, buckets=ITL_BUCKETS,
-                              registry=r).labels(model_name)
-        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "Histogram of time "
-                                      "spent in PREFILL phase for request.", lb,
-                                      buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds", "Histogram of time "
-                                     "spent in DECODE phase for request.", lb,
-                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.inference_time = Histogram(PREFIX + "request_inference_time_seconds", "Histogram of "
-                                        "time spent in RUNNING phase for request.", lb,
-                                        buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in "
+                         "seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in "
+                        "seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                        "seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Histogram of time spent in WAITING "
+                               "phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens "
+                                      "processed.", tokens)
+        self.req_generation_tokens = hist("request_generation_tokens", "Number of generation "
+                                          "tokens processed.", tokens)
+        self.req_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens "
+                                   "request parameter.", tokens)
+        self.req_max_generation = hist("request_max_num_generation_tokens", "Histogram of maximum "
+                                       "number of requested generation tokens.", tokens)
+        self.req_n = hist("request_params_n", "Histogram of the n request parameter.",
+                          (1, 2, 5, 10, 20))
+        self.tpot = hist("request_time_per_output_token_seconds", "Histogram of "
+                         "time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "Histogram of time spent in "
+                                 "PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "Histogram of time spent in DECODE "
+                                "phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds", "Histogram of time spent in "
+                                   "RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
         self.tenant_prompt = Counter(PREFIX + "tenant_prompt_tokens", "Prompt tokens served per "
                                      "tenant (the request's user field).", ["model_name", "tenant"],
                                      registry=r)

@@ -113,11 +113,9 @@ class Server:
         self.extra_eos_ids = tuple(t for t in model_eos_ids if t != self.eos_token_id)
         """The model's other end tokens (config.json / generation_config.json, e.g. an
         end-of-turn token besides the tokenizer's EOS): stop tokens unless ignore_eos."""
-        self.num_pending = 0
-        """Engine requests (choices) in flight."""
-        self.choices: dict[str, Choice] = {}
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()
+        """One task per engine request (choice) in flight."""
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="schedkit-tokenizer")
 
     # -- prompts -------------------------------------------------------------------------
@@ -203,8 +201,13 @@ class Server:
                            f"request adds {count}, the limit is {limit} (server.max_pending_requests)",
                            headers={"Retry-After": str(self.config.server.retry_after_s)})
 
+    @property
+    def num_pending(self) -> int:
+        """Engine requests (choices) in flight."""
+        return len(self.tasks)
+
     def llm_alive(self) -> bool:
-        return self.llm._dead is None and self.llm.engine.is_alive()
+        return self.llm.is_alive()
 
     # -- choices -------------------------------------------------------------------------
     def make_choices(self, req: _Sampling, request_id: str, prompts: list[list[int]],
@@ -264,8 +267,6 @@ class Server:
         tenant = req.user if req.user is not None else "default"
         tasks = []
         for c in choices:
-            self.num_pending += 1
-            self.choices[c.request_id] = c
             task = asyncio.create_task(self._run(c, queue, tenant, req, arrival))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -277,8 +278,6 @@ class Server:
         """The bookkeeping of a choice whose task was cancelled before it ran (its client
         left at once): nothing reached the engine."""
         if not c.started:
-            self.num_pending -= 1
-            self.choices.pop(c.request_id, None)
             c.finish_reason = "abort"
             queue.put_nowait(Event(c, finish_reason="abort", done=True))
 
@@ -321,8 +320,6 @@ class Server:
             log.exception("request %s failed in the server", c.request_id)
             c.error = APIError(500, f"internal error ({type(e).__name__}); see the server log")
         finally:
-            self.num_pending -= 1
-            self.choices.pop(c.request_id, None)
             if c.error is None and c.finish_reason is None:
                 c.finish_reason = "abort"
             told = told_end or c.error is not None

@@ -570,10 +570,8 @@ def test_pending_limit_is_a_503_with_retry_after(slow):
 
 # -- 6. disconnects ------------------------------------------------------------------------------
 def _assert_aborted(s: LiveServer, before: float, count: int = 1, running: int = 0) -> None:
-    t0 = time.monotonic()
     wait_for(lambda: aborts(s) == before + count and engine_load(s)[:2] == (running, 0), 2.0,
              f"{count} abort(s) with {running} request(s) left running")
-    assert time.monotonic() - t0 < 2.0
 
 
 def test_stream_client_hangs_up(slow):
@@ -589,17 +587,25 @@ def test_stream_client_hangs_up(slow):
 
 
 def test_a_hang_up_aborts_within_about_one_engine_step(slow):
-    """The client's disconnect reaches the engine at once: the request is gone from the
-    running batch by the end of the step that was under way (50 ms steps here; /metrics
-    itself is answered between steps, so each probe can wait up to one step)."""
+    """The client's disconnect reaches the engine at once: the request leaves the running
+    batch within a step or two of the hang-up, counted in engine steps (each /metrics
+    probe is answered between two steps, so the count it reads is exact)."""
     raw = Raw(slow.url, "/v1/completions", _long(400))
     raw.read_until(b'"text"')
     assert engine_load(slow)[0] == 1
-    t0 = time.monotonic()
+    steps_before = metric(slow.stats(), "schedkit:engine_steps_total")
     raw.close()
-    wait_for(lambda: engine_load(slow)[0] == 0, 2.0, "the request to leave the batch", step=0.005)
-    elapsed = time.monotonic() - t0
-    assert elapsed < 4 * 0.05, f"the abort took {elapsed * 1e3:.0f} ms ({elapsed / 0.05:.1f} steps of 50 ms)"
+
+    def gone() -> dict[str, float] | None:
+        st = slow.stats()
+        return st if metric(st, "schedkit:num_requests_running") == 0 else None
+
+    after = wait_for(gone, 2.0, "the request to leave the batch", step=0.005)
+    steps = metric(after, "schedkit:engine_steps_total") - steps_before
+    # one step may start between the probe and the hang-up, one runs while the abort
+    # travels, and the probe that sees it gone may wait for one more
+    print(f"\n{steps:.0f} engine steps from the hang-up to the abort")
+    assert steps <= 3, f"the request ran {steps:.0f} more engine steps after its client left"
     wait_idle(slow)
 
 
@@ -713,6 +719,5 @@ def test_sigterm_drains_then_exits_0(servers):
     assert events[-2]["choices"][0]["finish_reason"] == "abort"
     assert grace * 0.9 <= time.monotonic() - t0 < grace + 3  # it had its grace, then no more
     assert s.proc.wait(grace + 8) == 0
-    assert time.monotonic() - t0 < grace + 8
     assert "draining (2 requests in flight, 1 s grace)" in s.log()
     assert not Path(f"/proc/{engine}").exists()  # the engine went with it

@@ -37,7 +37,9 @@ def _run(args: argparse.Namespace) -> int:
     metrics = [metrics_from_output(o) for o in outs if o.metrics is not None]
     finish = max((m.finish_time or 0.0) for m in metrics) if metrics else 0.0
     start = min(m.arrival_time for m in metrics) if metrics else 0.0
-    summary = summarize(metrics, config.workload.slo, finish - start)
+    wl = config.workload
+    summary = summarize(metrics, wl.slo, finish - start, fairness=wl.fairness,
+                        shares=wl.tenant_shares)
     _print_summary(config, summary, wall, stats["num_steps"])
     texts = config.workload.prompts
     for i, o in enumerate(outs[: args.samples]):
@@ -68,7 +70,7 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int) -> None:
         ("output tokens/s", f"{s['output_tokens_per_s']:.1f}"),
         ("TTFT p50 / p99 (ms)", f"{s['ttft_s']['p50'] * 1e3:.1f} / {s['ttft_s']['p99'] * 1e3:.1f}"),
         ("TPOT p50 / p99 (ms)", f"{s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f}"),
-        ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
+        ("rejected", s["rejected"]), ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("wall time (s)", f"{wall:.2f}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -114,7 +116,9 @@ def _compare(args: argparse.Namespace) -> int:
     written = ["results.json"]
     if result.metrics and report.plot_cdfs(result.metrics, out / "latency_cdf.png"):
         written.append("latency_cdf.png")
-    if result.metrics and report.plot_tenant_service(result.metrics, out / "tenant_service.png"):
+    wl = config.workload
+    if result.metrics and report.plot_tenant_service(result.metrics, out / "tenant_service.png",
+                                                     wl.fairness, wl.tenant_shares):
         written.append("tenant_service.png")
     label = "load (x trace arrival rate)" if knob == "time_scale" else "rate (req/s)"
     if result.sweep and report.plot_latency_vs_load(result.sweep, out / "latency_vs_load.png", label):

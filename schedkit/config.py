@@ -242,6 +242,9 @@ class TenantConfig(_Strict):
     """Tenant (client) name attached to its requests."""
     weight: float = Field(default=1.0, gt=0)
     """Share of the requests sent by this tenant."""
+    share: float = Field(default=1.0, gt=0)
+    """The tenant's entitled share of service, by which the lab's fairness metrics divide
+    its service (the role of ``vtc``'s ``tenant_weights``)."""
 
 
 class PriorityClassConfig(_Strict):
@@ -276,15 +279,46 @@ class TraceConfig(_Strict):
     """Clip each request's output length (its max_tokens) to this many tokens."""
 
 
-class SLOConfig(_Strict):
+class SLOTargets(_Strict):
     ttft_s: float | None = Field(default=None, gt=0)
     """Time-to-first-token target (seconds)."""
     tpot_s: float | None = Field(default=None, gt=0)
     """Time-per-output-token target (seconds, mean over the request's decode)."""
     e2e_s: float | None = Field(default=None, gt=0)
     """End-to-end latency target (seconds)."""
+
+
+class SLOConfig(SLOTargets):
     attainment: float = Field(default=0.9, gt=0, le=1)
     """Share of requests that must meet every target for a rate to count as sustained."""
+    by_priority: dict[int, SLOTargets] = Field(default_factory=dict)
+    """Targets of a priority class (``Request.priority``), each overriding the targets above."""
+    by_tenant: dict[str, SLOTargets] = Field(default_factory=dict)
+    """Targets of a tenant, each overriding its priority class's and the targets above."""
+
+    def for_class(self, tenant: str, priority: int) -> SLOTargets:
+        """The targets a request of ``tenant`` and ``priority`` is judged by: each target
+        from the tenant's entry if set there, else the priority class's, else the base."""
+        entries = [e for e in (self.by_tenant.get(tenant), self.by_priority.get(priority))
+                   if e is not None]
+        if not entries:
+            return self
+        values = {}
+        for name in SLOTargets.model_fields:
+            chosen = next((getattr(e, name) for e in entries if getattr(e, name) is not None),
+                          getattr(self, name))
+            values[name] = chosen
+        return SLOTargets(**values)
+
+
+class FairnessConfig(_Strict):
+    input_weight: float = Field(default=1.0, ge=0)
+    """Cost of one prompt token in a tenant's service (VTC's w_p)."""
+    output_weight: float = Field(default=2.0, ge=0)
+    """Cost of one output token in a tenant's service (VTC's w_q)."""
+    window_s: float | None = Field(default=None, gt=0)
+    """Length of the intervals over which Jain's index of backlogged tenants is taken
+    (null: a twentieth of the run)."""
 
 
 class WorkloadConfig(_Strict):
@@ -310,11 +344,18 @@ class WorkloadConfig(_Strict):
     """The trace to replay when kind is ``trace``."""
     slo: SLOConfig = Field(default_factory=SLOConfig)
     """Service-level objectives used by goodput, attainment and rate sweeps."""
+    fairness: FairnessConfig = Field(default_factory=FairnessConfig)
+    """How the lab weighs tenants' service in its fairness metrics."""
     prompts: list[str] = Field(default_factory=list)
     """Text prompts (synthetic kinds), cycled over num_requests; they need a model with a
     tokenizer and are sent through its chat template when it has one."""
     seed: int = 0
     """Seed: the same config always gives the same requests."""
+
+    @property
+    def tenant_shares(self) -> dict[str, float]:
+        """``tenant -> share`` of the listed tenants (the fairness metrics' weights)."""
+        return {t.name: t.share for t in self.tenants}
 
     @model_validator(mode="after")
     def _check_trace(self) -> WorkloadConfig:

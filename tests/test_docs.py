@@ -251,6 +251,7 @@ SECTION_MODELS = {
     "workload.shared_prefix": config_models.SharedPrefixConfig,
     "workload.trace": config_models.TraceConfig,
     "workload.slo": config_models.SLOConfig,
+    "workload.fairness": config_models.FairnessConfig,
     "compare.profiles": config_models.ProfileConfig,
     "runner (fake)": config_models.FakeRunnerConfig,
     "runner (simulated)": config_models.SimulatedRunnerConfig,

@@ -110,6 +110,9 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
     first_scheduled_time: float | None = None
     """When the request was first scheduled (its queueing delay ends there)."""
     num_recomputed_tokens: int = 0
+    longest_wait_s: float | None = None
+    """The longest stretch the request spent queued: from arrival, or from a preemption,
+    to being scheduled (or to its end, if it ended queued); None while the first wait lasts."""
 
     @classmethod
     def of(cls, req: Request) -> RequestMetricsData:
@@ -122,7 +125,22 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
             num_preemptions=req.num_preemptions, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             first_scheduled_time=req.first_event_time(EventType.SCHEDULED),
-            num_recomputed_tokens=req.num_recomputed_tokens)
+            num_recomputed_tokens=req.num_recomputed_tokens, longest_wait_s=longest_wait(req))
+
+
+def longest_wait(req: Request) -> float | None:
+    """The longest queued stretch of ``req`` (see ``RequestMetricsData.longest_wait_s``),
+    read from its events."""
+    longest: float | None = None
+    since: float | None = req.arrival_time
+    for kind, t in req.events:
+        if kind is EventType.PREEMPTED:
+            since = t
+        elif since is not None and kind in (EventType.SCHEDULED, EventType.FINISHED):
+            wait = max(t - since, 0.0)
+            longest = wait if longest is None else max(longest, wait)
+            since = None
+    return longest
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

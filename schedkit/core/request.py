@@ -187,7 +187,10 @@ class Request:
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first admission (-1 before)."""
     num_recomputed_tokens: int = 0
-    """Tokens computed again after preemptions (the metrics' recompute cost)."""
+    """Tokens computed again after preemptions: those scheduled again below
+    ``num_computed_high`` (prefix-cache hits on resumption are not recomputed)."""
+    num_computed_high: int = 0
+    """The most leading tokens whose KV had been computed when the request was preempted."""
     is_prefill_chunk: bool = True
     num_output_placeholders: int = 0
     """Async scheduling: tokens sampled by steps in flight, not yet appended."""

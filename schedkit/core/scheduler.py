@@ -403,7 +403,7 @@ class Scheduler:
         assert req.status is _RUNNING, req.status
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_recomputed_tokens += req.num_computed_tokens
+        req.num_computed_high = max(req.num_computed_high, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.stale_drop = drop_stale or (req.stale_drop and req.num_stale_output_tokens > 0)
@@ -671,7 +671,10 @@ class Scheduler:
         placeholders = self.async_scheduling
         for rid, n in st.num_scheduled.items():
             req = requests[rid]
-            req.num_computed_tokens += n
+            done = req.num_computed_tokens
+            if done < req.num_computed_high:  # work a preemption threw away, done again
+                req.num_recomputed_tokens += min(n, req.num_computed_high - done)
+            req.num_computed_tokens = done + n
             req.num_in_flight_tokens += n
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
             if placeholders and not req.is_prefill_chunk:

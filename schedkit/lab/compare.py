@@ -66,7 +66,7 @@ def compare(config: Config, *, base_dir: str | Path | None = None) -> CompareRes
     result = CompareResult()
     for profile in profiles_of(config):
         run = run_workload(profile_config(config, profile), workload)
-        result.summaries[profile.name] = summarize(run.metrics, config.workload.slo)
+        result.summaries[profile.name] = summarize_run(config, run.metrics)
         result.metrics[profile.name] = run.metrics
         result.failed[profile.name] = run.failed
     return result
@@ -88,7 +88,8 @@ def parse_sweep(spec: str) -> tuple[str, list[float]]:
 
 def sweep(config: Config, knob: str, values: list[float], *, base_dir: str | Path | None = None,
           result: CompareResult | None = None) -> CompareResult:
-    """Run every profile at every load; record the highest load meeting the SLO.
+    """Run every profile at every load; record the highest load meeting the SLO with every
+    lower load meeting it too (:func:`sustained_load`).
 
     ``rate`` scales synthetic (and vidur) arrivals; ``time_scale`` stretches trace
     arrival times (smaller is more load), so the sustained load is reported as its
@@ -108,13 +109,28 @@ def sweep(config: Config, knob: str, values: list[float], *, base_dir: str | Pat
     for profile in profiles_of(config):
         cfg = profile_config(config, profile)
         points = []
-        best = None
         for v in values:
-            summary = summarize(run_workload(cfg, generated[v]).metrics, wl.slo)
-            load = 1.0 / v if knob == "time_scale" else v
-            points.append((load, summary))
-            if summary["slo_attainment"] >= wl.slo.attainment:
-                best = load if best is None else max(best, load)
-        result.sweep[profile.name] = sorted(points, key=lambda p: p[0])
-        result.sustained[profile.name] = best
+            summary = summarize_run(config, run_workload(cfg, generated[v]).metrics)
+            points.append((1.0 / v if knob == "time_scale" else v, summary))
+        points.sort(key=lambda p: p[0])
+        result.sweep[profile.name] = points
+        result.sustained[profile.name] = sustained_load(points, wl.slo.attainment)
     return result
+
+
+def sustained_load(points: list[tuple[float, dict[str, Any]]], attainment: float) -> float | None:
+    """The highest load such that it and every lower load meet ``attainment`` (None when
+    the lowest fails): a load that passes above one that failed does not count."""
+    best = None
+    for load, summary in sorted(points, key=lambda p: p[0]):
+        if not summary["slo_attainment"] >= attainment:
+            break
+        best = load
+    return best
+
+
+def summarize_run(config: Config, metrics: list[RequestMetrics]) -> dict[str, Any]:
+    """:func:`summarize` with the workload's SLO, fairness weights and tenant shares."""
+    wl = config.workload
+    return summarize(metrics, wl.slo, fairness=wl.fairness,
+                     shares=wl.tenant_shares)

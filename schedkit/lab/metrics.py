@@ -5,8 +5,24 @@ Jain's fairness index, maximum wait).
 All times are seconds relative to the start of the run (the engine clock at start).
 Definitions: TTFT = first token - arrival; TPOT = (last token - first token) /
 (outputs - 1); ITL = every gap between consecutive tokens (tokens of one step share a
-time); E2E = finish - arrival; normalized latency = E2E / outputs; queueing delay =
-first admission - arrival.
+time); E2E = finish - arrival; normalized latency = E2E / outputs; queueing delay (the
+first wait) = first admission - arrival; longest wait = the longest stretch queued, from
+arrival or from a preemption to being scheduled again (or to the end, if it ended
+queued). Recomputed tokens are those a preemption made the engine compute again (tokens
+whose KV stayed in the prefix cache are not).
+
+Rejected requests (an admission plugin said no, stop reason ``rejected``, or the engine
+refused them at arrival, stop reason ``refused``) count in ``requests`` and in
+``rejected``; they miss every SLO, and in the TTFT, E2E and normalized-latency
+distributions they count as infinitely late: percentiles (and the maximum) are taken over
+every request, so a p99 past the served share is infinite (``inf`` in the table, null in
+JSON), while the ``mean`` is over the served requests only. Queueing delay and TPOT are
+over the requests that got that far.
+
+SLOs are per class: a request is judged by ``slo.for_class(tenant, priority)``
+(:class:`schedkit.config.SLOConfig`); ``by_priority`` and ``by_tenant`` report
+attainment, goodput and latency per class. Fairness metrics are in
+:mod:`schedkit.lab.fairness`.
 
 Breakdown by request size (``summarize(...)["by_prompt_size"]``): the requests are split
 into three buckets by prompt length at its tertiles. With ``n`` requests and their prompt
@@ -20,13 +36,14 @@ have the same length (all of one length: everything is ``short``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from schedkit.config import SLOConfig
+from schedkit.config import FairnessConfig, SLOConfig
 from schedkit.core.outputs import RequestMetricsData
 from schedkit.core.request import Request
+from schedkit.lab.fairness import fairness_summary, jain_index
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +62,23 @@ class RequestMetrics:
     tenant: str = "default"
     priority: int = 0
     token_times: tuple[float, ...] = field(default=(), repr=False)
+    longest_wait: float | None = None
+    """Seconds of the longest stretch queued (module docstring); None if unknown."""
+    stop_reason: int | str | None = None
+    """The engine's stop reason: a stop token or string, ``rejected`` (by ``rejected_by``)
+    or ``refused`` (the engine refused the request at arrival: ``error`` says why)."""
+    rejected_by: str | None = None
+    error: str | None = None
+
+    @property
+    def rejected(self) -> bool:
+        """Dropped without service: rejected by an admission plugin or refused at arrival."""
+        return self.stop_reason in ("rejected", "refused")
+
+    @property
+    def served(self) -> bool:
+        """Finished normally (``stop`` or ``length``)."""
+        return self.finish_reason in ("stop", "length")
 
     @property
     def ttft(self) -> float | None:
@@ -79,10 +113,12 @@ class RequestMetrics:
         return None if t is None else t - self.arrival_time
 
     def meets(self, slo: SLOConfig) -> bool:
-        """Whether every target set in ``slo`` holds (an unset target always holds)."""
-        if self.finish_reason not in ("stop", "length"):
+        """Whether every target of the request's class in ``slo`` holds (an unset target
+        always holds; a request not served misses)."""
+        if not self.served:
             return False
-        checks = ((slo.ttft_s, self.ttft), (slo.tpot_s, self.tpot), (slo.e2e_s, self.e2e))
+        t = slo.for_class(self.tenant, self.priority)
+        checks = ((t.ttft_s, self.ttft), (t.tpot_s, self.tpot), (t.e2e_s, self.e2e))
         return all(target is None or value is None or value <= target for target, value in checks)
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,8 +129,11 @@ class RequestMetrics:
             "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
             "num_cached_tokens": self.num_cached_tokens, "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens, "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason, "rejected": self.rejected,
+            "rejected_by": self.rejected_by, "error": self.error,
             "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
-            "queueing_delay": self.queueing_delay, "normalized_latency": self.normalized_latency,
+            "queueing_delay": self.queueing_delay, "longest_wait": self.longest_wait,
+            "normalized_latency": self.normalized_latency,
         }
 
 
@@ -104,7 +143,9 @@ def _rel(t: float | None, start: float) -> float | None:
 
 def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str | None, *,
                       tenant: str = "default", priority: int = 0,
-                      token_times: Sequence[float] = (), start: float = 0.0) -> RequestMetrics:
+                      token_times: Sequence[float] = (), start: float = 0.0,
+                      stop_reason: int | str | None = None, rejected_by: str | None = None,
+                      error: str | None = None) -> RequestMetrics:
     """RequestMetrics from the engine's per-request record (times made relative to ``start``):
     the one conversion behind both :func:`request_metrics` and :func:`metrics_from_output`."""
     return RequestMetrics(
@@ -114,44 +155,73 @@ def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str
         num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
         num_cached_tokens=m.num_cached_tokens, num_preemptions=m.num_preemptions,
         num_recomputed_tokens=m.num_recomputed_tokens, finish_reason=finish_reason,
-        tenant=tenant, priority=priority, token_times=tuple(t - start for t in token_times))
+        tenant=tenant, priority=priority, token_times=tuple(t - start for t in token_times),
+        longest_wait=m.longest_wait_s, stop_reason=stop_reason, rejected_by=rejected_by,
+        error=error)
 
 
-def request_metrics(req: Request, token_times: Sequence[float] = (), start: float = 0.0) -> RequestMetrics:
-    """Metrics of a finished request from its events (times made relative to ``start``)."""
+def request_metrics(req: Request, token_times: Sequence[float] = (), start: float = 0.0,
+                    error: str | None = None) -> RequestMetrics:
+    """Metrics of a finished request from its events (times made relative to ``start``;
+    ``error``: the message of a request that failed)."""
     reason = req.get_finished_reason()
     return metrics_from_data(req.request_id, RequestMetricsData.of(req),
                              None if reason is None else reason.value, tenant=req.tenant,
-                             priority=req.priority, token_times=token_times, start=start)
+                             priority=req.priority, token_times=token_times, start=start,
+                             stop_reason=req.stop_reason, rejected_by=req.rejected_by, error=error)
+
+
+def refused_metrics(request_id: str, arrival_time: float, num_prompt_tokens: int, error: str, *,
+                    tenant: str = "default", priority: int = 0) -> RequestMetrics:
+    """The record of a request the engine refused when it arrived (``stop_reason``
+    ``refused``, ``error`` the engine's message): it counts as rejected."""
+    return RequestMetrics(request_id, arrival_time, None, None, None, num_prompt_tokens, 0, 0, 0,
+                          0, "abort", tenant, priority, longest_wait=0.0, stop_reason="refused",
+                          error=error)
 
 
 def metrics_from_output(out: Any) -> RequestMetrics:
     """RequestMetrics of a finished client-side RequestOutput (metrics from the engine)."""
-    return metrics_from_data(out.request_id, out.metrics, out.finish_reason)
+    return metrics_from_data(out.request_id, out.metrics, out.finish_reason,
+                             stop_reason=out.stop_reason, rejected_by=out.rejected_by,
+                             error=out.error)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values. Infinite values
+    (requests never served) rank last: a percentile that reaches them is infinite."""
     if not values:
         return math.nan
     xs = sorted(values)
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
+    if lo == hi or xs[lo] == xs[hi]:
+        return xs[lo]
+    if math.isinf(xs[hi]):
+        return math.inf
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def jain_index(values: Sequence[float]) -> float:
-    """Jain's fairness index (sum x)^2 / (n * sum x^2): 1 is perfectly even, 1/n worst."""
-    if not values:
-        return math.nan
-    sq = sum(v * v for v in values)
-    return (sum(values) ** 2) / (len(values) * sq) if sq else 1.0
-
-
-def _dist(values: Sequence[float]) -> dict[str, float]:
+def _dist(values: Sequence[float], unserved: int = 0) -> dict[str, float]:
+    """Mean of ``values``; p50/p90/p99/max of ``values`` and ``unserved`` infinite ones."""
+    xs = [*values, *([math.inf] * unserved)]
     return {"mean": sum(values) / len(values) if values else math.nan,
-            "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "max": max(values) if values else math.nan}
+            "p50": percentile(xs, 50), "p90": percentile(xs, 90),
+            "p99": percentile(xs, 99), "max": max(xs) if xs else math.nan}
+
+
+def _latency(metrics: Sequence[RequestMetrics], attr: str) -> dict[str, float]:
+    """The distribution of a latency, a request without one counting as infinite: TTFT
+    needs a first token, E2E and normalized latency a normal finish."""
+    values: list[float] = []
+    unserved = 0
+    for m in metrics:
+        v = getattr(m, attr)
+        if v is None or (attr != "ttft" and not m.served):
+            unserved += 1
+        else:
+            values.append(v)
+    return _dist(values, unserved)
 
 
 SIZE_BUCKETS = ("short", "medium", "long")
@@ -184,19 +254,49 @@ def by_prompt_size(metrics: Sequence[RequestMetrics]) -> dict[str, dict[str, Any
             "requests": len(ms),
             "min_prompt_tokens": min(lengths, default=math.nan),
             "max_prompt_tokens": max(lengths, default=math.nan),
-            "ttft_s": _dist([m.ttft for m in ms if m.ttft is not None]),
-            "e2e_s": _dist([m.e2e for m in ms if m.e2e is not None]),
+            "ttft_s": _latency(ms, "ttft"),
+            "e2e_s": _latency(ms, "e2e"),
         }
     return out
 
 
+def _per_sec(duration: float) -> Any:
+    return (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
+
+
+def class_summary(metrics: Sequence[RequestMetrics], slo: SLOConfig,
+                  duration: float) -> dict[str, Any]:
+    """Requests, rejections, SLO attainment, goodput and latencies of one class."""
+    good = sum(m.meets(slo) for m in metrics)
+    return {
+        "requests": len(metrics), "rejected": sum(m.rejected for m in metrics),
+        "slo_attainment": good / len(metrics) if metrics else math.nan,
+        "goodput_req_s": _per_sec(duration)(good),
+        "ttft_s": _latency(metrics, "ttft"),
+        "tpot_s": _dist([v for m in metrics if (v := m.tpot) is not None]),
+        "e2e_s": _latency(metrics, "e2e"),
+    }
+
+
+def _by(metrics: Sequence[RequestMetrics], key: Any, slo: SLOConfig,
+        duration: float) -> dict[Any, dict[str, Any]]:
+    groups: dict[Any, list[RequestMetrics]] = {}
+    for m in metrics:
+        groups.setdefault(key(m), []).append(m)
+    return {k: class_summary(groups[k], slo, duration) for k in sorted(groups)}
+
+
 def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
-              duration: float | None = None) -> dict[str, Any]:
-    """Aggregate metrics of finished requests.
+              duration: float | None = None, *, fairness: FairnessConfig | None = None,
+              shares: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Aggregate metrics of a run's requests (rejected ones included: module docstring).
 
     ``duration`` defaults to first arrival -> last finish. Goodput counts requests that
-    meet every SLO target, per second; attainment is their share. ``by_prompt_size``
-    holds :func:`by_prompt_size` (TTFT and E2E per prompt-length tertile).
+    meet their class's SLO targets, per second; attainment is their share of all
+    requests. ``by_prompt_size`` holds :func:`by_prompt_size` (TTFT and E2E per
+    prompt-length tertile), ``by_priority`` and ``by_tenant`` :func:`class_summary` per
+    class, ``fairness`` :func:`schedkit.lab.fairness.fairness_summary` with ``fairness``
+    and the tenants' ``shares``.
     """
     slo = slo or SLOConfig()
     if duration is None:
@@ -209,33 +309,52 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
     itls = [g for m in metrics for g in m.itls]
     out_tokens = sum(m.num_output_tokens for m in metrics)
     prompt_tokens = sum(m.num_prompt_tokens for m in metrics)
-    good = sum(m.meets(slo) for m in metrics)
-    per_sec = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
+    completed = sum(m.served for m in metrics)
+    per_sec = _per_sec(duration)
+    fair = fairness_summary(metrics, fairness, shares)
     tenants: dict[str, dict[str, float]] = {}
     for m in metrics:
-        t = tenants.setdefault(m.tenant, {"requests": 0, "prompt_tokens": 0, "output_tokens": 0})
+        t = tenants.setdefault(m.tenant, {"requests": 0, "rejected": 0, "prompt_tokens": 0,
+                                          "output_tokens": 0})
         t["requests"] += 1
+        t["rejected"] += m.rejected
         t["prompt_tokens"] += m.num_prompt_tokens
         t["output_tokens"] += m.num_output_tokens
-    for t in tenants.values():
+    for name, t in tenants.items():
         t["service_tokens"] = t["prompt_tokens"] + t["output_tokens"]
+        t["weighted_service"] = fair["service"][name]["total"]
+    waits = [w for m in metrics
+             if (w := m.longest_wait if m.longest_wait is not None else m.queueing_delay) is not None]
+    rejected_by: dict[str, int] = {}
+    for m in metrics:
+        if m.rejected:
+            who = m.rejected_by or ("engine" if m.stop_reason == "refused" else "unknown")
+            rejected_by[who] = rejected_by.get(who, 0) + 1
     return {
         "requests": len(metrics),
+        "completed": completed,
+        "rejected": sum(rejected_by.values()),
+        "rejected_by": dict(sorted(rejected_by.items())),
         "duration_s": duration,
-        "throughput_req_s": per_sec(len(metrics)),
+        "throughput_req_s": per_sec(completed),
         "output_tokens": out_tokens,
         "output_tokens_per_s": per_sec(out_tokens),
         "total_tokens_per_s": per_sec(out_tokens + prompt_tokens),
-        "ttft_s": _dist(vals("ttft")), "tpot_s": _dist(vals("tpot")), "itl_s": _dist(itls),
-        "e2e_s": _dist(vals("e2e")), "normalized_latency_s": _dist(vals("normalized_latency")),
+        "ttft_s": _latency(metrics, "ttft"), "tpot_s": _dist(vals("tpot")), "itl_s": _dist(itls),
+        "e2e_s": _latency(metrics, "e2e"),
+        "normalized_latency_s": _latency(metrics, "normalized_latency"),
         "queueing_delay_s": _dist(vals("queueing_delay")),
-        "max_wait_s": max(vals("queueing_delay"), default=math.nan),
+        "max_first_wait_s": max(vals("queueing_delay"), default=math.nan),
+        "max_wait_s": max(waits, default=math.nan),
         "preemptions": sum(m.num_preemptions for m in metrics),
         "recomputed_tokens": sum(m.num_recomputed_tokens for m in metrics),
         "prefix_hit_rate": sum(m.num_cached_tokens for m in metrics) / prompt_tokens if prompt_tokens else 0.0,
-        "slo_attainment": good / len(metrics) if metrics else math.nan,
-        "goodput_req_s": per_sec(good),
+        "slo_attainment": (sum(m.meets(slo) for m in metrics) / len(metrics)) if metrics else math.nan,
+        "goodput_req_s": per_sec(sum(m.meets(slo) for m in metrics)),
         "tenants": tenants,
         "jain_fairness": jain_index([t["service_tokens"] for t in tenants.values()]),
+        "fairness": fair,
         "by_prompt_size": by_prompt_size(metrics),
+        "by_priority": _by(metrics, lambda m: m.priority, slo, duration),
+        "by_tenant": _by(metrics, lambda m: m.tenant, slo, duration),
     }

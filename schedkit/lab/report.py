@@ -13,28 +13,50 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from schedkit.config import FairnessConfig
+from schedkit.lab.fairness import service_events
 from schedkit.lab.metrics import SIZE_BUCKETS, RequestMetrics
 
 ROWS = (
     ("requests", "requests", "{:.0f}"),
+    ("rejected", "rejected", "{:.0f}"),
     ("output tok/s", "output_tokens_per_s", "{:.1f}"),
     ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
     ("TTFT p50 (ms)", ("ttft_s", "p50"), "ms"),
     ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
     ("TPOT p50 (ms)", ("tpot_s", "p50"), "ms"),
     ("TPOT p99 (ms)", ("tpot_s", "p99"), "ms"),
+    ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
     ("E2E p50 (s)", ("e2e_s", "p50"), "{:.2f}"),
+    ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
+    ("max first wait (s)", "max_first_wait_s", "{:.2f}"),
     ("max wait (s)", "max_wait_s", "{:.2f}"),
     ("SLO attainment", "slo_attainment", "{:.1%}"),
     ("goodput (req/s)", "goodput_req_s", "{:.2f}"),
     ("preemptions", "preemptions", "{:.0f}"),
+    ("recomputed tokens", "recomputed_tokens", "{:.0f}"),
     ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
-    ("Jain fairness", "jain_fairness", "{:.3f}"),
 )
+"""The main table's rows; the TTFT and E2E percentiles count requests never served as
+infinitely late (``inf``), their means are over the served requests."""
+FAIRNESS_ROWS = (
+    ("max service gap", ("fairness", "max_service_gap"), "{:.0f}"),
+    ("Jain, backlogged", ("fairness", "jain_backlogged"), "{:.3f}"),
+)
+"""Shown when a profile's run has more than one tenant (:mod:`schedkit.lab.fairness`)."""
 SIZE_ROWS = (
     ("requests", "requests", "{:.0f}"),
     ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
     ("TTFT p50 (ms)", ("ttft_s", "p50"), "ms"),
+    ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
+    ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
+    ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
+)
+CLASS_ROWS = (
+    ("requests", "requests", "{:.0f}"),
+    ("rejected", "rejected", "{:.0f}"),
+    ("SLO attainment", "slo_attainment", "{:.1%}"),
+    ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
     ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
     ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
     ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
@@ -55,6 +77,8 @@ def _get(summary: Mapping[str, Any], key: Any) -> float:
 def _fmt(value: float, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
     return f"{value * 1e3:.1f}" if fmt == "ms" else fmt.format(value)
 
 
@@ -92,25 +116,54 @@ def format_size_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(_grid("by prompt length (tertiles)", names, rows))
 
 
+def format_class_table(summaries: Mapping[str, Mapping[str, Any]], key: str, title: str) -> str:
+    """Attainment and latency per class (``key``: ``by_priority`` or ``by_tenant``), one
+    column per profile; a class a profile did not see shows ``-``."""
+    names = list(summaries)
+    classes = sorted({c for n in names for c in summaries[n].get(key, {})}, key=str)
+    rows: list[tuple[str, list[str]]] = []
+    for c in classes:
+        cells = [summaries[n].get(key, {}).get(c) for n in names]
+        rows += [(f"{c} {label}", [_fmt(_get(x, k), fmt) if x is not None else "-" for x in cells])
+                 for label, k, fmt in CLASS_ROWS]
+    return "\n".join(_grid(title, names, rows))
+
+
 def plot_notes(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Why plots of a report with these summaries are not drawn (empty when all are)."""
     if not has_matplotlib():
         return [NO_MATPLOTLIB]
-    tenants = {t for s in summaries.values() for t in s.get("tenants", ())}
-    return [ONE_TENANT] if len(tenants) <= 1 else []
+    return [ONE_TENANT] if len(_classes(summaries, "tenants")) <= 1 else []
+
+
+def _classes(summaries: Mapping[str, Mapping[str, Any]], key: str) -> set[Any]:
+    return {c for s in summaries.values() for c in s.get(key, ())}
 
 
 def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = True) -> str:
-    """One column per profile, one row per metric; then the breakdown by prompt length
-    (:func:`format_size_table`) and, with ``notes``, the plots that will be skipped."""
+    """One column per profile, one row per metric (with fairness rows when there are
+    several tenants); then the breakdown by prompt length (:func:`format_size_table`),
+    by priority class and by tenant when there are several (:func:`format_class_table`),
+    and, with ``notes``, the plots that will be skipped."""
     names = list(summaries)
-    rows = [(label, [_fmt(_get(summaries[n], key), fmt) for n in names]) for label, key, fmt in ROWS]
+    several_tenants = len(_classes(summaries, "tenants")) > 1
+    rows = [(label, [_fmt(_get(summaries[n], key), fmt) for n in names])
+            for label, key, fmt in ROWS + (FAIRNESS_ROWS if several_tenants else ())
+            if all(_has(summaries[n], key) for n in names)]
     parts = ["\n".join(_grid("", names, rows))]
     if names and all("by_prompt_size" in summaries[n] for n in names):
         parts.append(format_size_table(summaries))
+    if len(_classes(summaries, "by_priority")) > 1:
+        parts.append(format_class_table(summaries, "by_priority", "by priority class"))
+    if several_tenants:
+        parts.append(format_class_table(summaries, "by_tenant", "by tenant"))
     if notes:
         parts += plot_notes(summaries)
     return "\n\n".join(parts)
+
+
+def _has(summary: Mapping[str, Any], key: Any) -> bool:
+    return (key[0] in summary and key[1] in summary[key[0]]) if isinstance(key, tuple) else key in summary
 
 
 def profile_colours(names: Sequence[str]) -> dict[str, str]:
@@ -124,7 +177,9 @@ def profile_colours(names: Sequence[str]) -> dict[str, str]:
 
 def _clean(obj: Any) -> Any:
     if isinstance(obj, float):
-        return None if math.isnan(obj) or math.isinf(obj) else obj
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return None if math.isnan(obj) else obj
     if isinstance(obj, Mapping):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -133,7 +188,8 @@ def _clean(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
-    """Deterministic JSON (sorted keys, NaN as null): same run, same bytes."""
+    """Deterministic JSON (sorted keys, NaN as null, infinity as the string ``"inf"``):
+    same run, same bytes."""
     Path(path).write_text(json.dumps(_clean(payload), indent=1, sort_keys=True) + "\n")
 
 
@@ -175,14 +231,18 @@ def cdf_figure(plt: Any, runs: Mapping[str, Sequence[RequestMetrics]],
     """The figure of :func:`plot_cdfs` (unsaved)."""
     colours = colours or profile_colours(list(runs))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, attr, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (s)")):
+    for ax, attr, label, of in ((axes[0], "ttft", "TTFT (s)", "fraction of all requests"),
+                                (axes[1], "tpot", "TPOT (s)", "fraction of requests with 2+ tokens")):
         for name, metrics in runs.items():
             xs = sorted(v for v in (getattr(m, attr) for m in metrics) if v is not None)
+            # TTFT: out of every request, so a curve stops short of 1 by the share
+            # never served (rejected, refused); TPOT exists only for decoded requests.
+            n = len(metrics) if attr == "ttft" else len(xs)
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name,
-                        color=colours[name])
+                ax.plot(xs, [(i + 1) / n for i in range(len(xs))], label=name, color=colours[name])
         ax.set_xscale("log")
-        _label(ax, label, "fraction of requests")
+        ax.set_ylim(0, 1.02)
+        _label(ax, label, of)
     return fig
 
 
@@ -195,8 +255,11 @@ def plot_cdfs(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path,
     return _save(plt, cdf_figure(plt, runs, colours), path)
 
 
-def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path) -> bool:
-    """Cumulative output tokens per tenant over time, one panel per profile.
+def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str | Path,
+                        fairness: FairnessConfig | None = None,
+                        shares: Mapping[str, float] | None = None) -> bool:
+    """Cumulative weighted service per tenant over time, one panel per profile (service
+    as :mod:`schedkit.lab.fairness` counts it, with ``fairness`` and ``shares``).
 
     False, with nothing written, when matplotlib is missing or the runs have a single
     tenant (each panel would be one line: the profile's whole output).
@@ -206,16 +269,13 @@ def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str 
     plt = _plt()
     if plt is None:
         return False
+    cfg = fairness or FairnessConfig()
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
     for ax, (name, metrics) in zip(axes[0], runs.items(), strict=True):
-        by_tenant: dict[str, list[float]] = {}
-        for m in metrics:
-            by_tenant.setdefault(m.tenant, []).extend(m.token_times)
-        for tenant, times in sorted(by_tenant.items()):
-            times.sort()
-            ax.plot(times, range(1, len(times) + 1), label=tenant)
+        for tenant, (times, cum) in sorted(service_events(metrics, cfg, shares or {}).items()):
+            ax.step(times, cum, where="post", label=tenant)
         ax.set_title(name)
-        _label(ax, "time (s)", "output tokens served")
+        _label(ax, "time (s)", "weighted service (tokens / share)")
     return _save(plt, fig, path)
 
 

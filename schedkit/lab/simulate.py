@@ -12,12 +12,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schedkit.config import Config
+from schedkit.config import Config, SLOConfig
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import SchedkitError
-from schedkit.lab.metrics import RequestMetrics, request_metrics
+from schedkit.lab.metrics import RequestMetrics, refused_metrics, request_metrics
 from schedkit.lab.workloads import WorkloadRequest, generate
+
+
+def class_ttft_target(slo: SLOConfig, tenant: str, priority: int) -> float | None:
+    """The TTFT target a request carries (``Request.ttft_slo_s``): its class's own, when
+    ``slo.by_tenant`` or ``slo.by_priority`` sets one, else None (the policy's default)."""
+    for entry in (slo.by_tenant.get(tenant), slo.by_priority.get(priority)):
+        if entry is not None and entry.ttft_s is not None:
+            return entry.ttft_s
+    return None
+
+
+def _refused(req: Request, start: float, error: str) -> RequestMetrics:
+    return refused_metrics(req.request_id, req.arrival_time - start, req.num_prompt_tokens, error,
+                           tenant=req.tenant, priority=req.priority)
 
 
 @dataclass(slots=True)
@@ -26,7 +40,8 @@ class RunResult:
 
     metrics: list[RequestMetrics]
     failed: dict[str, str] = field(default_factory=dict)
-    """request_id -> error, for requests the engine refused or failed."""
+    """request_id -> error, for requests the engine refused or failed (the refused ones
+    are in ``metrics`` too, as rejected)."""
     num_steps: int = 0
     wall_s: float = 0.0
     start_time: float = 0.0
@@ -44,15 +59,19 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
     live: dict[str, Request] = {}
     token_times: dict[str, list[float]] = {}
     failed: dict[str, str] = {}
+    refused: list[RequestMetrics] = []
     eos = config.runner.eos_token_id
+    slo = config.workload.slo
     for w in workload:
         req = Request(w.request_id, w.prompt_token_ids,
                       SamplingParams(max_tokens=w.max_tokens, eos_token_id=eos),
-                      arrival_time=start + w.arrival_time, priority=w.priority, tenant=w.tenant)
+                      arrival_time=start + w.arrival_time, priority=w.priority, tenant=w.tenant,
+                      ttft_slo_s=class_ttft_target(slo, w.tenant, w.priority))
         try:
             engine.add_request(req, w.arrival_time)
         except SchedkitError as e:
             failed[w.request_id] = str(e)
+            refused.append(_refused(req, start, str(e)))
             continue
         live[w.request_id] = req
         token_times[w.request_id] = []
@@ -66,10 +85,14 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
                 if times is not None and o.new_token_ids:
                     times.extend([now] * len(o.new_token_ids))
                 if o.finish_reason is not None:
-                    if o.request_id in live:
-                        done.append(live.pop(o.request_id))
+                    ended = live.pop(o.request_id, None)
                     if o.error is not None:
                         failed[o.request_id] = o.error
-    metrics = [request_metrics(r, token_times[r.request_id], start) for r in done]
+                    if ended is not None and not ended.is_finished:  # refused when it arrived
+                        refused.append(_refused(ended, start, o.error or "refused"))
+                    elif ended is not None:
+                        done.append(ended)
+    metrics = [request_metrics(r, token_times[r.request_id], start, failed.get(r.request_id))
+               for r in done] + refused
     metrics.sort(key=lambda m: (m.arrival_time, m.request_id))
     return RunResult(metrics, failed, engine.num_steps, time.perf_counter() - wall0, start)

@@ -69,6 +69,13 @@ class RequestMetrics:
     or ``refused`` (the engine refused the request at arrival: ``error`` says why)."""
     rejected_by: str | None = None
     error: str | None = None
+    max_tokens: int | None = None
+    """The output length asked for (None when unknown, e.g. from a RequestOutput)."""
+
+    @property
+    def output_size(self) -> int:
+        """The job's output length: ``max_tokens`` when known, else the tokens generated."""
+        return self.max_tokens if self.max_tokens is not None else self.num_output_tokens
 
     @property
     def rejected(self) -> bool:
@@ -145,7 +152,7 @@ def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str
                       tenant: str = "default", priority: int = 0,
                       token_times: Sequence[float] = (), start: float = 0.0,
                       stop_reason: int | str | None = None, rejected_by: str | None = None,
-                      error: str | None = None) -> RequestMetrics:
+                      error: str | None = None, max_tokens: int | None = None) -> RequestMetrics:
     """RequestMetrics from the engine's per-request record (times made relative to ``start``):
     the one conversion behind both :func:`request_metrics` and :func:`metrics_from_output`."""
     return RequestMetrics(
@@ -157,7 +164,7 @@ def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str
         num_recomputed_tokens=m.num_recomputed_tokens, finish_reason=finish_reason,
         tenant=tenant, priority=priority, token_times=tuple(t - start for t in token_times),
         longest_wait=m.longest_wait_s, stop_reason=stop_reason, rejected_by=rejected_by,
-        error=error)
+        error=error, max_tokens=max_tokens)
 
 
 def request_metrics(req: Request, token_times: Sequence[float] = (), start: float = 0.0,
@@ -168,16 +175,18 @@ def request_metrics(req: Request, token_times: Sequence[float] = (), start: floa
     return metrics_from_data(req.request_id, RequestMetricsData.of(req),
                              None if reason is None else reason.value, tenant=req.tenant,
                              priority=req.priority, token_times=token_times, start=start,
-                             stop_reason=req.stop_reason, rejected_by=req.rejected_by, error=error)
+                             stop_reason=req.stop_reason, rejected_by=req.rejected_by, error=error,
+                             max_tokens=req.max_tokens)
 
 
 def refused_metrics(request_id: str, arrival_time: float, num_prompt_tokens: int, error: str, *,
-                    tenant: str = "default", priority: int = 0) -> RequestMetrics:
+                    tenant: str = "default", priority: int = 0,
+                    max_tokens: int | None = None) -> RequestMetrics:
     """The record of a request the engine refused when it arrived (``stop_reason``
     ``refused``, ``error`` the engine's message): it counts as rejected."""
     return RequestMetrics(request_id, arrival_time, None, None, None, num_prompt_tokens, 0, 0, 0,
                           0, "abort", tenant, priority, longest_wait=0.0, stop_reason="refused",
-                          error=error)
+                          error=error, max_tokens=max_tokens)
 
 
 def metrics_from_output(out: Any) -> RequestMetrics:
@@ -241,23 +250,34 @@ def size_bucket(num_prompt_tokens: int, edges: tuple[int, int]) -> str:
     return "short" if num_prompt_tokens <= lo else "medium" if num_prompt_tokens <= hi else "long"
 
 
-def by_prompt_size(metrics: Sequence[RequestMetrics]) -> dict[str, dict[str, Any]]:
-    """Requests, prompt-length range, TTFT and E2E distributions per size bucket."""
-    edges = prompt_size_edges([m.num_prompt_tokens for m in metrics])
+def _by_size(metrics: Sequence[RequestMetrics], size: Any, what: str) -> dict[str, dict[str, Any]]:
+    """Requests, size range, TTFT and E2E distributions per tertile of ``size(m)``."""
+    edges = prompt_size_edges([size(m) for m in metrics])
     groups: dict[str, list[RequestMetrics]] = {b: [] for b in SIZE_BUCKETS}
     for m in metrics:
-        groups[size_bucket(m.num_prompt_tokens, edges)].append(m)
+        groups[size_bucket(size(m), edges)].append(m)
     out: dict[str, dict[str, Any]] = {}
     for bucket, ms in groups.items():
-        lengths = [m.num_prompt_tokens for m in ms]
+        lengths = [size(m) for m in ms]
         out[bucket] = {
             "requests": len(ms),
-            "min_prompt_tokens": min(lengths, default=math.nan),
-            "max_prompt_tokens": max(lengths, default=math.nan),
+            f"min_{what}_tokens": min(lengths, default=math.nan),
+            f"max_{what}_tokens": max(lengths, default=math.nan),
             "ttft_s": _latency(ms, "ttft"),
             "e2e_s": _latency(ms, "e2e"),
         }
     return out
+
+
+def by_prompt_size(metrics: Sequence[RequestMetrics]) -> dict[str, dict[str, Any]]:
+    """Requests, prompt-length range, TTFT and E2E distributions per prompt-length tertile."""
+    return _by_size(metrics, lambda m: m.num_prompt_tokens, "prompt")
+
+
+def by_output_size(metrics: Sequence[RequestMetrics]) -> dict[str, dict[str, Any]]:
+    """The same per tertile of the output length asked for (``max_tokens``; the tokens
+    generated when unknown): short jobs against long ones."""
+    return _by_size(metrics, lambda m: m.output_size, "output")
 
 
 def _per_sec(duration: float) -> Any:
@@ -355,6 +375,7 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
         "jain_fairness": jain_index([t["service_tokens"] for t in tenants.values()]),
         "fairness": fair,
         "by_prompt_size": by_prompt_size(metrics),
+        "by_output_size": by_output_size(metrics),
         "by_priority": _by(metrics, lambda m: m.priority, slo, duration),
         "by_tenant": _by(metrics, lambda m: m.tenant, slo, duration),
     }

@@ -93,27 +93,31 @@ def _grid(title: str, names: Sequence[str], rows: Sequence[tuple[str, Sequence[s
     return lines
 
 
-def _prompt_range(bucket: Mapping[str, Any]) -> str:
-    lo, hi = bucket["min_prompt_tokens"], bucket["max_prompt_tokens"]
+def _size_range(bucket: Mapping[str, Any], what: str) -> str:
+    lo, hi = bucket[f"min_{what}_tokens"], bucket[f"max_{what}_tokens"]
     if not bucket["requests"] or lo is None or hi is None:
         return "-"
     return f"{lo:.0f}-{hi:.0f}"
 
 
-def format_size_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """TTFT and E2E per prompt-length tertile (short / medium / long), one column per profile.
+def format_size_table(summaries: Mapping[str, Mapping[str, Any]], what: str = "prompt") -> str:
+    """TTFT and E2E per tertile (short / medium / long) of the prompt length (``what``
+    ``prompt``) or of the output length asked for (``output``), one column per profile.
 
-    The tertiles are those of each profile's finished requests (see
-    :mod:`schedkit.lab.metrics`); the ``prompt tokens`` rows show each bucket's range.
+    The tertiles are those of each profile's requests (see :mod:`schedkit.lab.metrics`);
+    the ``prompt tokens`` / ``output tokens`` rows show each bucket's range. Output
+    buckets are labelled ``short-output`` and so on.
     """
     names = list(summaries)
     rows: list[tuple[str, list[str]]] = []
     for bucket in SIZE_BUCKETS:
-        cells = [summaries[n]["by_prompt_size"][bucket] for n in names]
-        rows.append((f"{bucket} prompt tokens", [_prompt_range(c) for c in cells]))
-        rows += [(f"{bucket} {label}", [_fmt(_get(c, key), fmt) for c in cells])
+        cells = [summaries[n][f"by_{what}_size"][bucket] for n in names]
+        tag = bucket if what == "prompt" else f"{bucket}-output"
+        rows.append((f"{tag} {what} tokens", [_size_range(c, what) for c in cells]))
+        rows += [(f"{tag} {label}", [_fmt(_get(c, key), fmt) for c in cells])
                  for label, key, fmt in SIZE_ROWS]
-    return "\n".join(_grid("by prompt length (tertiles)", names, rows))
+    title = "by prompt length (tertiles)" if what == "prompt" else "by output length asked (tertiles)"
+    return "\n".join(_grid(title, names, rows))
 
 
 def format_class_table(summaries: Mapping[str, Mapping[str, Any]], key: str, title: str) -> str:
@@ -142,7 +146,7 @@ def _classes(summaries: Mapping[str, Mapping[str, Any]], key: str) -> set[Any]:
 
 def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = True) -> str:
     """One column per profile, one row per metric (with fairness rows when there are
-    several tenants); then the breakdown by prompt length (:func:`format_size_table`),
+    several tenants); then the breakdowns by prompt and output length (:func:`format_size_table`),
     by priority class and by tenant when there are several (:func:`format_class_table`),
     and, with ``notes``, the plots that will be skipped."""
     names = list(summaries)
@@ -151,8 +155,9 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = Tr
             for label, key, fmt in ROWS + (FAIRNESS_ROWS if several_tenants else ())
             if all(_has(summaries[n], key) for n in names)]
     parts = ["\n".join(_grid("", names, rows))]
-    if names and all("by_prompt_size" in summaries[n] for n in names):
-        parts.append(format_size_table(summaries))
+    for what in ("prompt", "output"):
+        if names and all(f"by_{what}_size" in summaries[n] for n in names):
+            parts.append(format_size_table(summaries, what))
     if len(_classes(summaries, "by_priority")) > 1:
         parts.append(format_class_table(summaries, "by_priority", "by priority class"))
     if several_tenants:

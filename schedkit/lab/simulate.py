@@ -31,7 +31,7 @@ def class_ttft_target(slo: SLOConfig, tenant: str, priority: int) -> float | Non
 
 def _refused(req: Request, start: float, error: str) -> RequestMetrics:
     return refused_metrics(req.request_id, req.arrival_time - start, req.num_prompt_tokens, error,
-                           tenant=req.tenant, priority=req.priority)
+                           tenant=req.tenant, priority=req.priority, max_tokens=req.max_tokens)
 
 
 @dataclass(slots=True)

@@ -224,3 +224,16 @@ def test_sustained_load_stops_at_the_first_failing_load():
     assert sustained_load(points, 0.9) == 1.0
     assert sustained_load([(1.0, {"slo_attainment": 0.2}), (2.0, {"slo_attainment": 1.0})], 0.9) is None
     assert sustained_load([(1.0, {"slo_attainment": math.nan})], 0.9) is None
+
+
+def test_output_length_breakdown_sorts_jobs_by_the_length_asked():
+    """Short jobs against long ones by max_tokens: a rejected request (0 tokens generated)
+    is classed by the job it was, not as the shortest."""
+    run = run_workload(_rejecting())
+    s = summarize(run.metrics)
+    buckets = s["by_output_size"]
+    assert sum(b["requests"] for b in buckets.values()) == 200
+    assert buckets["short"]["min_output_tokens"] >= 16 and buckets["long"]["max_output_tokens"] <= 128
+    rejected_long = [m for m in run.metrics if m.rejected and m.max_tokens > buckets["medium"]["max_output_tokens"]]
+    assert rejected_long and buckets["long"]["e2e_s"]["max"] == math.inf
+    assert "short-output E2E mean (s)" in report.format_table({"edf": s}, notes=False)

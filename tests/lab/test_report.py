@@ -77,6 +77,7 @@ def test_table_shows_mean_ttft_and_the_size_breakdown():
     assert lines["medium prompt tokens"] == ["100-100", "100-100"]
     assert lines["long requests"] == ["1", "1"]
     assert "by prompt length (tertiles)" in table
+    assert lines["short-output requests"] == ["3", "3"]  # every output asked is 2 tokens here
 
 
 def test_size_breakdown_of_an_empty_bucket_prints_dashes():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ from schedkit.errors import ConfigError, PluginError, SchedkitError
 def _run(args: argparse.Namespace) -> int:
     from schedkit.core.request import SamplingParams
     from schedkit.engine.client import LLM, load_tokenizer
+    from schedkit.lab import report
     from schedkit.lab.metrics import metrics_from_output, summarize
     from schedkit.lab.workloads import generate
 
@@ -31,10 +31,15 @@ def _run(args: argparse.Namespace) -> int:
             [w.prompt_token_ids for w in workload],
             [SamplingParams(max_tokens=w.max_tokens, eos_token_id=config.runner.eos_token_id)
              for w in workload],
-            arrival_offsets=[w.arrival_time for w in workload], use_tqdm=sys.stderr.isatty())
+            arrival_offsets=[w.arrival_time for w in workload],
+            priorities=[w.priority for w in workload], tenants=[w.tenant for w in workload],
+            use_tqdm=sys.stderr.isatty())
         stats = llm.call_utility("stats")
     wall = time.perf_counter() - wall0
-    metrics = [metrics_from_output(o) for o in outs if o.metrics is not None]
+    # The engine clock at arrival offset 0, from any request that has metrics.
+    origin = min((o.metrics.arrival_time - w.arrival_time for o, w in zip(outs, workload, strict=True)
+                  if o.metrics is not None), default=0.0)
+    metrics = [metrics_from_output(o, w, origin) for o, w in zip(outs, workload, strict=True)]
     finish = max((m.finish_time or 0.0) for m in metrics) if metrics else 0.0
     start = min(m.arrival_time for m in metrics) if metrics else 0.0
     wl = config.workload
@@ -55,8 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     for o in failed[:5]:
         print(f"  failed {o.request_id}: {o.error}", file=sys.stderr)
     if args.output:
-        Path(args.output).write_text(json.dumps(
-            {"summary": summary, "requests": [m.to_dict() for m in metrics]}, indent=1))
+        report.write_json(args.output, {"summary": summary, "requests": [m.to_dict() for m in metrics]})
         print(f"per-request results written to {args.output}")
     return 1 if failed else 0
 

@@ -24,6 +24,7 @@ from pydantic import (
     PrivateAttr,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -295,6 +296,15 @@ class SLOConfig(SLOTargets):
     """Targets of a priority class (``Request.priority``), each overriding the targets above."""
     by_tenant: dict[str, SLOTargets] = Field(default_factory=dict)
     """Targets of a tenant, each overriding its priority class's and the targets above."""
+
+    @field_validator("by_priority", mode="before")
+    @classmethod
+    def _int_keys(cls, value: Any) -> Any:
+        """JSON (and a dumped config) writes the priorities as strings: read them back."""
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v
+                    for k, v in value.items()}
+        return value
 
     def for_class(self, tenant: str, priority: int) -> SLOTargets:
         """The targets a request of ``tenant`` and ``priority`` is judged by: each target

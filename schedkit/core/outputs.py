@@ -113,6 +113,8 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
     longest_wait_s: float | None = None
     """The longest stretch the request spent queued: from arrival, or from a preemption,
     to being scheduled (or to its end, if it ended queued); None while the first wait lasts."""
+    queued_spans: list[tuple[float, float]] = []
+    """Every stretch it spent queued, ``(start, end)`` in order (engine clock)."""
 
     @classmethod
     def of(cls, req: Request) -> RequestMetricsData:
@@ -125,22 +127,29 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
             num_preemptions=req.num_preemptions, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             first_scheduled_time=req.first_event_time(EventType.SCHEDULED),
-            num_recomputed_tokens=req.num_recomputed_tokens, longest_wait_s=longest_wait(req))
+            num_recomputed_tokens=req.num_recomputed_tokens, longest_wait_s=longest_wait(req),
+            queued_spans=queued_spans(req))
 
 
-def longest_wait(req: Request) -> float | None:
-    """The longest queued stretch of ``req`` (see ``RequestMetricsData.longest_wait_s``),
-    read from its events."""
-    longest: float | None = None
+def queued_spans(req: Request) -> list[tuple[float, float]]:
+    """The stretches ``req`` spent queued, read from its events: from arrival, and from
+    each preemption, to being scheduled (or to its end, if it ended queued). A stretch
+    still going on is left out."""
+    spans = []
     since: float | None = req.arrival_time
     for kind, t in req.events:
         if kind is EventType.PREEMPTED:
             since = t
         elif since is not None and kind in (EventType.SCHEDULED, EventType.FINISHED):
-            wait = max(t - since, 0.0)
-            longest = wait if longest is None else max(longest, wait)
+            spans.append((since, max(t, since)))
             since = None
-    return longest
+    return spans
+
+
+def longest_wait(req: Request) -> float | None:
+    """The longest queued stretch of ``req`` (see ``RequestMetricsData.longest_wait_s``);
+    None while its first wait lasts."""
+    return max((b - a for a, b in queued_spans(req)), default=None)
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

@@ -308,6 +308,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  priorities: Sequence[int] | None = None,
                  arrival_offsets: Sequence[float] | None = None,
+                 tenants: Sequence[str] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
@@ -326,7 +327,7 @@ class LLM:
         else:
             params = list(sampling_params)
         for name, values in (("sampling params", params), ("priorities", priorities),
-                             ("arrival offsets", arrival_offsets)):
+                             ("arrival offsets", arrival_offsets), ("tenants", tenants)):
             if values is not None and len(values) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(values)} {name}")
         results: dict[str, RequestOutput] = {}
@@ -336,6 +337,7 @@ class LLM:
             try:
                 w = wire_request(rid, _prompt_ids(prompt, self), sp,
                                  priority=priorities[i] if priorities else 0,
+                                 tenant=tenants[i] if tenants else "default",
                                  arrival_offset=arrival_offsets[i] if arrival_offsets else None,
                                  final_only=True)
             except RequestError as e:

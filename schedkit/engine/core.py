@@ -227,7 +227,7 @@ class EngineCore:
         outputs: dict[int, EngineCoreOutputs] = {}
         for req, err in failed_arrivals:
             _add_output(outputs, req.client_index, EngineCoreOutput(
-                req.request_id, [], FinishReason.ERROR, None, error=str(err)))
+                req.request_id, [], FinishReason.ERROR, "refused", error=str(err)))
         queue = self._in_flight
         if len(queue) < self._depth and sched.has_requests():
             t0 = self.now()

@@ -267,7 +267,7 @@ class EngineCoreProc:
                 if not isinstance(rid, str):  # no id to answer to
                     self._malformed(f"a request without a readable id: {why}")
                     continue
-                errors.append(WireOutput(rid, finish_reason="error",
+                errors.append(WireOutput(rid, finish_reason="error", stop_reason="refused",
                                          error=f"request {rid!r}: malformed request: {why}"))
                 continue
             try:
@@ -276,7 +276,8 @@ class EngineCoreProc:
                     raise SchedkitError(f"duplicate request id {w.request_id!r}")
                 engine.add_request(req, w.arrival_offset)
             except (SchedkitError, ValueError) as e:
-                errors.append(WireOutput(w.request_id, finish_reason="error", error=str(e)))
+                errors.append(WireOutput(w.request_id, finish_reason="error", stop_reason="refused",
+                                         error=str(e)))
                 continue
             self._live[w.request_id] = req
             if w.final_only:

@@ -3,8 +3,10 @@
 A tenant's service is ``input_weight`` x its prompt tokens + ``output_weight`` x its output
 tokens, divided by its share (``workload.tenants[].share``; 1 when unlisted); prompt
 tokens count at the request's first token, output tokens when generated. A tenant is
-backlogged while it has a request that arrived and has not finished (a rejected request
-ends when it is rejected). Three figures, all of weighted service:
+backlogged while it has a request queued (waiting, or preempted and waiting again: the
+request's ``queued_spans``), as in VTC's guarantee: a tenant whose requests are all
+running is limited by its own demand, not by the scheduler. Three figures, all of
+weighted service:
 
 - ``service``: per tenant, in total and per window of ``window_s`` (the service over time).
 - ``max_service_gap``: the largest difference of service any two tenants received over an
@@ -42,6 +44,10 @@ class _Req(Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def token_times(self) -> tuple[float, ...]: ...
+    @property
+    def queued_spans(self) -> tuple[tuple[float, float], ...]: ...
+    @property
+    def first_scheduled_time(self) -> float | None: ...
 
 
 def jain_index(values: Sequence[float]) -> float:
@@ -77,11 +83,17 @@ def service_events(metrics: Sequence[_Req], cfg: FairnessConfig,
 
 
 def backlogged_intervals(metrics: Sequence[_Req]) -> dict[str, list[tuple[float, float]]]:
-    """Per tenant: the maximal intervals during which it had a request in the system."""
+    """Per tenant: the maximal intervals during which it had a request queued (a record
+    without ``queued_spans`` counts from arrival to its first scheduling, or its end)."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for m in metrics:
-        end = m.finish_time if m.finish_time is not None else m.arrival_time
-        spans.setdefault(m.tenant, []).append((m.arrival_time, end))
+        own = spans.setdefault(m.tenant, [])
+        if m.queued_spans:
+            own.extend(m.queued_spans)
+        else:
+            end = next((t for t in (m.first_scheduled_time, m.finish_time) if t is not None),
+                       m.arrival_time)
+            own.append((m.arrival_time, end))
     merged: dict[str, list[tuple[float, float]]] = {}
     for tenant, ivs in spans.items():
         ivs.sort()

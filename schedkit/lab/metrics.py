@@ -15,8 +15,10 @@ Rejected requests (an admission plugin said no, stop reason ``rejected``, or the
 refused them at arrival, stop reason ``refused``) count in ``requests`` and in
 ``rejected``; they miss every SLO, and in the TTFT, E2E and normalized-latency
 distributions they count as infinitely late: percentiles (and the maximum) are taken over
-every request, so a p99 past the served share is infinite (``inf`` in the table, null in
-JSON), while the ``mean`` is over the served requests only. Queueing delay and TPOT are
+every request, so a percentile that reaches into the unserved ones is infinite (``inf``
+in the table, the string ``"inf"`` in JSON), while the ``mean`` is over the served
+requests only. Their prompts count in no token total (throughput, prefix hit rate,
+tenants' service): they were never computed. Queueing delay and TPOT are
 over the requests that got that far.
 
 SLOs are per class: a request is judged by ``slo.for_class(tenant, priority)``
@@ -71,6 +73,8 @@ class RequestMetrics:
     error: str | None = None
     max_tokens: int | None = None
     """The output length asked for (None when unknown, e.g. from a RequestOutput)."""
+    queued_spans: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    """Every stretch spent queued (waiting or preempted): ``(start, end)`` in order."""
 
     @property
     def output_size(self) -> int:
@@ -164,7 +168,8 @@ def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str
         num_recomputed_tokens=m.num_recomputed_tokens, finish_reason=finish_reason,
         tenant=tenant, priority=priority, token_times=tuple(t - start for t in token_times),
         longest_wait=m.longest_wait_s, stop_reason=stop_reason, rejected_by=rejected_by,
-        error=error, max_tokens=max_tokens)
+        error=error, max_tokens=max_tokens,
+        queued_spans=tuple((a - start, b - start) for a, b in m.queued_spans))
 
 
 def request_metrics(req: Request, token_times: Sequence[float] = (), start: float = 0.0,
@@ -189,16 +194,33 @@ def refused_metrics(request_id: str, arrival_time: float, num_prompt_tokens: int
                           error=error, max_tokens=max_tokens)
 
 
-def metrics_from_output(out: Any) -> RequestMetrics:
-    """RequestMetrics of a finished client-side RequestOutput (metrics from the engine)."""
-    return metrics_from_data(out.request_id, out.metrics, out.finish_reason,
-                             stop_reason=out.stop_reason, rejected_by=out.rejected_by,
-                             error=out.error)
+def metrics_from_output(out: Any, sent: Any = None, start: float = 0.0) -> RequestMetrics:
+    """RequestMetrics of a finished client-side RequestOutput (metrics from the engine).
+
+    ``sent``: the request as sent (a ``WorkloadRequest``: its tenant, priority,
+    ``max_tokens`` and arrival offset, which the output does not carry); ``start``: the
+    engine clock at offset 0, taken off every time. A request the engine refused (stop
+    reason ``refused``) comes back without metrics; its record needs ``sent``.
+    """
+    tenant = getattr(sent, "tenant", "default")
+    priority = getattr(sent, "priority", 0)
+    max_tokens = getattr(sent, "max_tokens", None)
+    if out.metrics is None:
+        if sent is None:
+            raise ValueError(f"request {out.request_id!r} has no metrics: pass the request sent")
+        return refused_metrics(out.request_id, sent.arrival_time, len(sent.prompt_token_ids),
+                               out.error or "refused", tenant=tenant, priority=priority,
+                               max_tokens=max_tokens)
+    return metrics_from_data(out.request_id, out.metrics, out.finish_reason, tenant=tenant,
+                             priority=priority, stop_reason=out.stop_reason,
+                             rejected_by=out.rejected_by, error=out.error, max_tokens=max_tokens,
+                             start=start)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]); NaN for no values. Infinite values
-    (requests never served) rank last: a percentile that reaches them is infinite."""
+    (requests never served) rank last: a percentile whose position falls past the last
+    finite value (interpolating towards an infinite one) is infinite."""
     if not values:
         return math.nan
     xs = sorted(values)
@@ -328,7 +350,8 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
 
     itls = [g for m in metrics for g in m.itls]
     out_tokens = sum(m.num_output_tokens for m in metrics)
-    prompt_tokens = sum(m.num_prompt_tokens for m in metrics)
+    # A rejected request's prompt was never computed: it is no work and no cache query.
+    prompt_tokens = sum(m.num_prompt_tokens for m in metrics if not m.rejected)
     completed = sum(m.served for m in metrics)
     per_sec = _per_sec(duration)
     fair = fairness_summary(metrics, fairness, shares)
@@ -338,7 +361,7 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
                                           "output_tokens": 0})
         t["requests"] += 1
         t["rejected"] += m.rejected
-        t["prompt_tokens"] += m.num_prompt_tokens
+        t["prompt_tokens"] += 0 if m.rejected else m.num_prompt_tokens
         t["output_tokens"] += m.num_output_tokens
     for name, t in tenants.items():
         t["service_tokens"] = t["prompt_tokens"] + t["output_tokens"]

@@ -124,7 +124,8 @@ def format_class_table(summaries: Mapping[str, Mapping[str, Any]], key: str, tit
     """Attainment and latency per class (``key``: ``by_priority`` or ``by_tenant``), one
     column per profile; a class a profile did not see shows ``-``."""
     names = list(summaries)
-    classes = sorted({c for n in names for c in summaries[n].get(key, {})}, key=str)
+    classes = sorted({c for n in names for c in summaries[n].get(key, {})},
+                     key=lambda c: (not isinstance(c, int), c if isinstance(c, int) else 0, str(c)))
     rows: list[tuple[str, list[str]]] = []
     for c in classes:
         cells = [summaries[n].get(key, {}).get(c) for n in names]
@@ -287,16 +288,23 @@ def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str 
 def latency_vs_load_figure(plt: Any, sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
                            knob: str = "rate", colours: Mapping[str, str] | None = None) -> Any:
     """The figure of :func:`plot_latency_vs_load` (unsaved): p50 solid, p99 dashed, one
-    colour per profile."""
+    colour per profile. An infinite percentile (requests never served) is drawn as a
+    triangle on the top edge of the TTFT panel, above the largest finite value."""
     colours = colours or profile_colours(list(sweep))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    finite = [s["ttft_s"][q] for pts in sweep.values() for _, s in pts for q in ("p50", "p99")
+              if math.isfinite(s["ttft_s"][q])]
+    top = 2 * max(finite, default=1.0)
     for name, points in sweep.items():
         xs = [x for x, _ in points]
         c = colours[name]
-        axes[0].plot(xs, [s["ttft_s"]["p50"] for _, s in points], marker="o", color=c,
-                     label=f"{name} p50")
-        axes[0].plot(xs, [s["ttft_s"]["p99"] for _, s in points], marker="x", ls="--", color=c,
-                     label=f"{name} p99")
+        for q, style in (("p50", {"marker": "o"}), ("p99", {"marker": "x", "ls": "--"})):
+            ys = [s["ttft_s"][q] for _, s in points]
+            axes[0].plot(xs, ys, color=c, label=f"{name} {q}", **style)
+            unserved = [x for x, y in zip(xs, ys, strict=True) if math.isinf(y)]
+            if unserved:
+                axes[0].plot(unserved, [top] * len(unserved), marker="^", ls="none", color=c,
+                             label=f"{name} {q} = inf (requests never served)")
         axes[1].plot(xs, [s["slo_attainment"] for _, s in points], marker="o", color=c, label=name)
     axes[0].set_yscale("log")
     _label(axes[0], knob, "TTFT (s)")

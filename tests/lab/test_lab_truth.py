@@ -91,9 +91,7 @@ def test_rejected_requests_are_counted_shown_and_count_as_misses():
     # More than 1% never got a token: p99 of TTFT and E2E is infinite, not the served p99.
     assert s["ttft_s"]["p99"] == math.inf and s["e2e_s"]["p99"] == math.inf
     assert s["ttft_s"]["mean"] < math.inf
-    share = s["rejected"] / 200
-    if share > 0.5:
-        assert s["ttft_s"]["p50"] == math.inf
+    assert s["ttft_s"]["p50"] < math.inf  # fewer than half were dropped
 
 
 def test_rejections_in_results_json_and_the_cdf(tmp_path):
@@ -131,10 +129,10 @@ def test_refused_requests_count_as_rejected():
 
 
 def rm(rid, arrival, first, finish, *, tenant="t", priority=0, prompt=10, out=2, times=None,
-       reason="length"):
+       reason="length", queued=()):
     tt = tuple(times) if times is not None else ((first,) * out if first is not None else ())
     return RequestMetrics(rid, arrival, first, first, finish, prompt, out if first is not None else 0,
-                          0, 0, 0, reason, tenant, priority, tt)
+                          0, 0, 0, reason, tenant, priority, tt, queued_spans=tuple(queued))
 
 
 def test_slo_targets_per_priority_class_and_tenant():
@@ -166,19 +164,36 @@ def test_class_ttft_targets_reach_the_deadline_policy():
 
 
 def test_service_gap_by_hand():
-    # Tenant a is served 10 tokens at t=1..4, b only at t=4; both backlogged over [0, 5].
-    ms = [rm("a", 0, 1.0, 5.0, tenant="a", prompt=0, out=4, times=[1, 2, 3, 4]),
-          rm("b", 0, 4.0, 5.0, tenant="b", prompt=0, out=1, times=[4])]
+    # a is served 1 token at t=1..4 and b one at t=4; both have work queued over [0, 5].
+    ms = [rm("a", 0, 1.0, 5.0, tenant="a", prompt=0, out=4, times=[1, 2, 3, 4], queued=[(0, 5)]),
+          rm("b", 0, 4.0, 5.0, tenant="b", prompt=0, out=1, times=[4], queued=[(0, 5)])]
     cfg = FairnessConfig(input_weight=1, output_weight=1)
     events = service_events(ms, cfg, {})
     assert events["a"] == ([1, 2, 3, 4], [1, 2, 3, 4])
     backlog = backlogged_intervals(ms)
     assert max_service_gap(events, backlog) == 3  # a got 3 more than b over [0, 3]
-    # With b entitled to a third of a's share, a's 4 count as b's 4/3: gap at most 4/... by share
+    # a entitled to twice b's share: its 3 tokens over [0, 3] count 1.5
     assert max_service_gap(service_events(ms, cfg, {"a": 2.0}), backlog) == pytest.approx(1.5)
     # No overlap of backlogs, no gap.
-    apart = [ms[0], rm("b", 6, 7.0, 8.0, tenant="b", out=1, prompt=0)]
+    apart = [ms[0], rm("b", 6, 7.0, 8.0, tenant="b", out=1, prompt=0, queued=[(6, 7)])]
     assert max_service_gap(service_events(apart, cfg, {}), backlogged_intervals(apart)) == 0
+
+
+def test_service_gap_counts_only_while_both_are_queued():
+    """Two overlaps; in the second the difference first falls, then rises: the gap is the
+    range of the difference inside one overlap (b's 3 tokens at t=11..13 while a waits),
+    not a's lead at the start, and a's tokens while b is not queued do not count."""
+    a = rm("a", 0, 1.0, 20.0, tenant="a", prompt=0, out=6, times=[1, 2, 3, 7, 8, 14],
+           queued=[(0, 4), (10, 15)])
+    b = rm("b", 0, 2.0, 20.0, tenant="b", prompt=0, out=4, times=[2, 11, 12, 13],
+           queued=[(0, 2.5), (9, 16)])
+    cfg = FairnessConfig(input_weight=1, output_weight=1)
+    # Overlaps: [0, 2.5] (a 2, b 1: D goes 0, 1, 1 -> range 1) and [10, 15] (D: 0, -1,
+    # -2, -3, then a's token at 14: -2 -> range 3).
+    assert max_service_gap(service_events([a, b], cfg, {}), backlogged_intervals([a, b])) == 3
+    # Only from arrival to first scheduling when no spans are known.
+    bare = rm("c", 1.0, 3.0, 9.0, tenant="c")
+    assert backlogged_intervals([bare]) == {"c": [(1.0, 3.0)]}
 
 
 OVERLOAD = {  # two tenants, one sending 5x the other, both always backlogged
@@ -203,7 +218,8 @@ def test_fairness_over_backlogged_windows_tells_vtc_from_fcfs():
     # ... while tenants are both backlogged they are not.
     assert vtc["fairness"]["jain_backlogged"] > 0.95 > fcfs["fairness"]["jain_backlogged"] + 0.1
     assert vtc["fairness"]["max_service_gap"] * 3 < fcfs["fairness"]["max_service_gap"]
-    assert vtc["fairness"]["backlogged_windows"] >= 5
+    # VTC serves the small tenant at once, so it is seldom backlogged: few windows count.
+    assert vtc["fairness"]["backlogged_windows"] >= 3 and fcfs["fairness"]["backlogged_windows"] >= 10
 
 
 def test_compare_table_has_means_recompute_rejections_and_classes():
@@ -237,3 +253,34 @@ def test_output_length_breakdown_sorts_jobs_by_the_length_asked():
     rejected_long = [m for m in run.metrics if m.rejected and m.max_tokens > buckets["medium"]["max_output_tokens"]]
     assert rejected_long and buckets["long"]["e2e_s"]["max"] == math.inf
     assert "short-output E2E mean (s)" in report.format_table({"edf": s}, notes=False)
+
+
+def test_rejected_prompts_are_no_work_and_string_priorities_load():
+    run = run_workload(_rejecting())
+    s = summarize(run.metrics)
+    served_prompts = sum(m.num_prompt_tokens for m in run.metrics if not m.rejected)
+    assert s["total_tokens_per_s"] == pytest.approx((served_prompts + s["output_tokens"]) / s["duration_s"])
+    assert s["tenants"]["default"]["prompt_tokens"] == served_prompts
+    # A dumped config (JSON keys are strings) loads back, by_priority included.
+    cfg = config_from_dict({"workload": {"slo": {"by_priority": {"0": {"ttft_s": 0.5}, -1: {"e2e_s": 2.0}}}}})
+    assert cfg.workload.slo.by_priority[0].ttft_s == 0.5
+    assert config_from_dict(cfg.model_dump(mode="json")) == cfg
+
+
+def test_priority_classes_print_in_numeric_order():
+    ms = [rm(str(p), 0, 1.0, 2.0, priority=p) for p in (10, 2, 0, 1)]
+    table = report.format_class_table({"p": summarize(ms)}, "by_priority", "by priority class")
+    order = [ln.split()[0] for ln in table.splitlines()[1:] if ln.split()[1] == "requests"]
+    assert order == ["0", "1", "2", "10"]
+
+
+def test_the_load_plot_marks_infinite_percentiles():
+    pytest.importorskip("matplotlib")
+    plt = report._plt()
+    sweep = {"edf": [(1.0, {"ttft_s": {"p50": 0.1, "p99": 0.4}, "slo_attainment": 1.0}),
+                     (8.0, {"ttft_s": {"p50": 0.3, "p99": math.inf}, "slo_attainment": 0.5})]}
+    fig = report.latency_vs_load_figure(plt, sweep)
+    marks = [ln for ln in fig.axes[0].get_lines() if "= inf" in ln.get_label()]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [8.0]
+    assert list(marks[0].get_ydata()) == [0.8]
+    plt.close(fig)

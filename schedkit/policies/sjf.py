@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterable, Sequence
 
 from schedkit.core.hooks import Preemption

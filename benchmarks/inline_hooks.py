@@ -13,6 +13,12 @@ class InlineFCFSHooks:
     def create_waiting_queue(self, *, scheduler_config, kv_cache_manager, clock):
         return FCFSQueue()
 
+    has_voluntary_preemptions = False
+
+    def select_voluntary_preemptions(self, *, running, waiting, max_num_running, kv_cache_usage, now,
+                                     max_preemptions):
+        return []
+
     def select_preemption_victim(self, *, running, request):
         return running[-1]
 

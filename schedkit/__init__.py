@@ -13,7 +13,7 @@ are imported on first use.
 import typing
 
 from schedkit.config import CacheConfig, Config, SchedulerConfig, load_config
-from schedkit.core.hooks import AdmissionDecision
+from schedkit.core.hooks import AdmissionDecision, Preemption
 from schedkit.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -40,6 +40,7 @@ __all__ = [
     # writing a plugin
     "hookimpl",
     "AdmissionDecision",
+    "Preemption",
     # requests
     "Request",
     "RequestStatus",

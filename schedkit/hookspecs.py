@@ -16,7 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from schedkit.config import SchedulerConfig
-    from schedkit.core.hooks import AdmissionDecision
+    from schedkit.core.hooks import AdmissionDecision, Preemption
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
@@ -79,6 +79,51 @@ def schedkit_select_preemption_victim(running: Sequence[Request], request: Reque
         not running raises PluginError.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: RequestQueue,
+                                          max_num_running: int, kv_cache_usage: float,
+                                          now: float, max_preemptions: int,
+                                          ) -> Sequence[Preemption] | None:
+    """Preempt running requests on purpose, at the start of a step, to make room for
+    waiting ones the policy ranks higher (MLFQ demotion, preemptive SRPT, priority with
+    preemption, a deadline that must be met now, a quota).
+
+    Stops at first non-None result. Called in the engine-core process, once at the start
+    of every schedule() in which requests are running, requests are waiting, waiting
+    requests are served (the scheduler is not paused), ``scheduler.max_voluntary_preemptions``
+    is above 0 and at least one plugin implements the hook; never per token. Its cost is
+    one call with whole lists per such step: a plugin should look at the head of
+    ``waiting`` (it iterates in serving order) rather than at all of it.
+
+    Args:
+        running: Running requests in admission order. Do not mutate.
+        waiting: The waiting queue, iterable in serving order. Do not mutate (a plugin
+            may reorder its own queue through its own methods).
+        max_num_running: ``scheduler.max_num_seqs``: running requests beyond it wait, so
+            ``max_num_running - len(running)`` waiting requests get a seat without any
+            preemption.
+        kv_cache_usage: Fraction of usable KV blocks in use, in [0, 1].
+        now: The scheduler clock.
+        max_preemptions: The most requests this step may preempt
+            (``scheduler.max_voluntary_preemptions``).
+
+    Returns:
+        Up to ``max_preemptions`` :class:`schedkit.core.hooks.Preemption` ``(request,
+        reason)`` of distinct running requests (the reason is counted in the engine's
+        stats; a bare request is taken as ``Preemption(request, <plugin name>)``);
+        an empty sequence or None preempts nobody. Each is preempted exactly as on KV
+        pressure: its blocks are freed (those cached stay reusable), its outputs kept, its
+        computed tokens reset and counted as recomputed when computed again; then it goes
+        back into the waiting queue with ``add``, so the policy's order places it, and it
+        is not admitted again in the same step. The step then goes on as usual, admissions
+        included. Anything else (a request that is not running, a duplicate, too many)
+        raises PluginError and the step is undone. No built-in implements it, so fcfs and
+        priority behave exactly as vLLM.
+
+    .. versionadded:: 0.3
     """
 
 

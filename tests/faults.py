@@ -1,6 +1,6 @@
 """Fault injection for the failure-path property tests: a plugin that implements every
 per-step hook and the waiting queue (its methods and its key function), and raises at
-random calls. It records which requests each raise concerned, so a test can check that
+random calls; it also preempts running requests on purpose now and then. It records which requests each raise concerned, so a test can check that
 only those fail. The invariants are the test kit's ``assert_scheduler_consistent``."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from schedkit.core.request import Request
 
 QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests", "remove_request",
                  "remove_requests", "__iter__", "key")
-HOOKS = ("schedkit_step_token_budget", "schedkit_select_preemption_victim",
+HOOKS = ("schedkit_step_token_budget", "schedkit_select_voluntary_preemptions",
+         "schedkit_select_preemption_victim",
          "schedkit_prefill_chunk_limit", "schedkit_admit_request", "schedkit_on_step_end",
          "schedkit_on_request_finished")
 
@@ -37,6 +38,9 @@ class FaultInjector:
     def __init__(self, seed: int, rate: float, keyed: bool) -> None:
         self.rng = random.Random(seed)
         self.defer_rng = random.Random(seed + 1)
+        self.preempt_rng = random.Random(seed + 2)
+        self.num_voluntary = 0
+        """Running requests it preempted on purpose."""
         self.rate = rate
         self.keyed = keyed
         self.touched: set[str] = set()
@@ -78,6 +82,14 @@ class FaultInjector:
     def schedkit_step_token_budget(self):
         self._new_step()
         self.maybe_raise("schedkit_step_token_budget")
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self, running, max_preemptions):
+        self.maybe_raise("schedkit_select_voluntary_preemptions")
+        if self.preempt_rng.random() < 0.05:  # preempt on purpose now and then
+            self.num_voluntary += 1
+            return [self.preempt_rng.choice(list(running))]
+        return None
 
     @hookimpl
     def schedkit_select_preemption_victim(self, request):

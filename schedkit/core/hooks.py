@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from schedkit.config import SchedulerConfig
@@ -34,6 +34,15 @@ class AdmissionDecision(enum.Enum):
     """Finish it now with finish reason "abort" and stop_reason "rejected"."""
 
 
+class Preemption(NamedTuple):
+    """One answer of ``schedkit_select_voluntary_preemptions``: whom to preempt, and why."""
+
+    request: Request
+    """A running request."""
+    reason: str = "policy"
+    """Why (counted per reason in the engine's stats: ``voluntary_preemptions``)."""
+
+
 class SchedulerHooks(Protocol):
     """One method per policy decision; keyword arguments only."""
 
@@ -42,6 +51,14 @@ class SchedulerHooks(Protocol):
                              clock: Callable[[], float]) -> RequestQueue: ...
 
     def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request: ...
+
+    has_voluntary_preemptions: bool
+    """Whether ``select_voluntary_preemptions`` can ever answer (a plugin implements it):
+    the scheduler skips the call otherwise."""
+
+    def select_voluntary_preemptions(self, *, running: Sequence[Request], waiting: RequestQueue,
+                                     max_num_running: int, kv_cache_usage: float, now: float,
+                                     max_preemptions: int) -> Sequence[Preemption]: ...
 
     def prefill_chunk_limit(self, *, request: Request, num_new_tokens: int, threshold: int) -> int | None: ...
 

@@ -14,6 +14,7 @@ import enum
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -139,6 +140,9 @@ class Scheduler:
         self._deferred_errors: list[PluginError] = []
         self.current_step = 0
         self.num_preemptions_total = 0
+        self.voluntary_preemptions: Counter[str] = Counter()
+        """Voluntary preemptions so far, by reason (``schedkit_select_voluntary_preemptions``)."""
+        self._max_voluntary = scheduler_config.max_voluntary_preemptions if hooks.has_voluntary_preemptions else 0
 
     # ------------------------------------------------------------------ entry points
     def add_request(self, request: Request) -> None:
@@ -284,6 +288,7 @@ class Scheduler:
         try:
             if self.pause_state is not PauseState.PAUSED_ALL:
                 st.budget = self._step_token_budget()
+            self._preempt_on_purpose(st)
             self._schedule_running(st)
             if not st.preempted and st.budget > 0:
                 self._schedule_waiting(st)
@@ -396,8 +401,37 @@ class Scheduler:
         del st.running_new_blocks[i]
         st.spec_tokens.pop(req.request_id, None)
 
-    def _preempt(self, req: Request, drop_stale: bool = False) -> None:
-        """Recompute preemption: drop its KV, keep its outputs, queue it again. The
+    def _preempt_on_purpose(self, st: StepState) -> None:
+        """The policy's voluntary preemptions at the start of the step: each victim is
+        preempted as on KV pressure, then queued with ``add`` (the policy's order), and
+        sits out this step's admissions."""
+        if (not self._max_voluntary or not self.running or not self.waiting
+                or self.pause_state is not PauseState.UNPAUSED):
+            return
+        chosen = self.hooks.select_voluntary_preemptions(
+            running=self.running, waiting=self.waiting, max_num_running=self.max_num_active_seqs,
+            kv_cache_usage=self.kv_cache_manager.usage, now=self.clock(),
+            max_preemptions=self._max_voluntary)
+        if not chosen:
+            return
+        undo = st.undo
+        if undo.running is None:
+            undo.running = list(self.running)
+        if undo.preempted_before is None:
+            undo.preempted_before = set(self._preempted_ids)
+        if undo.voluntary is None:
+            undo.voluntary = self.voluntary_preemptions.copy()
+        gone = {id(p.request) for p in chosen}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for p in chosen:
+            undo.save(p.request)
+            st.preempted_on_purpose.append(p.request)
+            self._preempt(p.request, front=False)
+            self.voluntary_preemptions[p.reason] += 1
+
+    def _preempt(self, req: Request, drop_stale: bool = False, front: bool = True) -> None:
+        """Recompute preemption: drop its KV, keep its outputs, queue it again (at the
+        head, or with ``add`` when not ``front``). The
         outputs of its steps in flight become stale: delivered when they arrive (it is
         not resumed before), or discarded with ``drop_stale``."""
         assert req.status is _RUNNING, req.status
@@ -411,7 +445,10 @@ class Scheduler:
         req.num_output_placeholders = 0
         req.num_preemptions += 1
         req.record_event(EventType.PREEMPTED, self.clock())
-        self.waiting.prepend_request(req)
+        if front:
+            self.waiting.prepend_request(req)
+        else:
+            self.waiting.add(req)
         self._preempted_ids.add(req.request_id)
         self.num_preemptions_total += 1
 
@@ -493,15 +530,18 @@ class Scheduler:
             waiting.prepend_requests(skipped)
 
     def _ready(self, req: Request, st: StepState) -> bool:
-        """Whether the head request may be considered now: a load still in progress, or
-        a preempted request whose outputs from before its preemption are still in
-        flight, waits. A finished load is promoted here."""
+        """Whether the head request may be considered now: a load still in progress, a
+        preempted request whose outputs from before its preemption are still in flight,
+        or one preempted on purpose in this very step, waits. A finished load is
+        promoted here."""
         if req.status is _LOADING:
             if not self.kv_loads.is_done(req):
                 return False
             st.undo.save(req)
             st.undo.promoted.append((req.request_id, *self.kv_loads.promote(req)))
             return True
+        if st.preempted_on_purpose and req.request_id in self._preempted_ids:
+            return False
         return not (req.num_stale_output_tokens and not req.stale_drop)
 
     def _lookup(self, req: Request) -> tuple[list[int], int, int, bool] | None:
@@ -620,8 +660,8 @@ class Scheduler:
         if st.returned:
             lost += _remove_or_lose(self.kv_holding, st.returned)
             lost += _remove_or_lose(self.waiting, st.returned)
-        if st.preempted:
-            lost += _remove_or_lose(self.waiting, st.preempted)
+        if st.preempted or st.preempted_on_purpose:
+            lost += _remove_or_lose(self.waiting, st.preempted + st.preempted_on_purpose)
         self.kv_cache_manager.rollback()
         for req, values, num_events in undo.saved.values():
             for name, value in zip(UNDO_FIELDS, values, strict=True):
@@ -633,6 +673,8 @@ class Scheduler:
             del self.running[undo.num_running:]
         self.current_step = undo.current_step
         self.num_preemptions_total = undo.num_preemptions_total
+        if undo.voluntary is not None:
+            self.voluntary_preemptions = undo.voluntary
         if undo.preempted_before is not None:
             self._preempted_ids = undo.preempted_before
         self.deferred_ids.update(undo.undeferred)
@@ -643,6 +685,7 @@ class Scheduler:
             self._connector_stats = undo.connector_stats
         lost = list({id(r): r for r in lost}.values())
         gone = {id(r) for r in lost}
+        gone |= {id(r) for r in st.preempted_on_purpose}  # running again (undo.running)
         for req in reversed(st.popped):
             if id(req) in gone:
                 continue

@@ -15,6 +15,7 @@ returns it so the caller fails it instead of leaving it nowhere.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from schedkit.core.request import Request
@@ -36,6 +37,8 @@ class StepUndo:
     num_preemptions_total: int
     running: list[Request] | None = None
     """The running list before the step's first preemption removed from it."""
+    voluntary: Counter[str] | None = None
+    """The scheduler's voluntary-preemption counts before the step's first one."""
     saved: dict[int, tuple[Request, tuple, int]] = field(default_factory=dict)
     """id(request) -> (request, its fields before the step, its number of events)."""
     preempted_before: set[str] | None = None
@@ -66,6 +69,9 @@ class StepState:
     resumed_reqs: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    """Preempted for KV blocks this step (no admissions then, as in vLLM)."""
+    preempted_on_purpose: list[Request] = field(default_factory=list)
+    """Preempted by ``schedkit_select_voluntary_preemptions`` at the start of the step."""
     popped: list[Request] = field(default_factory=list)
     returned: list[Request] = field(default_factory=list)
     """Skipped requests already put back in the queue at the end of the waiting phase."""

@@ -374,6 +374,7 @@ class EngineCore:
         return {
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "kv_cache_usage": kv.usage, "num_preemptions": sched.num_preemptions_total,
+            "voluntary_preemptions": dict(sched.voluntary_preemptions),
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
             "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
             "pause_state": sched.pause_state.value, "now": self.now(),

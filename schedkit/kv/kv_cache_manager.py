@@ -161,6 +161,20 @@ class KVCacheManager:
             n += 1
         return n
 
+    def get_num_shared_prefix_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request's table that another request holds too: they
+        stay allocated, and cached, when this request frees its blocks."""
+        state = self._reqs.get(request_id)
+        if state is None:
+            return 0
+        ref = self.block_pool.ref_cnt
+        n = 0
+        for b in state.block_ids:
+            if ref(b) < 2:
+                break
+            n += 1
+        return n
+
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[int], int]:
         """Look up the request's longest cached prefix, in whole blocks.
 

@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from schedkit.config import SchedulerConfig
-from schedkit.core.hooks import AdmissionDecision
+from schedkit.core.hooks import AdmissionDecision, Preemption
 from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from schedkit.core.queues import RequestQueue
 from schedkit.core.request import Request, RequestStatus
@@ -59,6 +59,7 @@ class HookFacade:
                 self._impls[name] = tuple((i.function, tuple(i.argnames), i.plugin_name)
                                           for i in reversed(impls))
         self._chunk_impls = self._impls["schedkit_prefill_chunk_limit"]
+        self.has_voluntary_preemptions = self._impls["schedkit_select_voluntary_preemptions"] != ()
 
     # -- calling -------------------------------------------------------------------------
     def _call(self, name: str, kwargs: dict[str, Any], first: bool) -> tuple[Any, str | None]:
@@ -126,6 +127,37 @@ class HookFacade:
             raise self._bad_answer(name, plugin, victim, "the victim must be one of the running requests",
                                    request)
         return victim
+
+    def select_voluntary_preemptions(self, *, running: Sequence[Request], waiting: RequestQueue,
+                                     max_num_running: int, kv_cache_usage: float, now: float,
+                                     max_preemptions: int) -> Sequence[Preemption]:
+        name = "schedkit_select_voluntary_preemptions"
+        answer, plugin = self._call(name, {
+            "running": running, "waiting": waiting, "max_num_running": max_num_running,
+            "kv_cache_usage": kv_cache_usage, "now": now, "max_preemptions": max_preemptions}, True)
+        if answer is None:
+            return []
+        if isinstance(answer, (str, bytes, Request)) or not isinstance(answer, Sequence):
+            raise self._bad_answer(name, plugin, answer, "must be a sequence of running requests")
+        if len(answer) > max_preemptions:
+            raise self._bad_answer(name, plugin, answer, f"at most {max_preemptions} preemptions "
+                                   "per step (scheduler.max_voluntary_preemptions)")
+        chosen: list[Preemption] = []
+        seen: set[int] = set()
+        live = {id(r) for r in running}
+        for item in answer:
+            p = item if isinstance(item, Preemption) else Preemption(item, plugin or "unknown")
+            req = p.request
+            if (not isinstance(req, Request) or req.status is not RequestStatus.RUNNING
+                    or id(req) not in live):
+                raise self._bad_answer(name, plugin, item, "each must be one of the running requests")
+            if id(req) in seen:
+                raise self._bad_answer(name, plugin, item, "a request is named twice", req)
+            if not isinstance(p.reason, str):
+                raise self._bad_answer(name, plugin, item, "a reason must be a string", req)
+            seen.add(id(req))
+            chosen.append(p)
+        return chosen
 
     def prefill_chunk_limit(self, *, request: Request, num_new_tokens: int, threshold: int) -> int | None:
         name = "schedkit_prefill_chunk_limit"

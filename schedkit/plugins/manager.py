@@ -57,6 +57,7 @@ BUNDLED_POLICIES: Mapping[str, str] = {
     "lpm": "schedkit.policies.lpm:LongestPrefixMatch",
     "least-computed": "schedkit.policies.victims:LeastComputedFirst",
     "aging": "schedkit.policies.aging:AgingWrapper",
+    "priority-preemptive": "schedkit.policies.priority_preemptive:PreemptivePriority",
 }
 BUNDLED_PLUGINS: Mapping[str, str] = {
     **BUNDLED_POLICIES,

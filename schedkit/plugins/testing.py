@@ -46,7 +46,7 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
                    scheduler_reserve_full_isl: bool = True, watermark: float = 0.0,
                    kv_load_failure_policy: Literal["recompute", "fail"] = "fail",
                    clock: Callable[[], float] = time.monotonic,
-                   log_stats: bool = True) -> Scheduler:
+                   log_stats: bool = True, max_voluntary_preemptions: int = 4) -> Scheduler:
     """A Scheduler with vLLM's test-harness defaults and the real plugin manager.
 
     ``plugins`` are plugin objects registered after the built-ins (so they win);
@@ -56,7 +56,8 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
         policy=policy, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-        scheduler_reserve_full_isl=scheduler_reserve_full_isl, async_scheduling=async_scheduling)
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl, async_scheduling=async_scheduling,
+        max_voluntary_preemptions=max_voluntary_preemptions)
     cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             enable_prefix_caching=enable_prefix_caching, watermark=watermark,
                             kv_load_failure_policy=kv_load_failure_policy)

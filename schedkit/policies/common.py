@@ -17,9 +17,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from schedkit.core.hooks import Preemption
 from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import EventType, Request
 
@@ -77,6 +78,37 @@ def waiting_since(req: Request) -> float:
         if kind is _QUEUED or kind is _PREEMPTED:
             return t
     return req.arrival_time
+
+
+# ------------------------------------------------------------- voluntary preemption
+def preempt_for_waiting(running: Sequence[Request], waiting: Iterable[Request],
+                        max_num_running: int, max_preemptions: int,
+                        rank: Callable[[Request], Any], reason: str) -> list[Preemption] | None:
+    """The common answer of a preemptive policy to ``schedkit_select_voluntary_preemptions``:
+    the waiting requests at the head of the queue that find no free seat take the places
+    of the running requests ranked worst, one for one, while the waiting one ranks
+    strictly better (smaller ``rank``). Running requests are taken worst first, ties to
+    the latest admitted; at most ``max_preemptions``. Reads only as much of ``waiting``
+    (in serving order) as it can use. None when nobody is to be preempted."""
+    free = max_num_running - len(running)
+    heads = []
+    for req in waiting:
+        if free > 0:  # gets a seat without a preemption
+            free -= 1
+            continue
+        heads.append(rank(req))
+        if len(heads) >= max_preemptions:
+            break
+    if not heads:
+        return None
+    ranks = [rank(r) for r in running]
+    pool = sorted(range(len(running)), key=lambda i: (ranks[i], i), reverse=True)
+    out = []
+    for head, i in zip(heads, pool, strict=False):
+        if not head < ranks[i]:
+            break
+        out.append(Preemption(running[i], reason))
+    return out or None
 
 
 # ---------------------------------------------------------------------- setting checks

@@ -6,24 +6,33 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
+from schedkit.core.hooks import Preemption
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
-from schedkit.policies.common import check_int, check_number
+from schedkit.policies.common import (
+    AgeIndex,
+    PolicyClock,
+    check_int,
+    check_number,
+    preempt_for_waiting,
+)
 
 __all__ = ["MultiLevelFeedbackQueue", "LevelQueue"]
 
 
 class LevelQueue(BaseRequestQueue):
     """One FIFO per level; ``peek``/``pop`` serve the highest (lowest-numbered) non-empty
-    level. A request is queued at its current level; a preempted one goes to the head of
-    that level, as FCFS does."""
+    level. A request is queued at the tail of its current level; one preempted for KV
+    blocks goes to the head of that level, as FCFS does. ``ages`` indexes the waiting
+    requests by the start of their current wait, for the starvation bound."""
 
     def __init__(self, policy: MultiLevelFeedbackQueue) -> None:
         self._policy = policy
         self._levels: list[deque[Request]] = [deque() for _ in range(policy.num_levels)]
         self._len = 0
+        self.ages = AgeIndex(PolicyClock())
 
     def _top(self) -> deque[Request]:
         for q in self._levels:
@@ -34,6 +43,7 @@ class LevelQueue(BaseRequestQueue):
     def add(self, request: Request) -> None:
         self._levels[self._policy.admit_level(request)].append(request)
         self._len += 1
+        self.ages.push(request)
 
     def peek(self) -> Request:
         return self._top()[0]
@@ -41,11 +51,13 @@ class LevelQueue(BaseRequestQueue):
     def pop(self) -> Request:
         req = self._top().popleft()
         self._len -= 1
+        self.ages.discard(req)
         return req
 
     def prepend_request(self, request: Request) -> None:
         self._levels[self._policy.level_of(request)].appendleft(request)
         self._len += 1
+        self.ages.push(request)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
@@ -54,6 +66,16 @@ class LevelQueue(BaseRequestQueue):
                 kept = deque(r for r in q if id(r) not in drop)
                 self._len -= len(q) - len(kept)
                 self._levels[i] = kept
+        for r in requests:
+            self.ages.discard(r)
+
+    def promote(self, request: Request) -> None:
+        """Move a waiting request to the head of level 0 (its level is already 0)."""
+        for i, q in enumerate(self._levels):
+            if i and request in q:
+                q.remove(request)
+                self._levels[0].appendleft(request)
+                return
 
     def __len__(self) -> int:
         return self._len
@@ -73,21 +95,30 @@ class MultiLevelFeedbackQueue:
     A request that has generated its level's quantum of output tokens since joining the
     level is demoted one level (accounting in ``schedkit_on_step_end``); the last level
     keeps it. The waiting queue serves the highest non-empty level, FCFS within a level.
-    The preemption victim is the running request in the lowest level, ties to the latest
+
+    Preemptive, as FastServe: at the start of each step
+    (``schedkit_select_voluntary_preemptions``), when the seats are taken, each waiting
+    request at the head of the queue (beyond the seats free anyway) that sits in a
+    higher level than the most demoted running request takes its place: that running
+    request is preempted (recompute, or a load of its KV if a connector keeps it) and
+    waits at its level. At most ``scheduler.max_voluntary_preemptions`` per step. The
+    KV-pressure victim is the running request in the lowest level, ties to the latest
     admitted.
 
-    schedkit preempts only when KV blocks run out and never to admit a waiting request,
-    so unlike FastServe a running long job is not paused when a short one arrives.
-    Demotion therefore acts through (1) the waiting order of preempted requests, which
-    re-enter at their demoted level behind newer short requests, and (2) the victim
-    choice, which evicts the most-demoted (longest-running) job first. Compose with
-    ``aging`` (AgingWrapper) for FastServe's starvation promotion.
+    Starvation bound: a request waiting longer than ``starvation_s`` (since it was
+    queued or last preempted) is promoted to the head of level 0 with a fresh quantum,
+    as in FastServe, so it gets the next seat that frees up and, being in the top level,
+    cannot be preempted before it has used that quantum: no wait lasts much longer than
+    ``starvation_s`` plus a seat's turnover, whatever the load.
 
-    Defining property: a job that has produced many tokens sinks to low levels, so short
-    jobs arriving later overtake it whenever it has to wait again (after a preemption),
-    and it is the one preempted when memory runs out.
+    Defining property: with room in the KV cache, a short job arriving behind long ones
+    starts at once and finishes within its quanta, while long jobs sink to low levels and
+    yield to it; without ``preemptive`` (or with ``max_voluntary_preemptions: 0``) the
+    policy acts only through the order of waiting requests and the KV-pressure victim,
+    and with an ample KV cache it then schedules exactly as FCFS.
 
     Hooks: ``schedkit_create_waiting_queue`` (a :class:`LevelQueue`),
+    ``schedkit_select_voluntary_preemptions`` (preemption and starvation promotion),
     ``schedkit_select_preemption_victim``, ``schedkit_on_step_end`` (demotion),
     ``schedkit_on_request_finished`` (cleanup). One plugin object serves one scheduler.
 
@@ -97,18 +128,26 @@ class MultiLevelFeedbackQueue:
         quantum_growth: Ratio between consecutive quanta (>= 1, default 2.0).
         prefill_tokens_per_step: Prompt tokens that cost about one decode step, for
             skip-join (>= 1, default 256).
+        preemptive: Preempt running requests for higher-level waiting ones (default true).
+        starvation_s: Seconds of waiting after which a request is promoted to level 0
+            (> 0, default 10.0; ``.inf`` turns the bound off).
 
     Raises:
         ValueError: A setting is out of range; the message names it and its value.
     """
 
     def __init__(self, num_levels: int = 4, base_quantum: int = 16, quantum_growth: float = 2.0,
-                 prefill_tokens_per_step: int = 256) -> None:
+                 prefill_tokens_per_step: int = 256, preemptive: bool = True,
+                 starvation_s: float = 10.0) -> None:
         self.num_levels = check_int("num_levels", num_levels, minimum=1)
         self.base_quantum = check_int("base_quantum", base_quantum, minimum=1)
         self.quantum_growth = check_number("quantum_growth", quantum_growth, minimum=1.0)
         self.prefill_tokens_per_step = check_int("prefill_tokens_per_step",
                                                  prefill_tokens_per_step, minimum=1)
+        if not isinstance(preemptive, bool):
+            raise ValueError(f"preemptive must be true or false, got {preemptive!r}")
+        self.preemptive = preemptive
+        self.starvation_s = check_number("starvation_s", starvation_s, strict=True, allow_inf=True)
         self.quanta = [max(1, round(self.base_quantum * self.quantum_growth ** i))
                        for i in range(self.num_levels)]
         """Output tokens a request may generate at each level before it is demoted."""
@@ -116,6 +155,7 @@ class MultiLevelFeedbackQueue:
         self._used: dict[str, int] = {}
         self._reqs: dict[str, Request] = {}
         self._finished: list[Request] = []
+        self.queue: LevelQueue | None = None
 
     def skip_join_level(self, num_prompt_tokens: int) -> int:
         """The highest level whose quantum covers the prompt's prefill steps."""
@@ -141,7 +181,29 @@ class MultiLevelFeedbackQueue:
     @hookimpl
     def schedkit_create_waiting_queue(self) -> LevelQueue:
         self._level, self._used, self._reqs, self._finished = {}, {}, {}, []
-        return LevelQueue(self)
+        self.queue = LevelQueue(self)
+        return self.queue
+
+    def promote_starved(self, now: float) -> None:
+        """Requests waiting longer than ``starvation_s`` go to the head of level 0 with an
+        unused quantum, the longest waiting first."""
+        if self.queue is None or not math.isfinite(self.starvation_s):
+            return
+        for req in reversed(self.queue.ages.overdue(now, self.starvation_s)):  # oldest ends first
+            rid = req.request_id
+            if self._level.get(rid, 0):
+                self._level[rid], self._used[rid] = 0, 0
+                self.queue.promote(req)
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self, running: Sequence[Request],
+                                              waiting: Iterable[Request], max_num_running: int,
+                                              now: float, max_preemptions: int) -> list[Preemption] | None:
+        self.promote_starved(now)
+        if not self.preemptive:
+            return None
+        return preempt_for_waiting(running, waiting, max_num_running, max_preemptions,
+                                   self.level_of, "mlfq: a higher level waits")
 
     @hookimpl
     def schedkit_select_preemption_victim(self, running: Sequence[Request]) -> Request:

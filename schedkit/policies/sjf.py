@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
+from schedkit.core.hooks import Preemption
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
-from schedkit.policies.common import LazyKeyedQueue, check_bool, check_number, enqueue_time
+from schedkit.policies.common import (
+    LazyKeyedQueue,
+    check_bool,
+    check_number,
+    enqueue_time,
+    preempt_for_waiting,
+)
 
 __all__ = ["ShortestJobFirst"]
 
@@ -34,7 +42,18 @@ class ShortestJobFirst:
     computed lazily at the next ``peek``/``pop`` (:class:`LazyKeyedQueue`). Ties go to the
     earlier enqueue, then insertion order.
 
-    Hooks: ``schedkit_create_waiting_queue`` only; victim choice and the rest fall back to
+    Preemptive (``preemptive: true``, shortest remaining processing time, SRPT): the size
+    is what is left of the job, ``max_tokens`` less the tokens generated with
+    ``use_max_tokens`` (an oracle of output lengths, exact in the simulator), and at the
+    start of each step a waiting request that finds no free seat preempts the running
+    request with the largest remaining size when its own is smaller (at most
+    ``scheduler.max_voluntary_preemptions`` per step); a preempted request waits by its
+    remaining size. Without ``use_max_tokens`` the size is the prompt length, which a
+    running request does not shrink. The running job preempted last may thus be
+    preempted again by each smaller arrival; ``aging_rate`` orders the waiting only.
+
+    Hooks: ``schedkit_create_waiting_queue``, and with ``preemptive``
+    ``schedkit_select_voluntary_preemptions``; victim choice and the rest fall back to
     the built-ins (``fcfs``: the latest admitted request is preempted).
 
     Args:
@@ -42,20 +61,26 @@ class ShortestJobFirst:
             SJF).
         use_max_tokens: Order by ``sampling_params.max_tokens`` instead of prompt length
             (default false).
+        preemptive: Preempt running requests with a larger remaining size (SRPT,
+            default false).
 
     Raises:
         ValueError: A setting is out of range; the message names it and its value.
     """
 
-    def __init__(self, aging_rate: float = 0.0, use_max_tokens: bool = False) -> None:
+    def __init__(self, aging_rate: float = 0.0, use_max_tokens: bool = False,
+                 preemptive: bool = False) -> None:
         self.aging_rate = check_number("aging_rate", aging_rate)
         self.use_max_tokens = check_bool("use_max_tokens", use_max_tokens)
+        self.preemptive = check_bool("preemptive", preemptive)
         self._t0: float | None = None
 
     def job_size(self, request: Request) -> int:
-        """Prompt tokens, or the output-length prediction with ``use_max_tokens``."""
+        """Prompt tokens, or the output-length prediction with ``use_max_tokens`` (less
+        the tokens generated when ``preemptive``)."""
         if self.use_max_tokens:
-            return request.sampling_params.max_tokens
+            size = request.sampling_params.max_tokens
+            return size - request.num_output_tokens if self.preemptive else size
         return request.num_prompt_tokens
 
     def sort_key(self, request: Request) -> tuple[float, float]:
@@ -69,3 +94,12 @@ class ShortestJobFirst:
     def schedkit_create_waiting_queue(self) -> LazyKeyedQueue:
         self._t0 = None
         return LazyKeyedQueue(self.sort_key)
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self, running: Sequence[Request],
+                                              waiting: Iterable[Request], max_num_running: int,
+                                              max_preemptions: int) -> list[Preemption] | None:
+        if not self.preemptive:
+            return None
+        return preempt_for_waiting(running, waiting, max_num_running, max_preemptions,
+                                   self.job_size, "srpt: a shorter job waits")

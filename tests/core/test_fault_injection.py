@@ -102,10 +102,14 @@ def test_the_faults_reach_every_hook_and_queue_method():
     """The property test is only as good as its reach: over a few seeds the injector
     raised in every per-step hook and every queue method the scheduler calls."""
     raised: Counter[str] = Counter()
+    voluntary = 0
     for seed in range(12):
         for keyed in (False, True):
-            raised += check_against_control(fake_config(seed % 2 == 1), make_trace(seed), seed,
-                                            keyed, 0.05).raised
+            faults = check_against_control(fake_config(seed % 2 == 1), make_trace(seed), seed,
+                                           keyed, 0.05)
+            raised += faults.raised
+            voluntary += faults.num_voluntary
+    assert voluntary > 10  # and the preemptions it makes on purpose
     expected = set(HOOKS) | {"add", "peek", "pop", "prepend_request", "prepend_requests",
                              "remove_requests", "key"}
     assert expected <= set(raised), expected - set(raised)

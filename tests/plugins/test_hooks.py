@@ -17,6 +17,7 @@ from schedkit import (
     KVConnectorBase,
     KVConnectorRole,
     PluginError,
+    Preemption,
     RequestStatus,
     hookimpl,
 )
@@ -68,6 +69,73 @@ def test_hook_schedkit_create_waiting_queue():
     assert [r.request_id for r in sched.waiting] == ["1", "2", "0"]
     assert admitted_order(sched, FakeRunner()) == ["1", "2", "0"]
     assert len(plugin.configs) == 1  # never again per step
+
+
+# ---------------------------------------------------- schedkit_select_voluntary_preemptions
+class MakeRoomForUrgent:
+    """When every seat is taken, preempt the least important running request for a
+    more important waiting one."""
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self, running, waiting, max_num_running):
+        if len(running) < max_num_running:
+            return None  # the head of the queue gets a seat anyway
+        head = next(iter(waiting))
+        worst = max(running, key=lambda r: (r.priority, r.arrival_time))
+        if head.priority < worst.priority:
+            return [Preemption(worst, "urgent request waiting")]
+        return None
+
+
+def test_hook_schedkit_select_voluntary_preemptions():
+    def busy(plugins=()):
+        sched = make_scheduler(policy="priority", plugins=plugins, max_num_seqs=2)
+        low = [make_request(f"low{i}", [i + 1] * 8, max_tokens=6, priority=5) for i in range(2)]
+        for req in low:
+            sched.add_request(req)
+        runner = FakeRunner()
+        step(sched, runner)  # both seats taken
+        urgent = make_request("urgent", [9] * 8, max_tokens=2, priority=0)
+        sched.add_request(urgent)
+        return sched, [*low, urgent], runner
+
+    plain, reqs, runner = busy()  # vLLM's rule: running requests keep their seats
+    out = step(plain, runner).scheduler_output
+    assert not out.preempted_req_ids and not out.scheduled_new_reqs
+
+    sched, reqs, runner = busy([MakeRoomForUrgent()])
+    out = step(sched, runner).scheduler_output
+    assert out.preempted_req_ids == {"low1"}  # the newer of the two least important
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["urgent"]  # admitted at once
+    assert reqs[1].status is RequestStatus.PREEMPTED and reqs[1].num_preemptions == 1
+    assert sched.voluntary_preemptions == {"urgent request waiting": 1}
+    finished = serve(sched, runner)
+    assert sorted(o.request_id for o in finished) == ["low0", "low1", "urgent"]
+    assert all(o.finish_reason == "length" for o in finished)
+    assert_scheduler_consistent(sched, reqs)
+
+
+class PreemptAStranger:
+    """A buggy policy: names a request that is not running."""
+
+    def __init__(self, other) -> None:
+        self.other = other
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self):
+        return [self.other]
+
+
+def test_voluntary_preemption_of_a_request_not_running_fails_the_step_and_undoes_it():
+    sched = make_scheduler(max_num_seqs=1, plugins=[PreemptAStranger(make_request("x", [1, 2]))])
+    reqs = make_requests(2, max_tokens=3)
+    for req in reqs:
+        sched.add_request(req)
+    step(sched, FakeRunner())  # "0" runs, "1" waits: from now on the hook is asked
+    with pytest.raises(PluginError, match="schedkit_select_voluntary_preemptions.*running"):
+        sched.schedule()
+    assert_scheduler_consistent(sched, reqs)
+    assert reqs[0].status is RequestStatus.RUNNING and sched.voluntary_preemptions == {}
 
 
 # -------------------------------------------------------- schedkit_select_preemption_victim

@@ -98,6 +98,10 @@ class Exploding:
         self._maybe_raise("schedkit_prefill_chunk_limit")
 
     @hookimpl
+    def schedkit_select_voluntary_preemptions(self):
+        self._maybe_raise("schedkit_select_voluntary_preemptions")
+
+    @hookimpl
     def schedkit_step_token_budget(self):
         self._maybe_raise("schedkit_step_token_budget")
 

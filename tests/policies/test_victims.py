@@ -14,6 +14,7 @@ class Recording(LeastComputedFirst):
     """Logs the computed tokens of the running requests and of the chosen victim."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.log: list[tuple[list[int], int]] = []
 
     @hookimpl

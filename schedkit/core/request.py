@@ -104,7 +104,8 @@ class SamplingParams:
     Args:
         max_tokens: Most output tokens (>= 1).
         min_tokens: Fewest output tokens before repetition checks apply (<= max_tokens).
-        stop_token_ids: Token ids that end the request (the stop token is kept).
+        stop_token_ids: Token ids that end the request (the stop token is kept); None is
+            taken as none, as vLLM does.
         ignore_eos: Do not stop at ``eos_token_id``.
         eos_token_id: End-of-sequence id; None means no EOS stop.
         temperature: 0 means greedy.
@@ -127,6 +128,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> RequestError:
             return RequestError(f"invalid sampling value {name}={getattr(self, name)!r}: {why}")
 
+        if self.stop_token_ids is None:  # vLLM's default spelling of "none"
+            object.__setattr__(self, "stop_token_ids", ())
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -32,6 +32,7 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.request import FinishReason, Request, RequestStatus, check_arrival_offset
 from schedkit.core.scheduler import PauseState, Scheduler
+from schedkit.engine.logs import RateLimitedLog
 from schedkit.errors import ConfigError, PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.plugins.facade import HookFacade
@@ -60,6 +61,8 @@ def _merge(first: dict[int, EngineCoreOutputs], second: dict[int, EngineCoreOutp
 
 STALL_STEPS = 1000
 STALL_S = 5.0
+OBSERVER_LOG_INTERVAL_S = 10.0
+"""An observer hook that raises every step is logged at most once per this many seconds."""
 """A scheduler that let nothing run for this many steps and seconds is stalled."""
 
 
@@ -107,6 +110,7 @@ class EngineCore:
         processing included (wall time with a real runner; what calibration fits). With
         steps in flight: the time since the previous step's output was processed."""
         self._consecutive_step_failures = 0
+        self._observer_logs: dict[tuple[str | None, str | None], RateLimitedLog] = {}
         self._empty_steps = 0
         self._empty_since = 0.0
         self._last_step_empty = False
@@ -262,7 +266,7 @@ class EngineCore:
         try:
             step_outputs = sched.update_from_output(scheduler_output, runner_output)
         except PluginError as e:  # an observer raised after the step was applied
-            log.error("%s", e)
+            self._observer_log(e).error("%s", e)
             step_outputs = e.outputs or {}
         except Exception as e:  # a bug; fail this step's requests rather than the engine
             log.exception("update_from_output failed")
@@ -275,6 +279,15 @@ class EngineCore:
         self.last_step_s = done - max(t0, self._last_done)
         self._last_done = done
         return _merge(outputs, step_outputs)
+
+    def _observer_log(self, e: PluginError) -> RateLimitedLog:
+        """One rate-limited log per raising (plugin, hook): an observer that raises every
+        step writes a line every OBSERVER_LOG_INTERVAL_S, not one per step."""
+        key = (e.plugin, e.hook)
+        limited = self._observer_logs.get(key)
+        if limited is None:
+            limited = self._observer_logs[key] = RateLimitedLog(log, OBSERVER_LOG_INTERVAL_S)
+        return limited
 
     def _watch_progress(self, scheduler_output: SchedulerOutput) -> dict[int, EngineCoreOutputs]:
         """Fail the waiting requests when the plugins let nothing run for good: at least

@@ -38,7 +38,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import Request
 from schedkit.engine.core import EngineCore
+from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
     AbortRequests,
     Heartbeat,
@@ -85,28 +85,6 @@ def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                    priority=w.priority, client_index=client_index, tenant=w.tenant,
                    cache_salt=w.cache_salt, ttft_slo_s=w.ttft_slo_s)
-
-
-class RateLimitedLog:
-    """Logs a warning at most once per ``interval`` seconds; the next line logged says
-    how many were suppressed in between."""
-
-    def __init__(self, logger: logging.Logger, interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.logger, self.interval, self.clock = logger, interval, clock
-        self.suppressed = 0
-        self._next = float("-inf")
-
-    def warning(self, msg: str, *args: Any) -> None:
-        now = self.clock()
-        if now < self._next:
-            self.suppressed += 1
-            return
-        if self.suppressed:
-            msg += f" ({self.suppressed} more suppressed in the last {self.interval:g} s)"
-            self.suppressed = 0
-        self.logger.warning(msg, *args)
-        self._next = now + self.interval
 
 
 def metrics_of(req: Request) -> WireMetrics:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -108,9 +109,35 @@ def _register(pm: pluggy.PluginManager, plugin: Any, name: str, where: str | Non
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as e:
-        raise PluginError(f"{_at(where)}plugin {name!r} is invalid: {e}", plugin=name) from e
+        raise PluginError(f"{_at(where)}plugin {name!r} is invalid: {e}{_argument_hints(plugin)}",
+                          plugin=name) from e
     except ValueError as e:  # already registered under this name
         raise PluginError(f"{_at(where)}plugin {name!r}: {e}", plugin=name) from e
+
+
+def _argument_hints(plugin: Any) -> str:
+    """For each hook of ``plugin`` taking an argument its spec does not have: the
+    arguments the spec offers, and the closest one to each unknown name."""
+    hints = []
+    for attr in dir(plugin):
+        spec = getattr(hookspecs, attr, None) if attr in hookspecs.HOOK_NAMES else None
+        fn = getattr(plugin, attr, None)
+        if spec is None or not callable(fn):
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            continue
+        allowed = list(inspect.signature(spec).parameters)
+        unknown = [p for p in params if p not in allowed and p != "self"]
+        if not unknown:
+            continue
+        guesses = []
+        for arg in unknown:
+            close = difflib.get_close_matches(arg, allowed, n=1)
+            guesses.append(f"{arg!r}: did you mean {close[0]!r}?" if close else f"{arg!r}: no such argument")
+        hints.append(f"{attr} takes {', '.join(allowed)} ({'; '.join(guesses)})")
+    return "".join(f"\n  {h}" for h in hints)
 
 
 def _blocked() -> list[str]:

@@ -57,6 +57,11 @@ def test_invalid_sampling_values(field, value):
         SamplingParams(**{"max_tokens": 16, field: value})
 
 
+def test_stop_token_ids_none_means_none_as_in_vllm():
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
 def test_finishing_an_unknown_or_finished_id_is_a_no_op():
     sched = make_scheduler()
     sched.add_request(make_request("a", [1, 2, 3], max_tokens=1))

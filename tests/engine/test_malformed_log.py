@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from schedkit.engine.process import EngineCoreProc, RateLimitedLog
+from schedkit.engine.logs import RateLimitedLog
+from schedkit.engine.process import EngineCoreProc
 
 
 def test_rate_limited_log_counts_what_it_suppresses(caplog):
@@ -42,3 +43,29 @@ def test_malformed_messages_are_counted_but_logged_at_most_once_per_interval(tmp
         proc._in_sock.close(0)
         proc._out_sock.close(0)
         proc.ctx.term()
+
+
+def test_an_observer_raising_every_step_is_logged_once_per_interval(caplog):
+    """The engine keeps serving through a raising schedkit_on_step_end; its error is
+    logged once, not once per step (the requests still finish)."""
+    from schedkit import hookimpl
+    from schedkit.config import config_from_dict
+    from schedkit.core.request import Request, SamplingParams
+    from schedkit.engine.core import EngineCore
+
+    class Broken:
+        @hookimpl
+        def schedkit_on_step_end(self):
+            raise RuntimeError("observer down")
+
+    engine = EngineCore(config_from_dict({"runner": {"kind": "fake"}}), extra_plugins=[Broken()])
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20), arrival_time=0.0))
+    finished = []
+    with caplog.at_level(logging.ERROR, logger="schedkit.engine"):
+        while engine.has_requests():
+            for group in engine.step().values():
+                finished += [o.request_id for o in group.outputs if o.finish_reason == "length"]
+    assert sorted(finished) == ["r0", "r1", "r2"] and engine.num_steps >= 20
+    lines = [r.getMessage() for r in caplog.records if "observer down" in r.getMessage()]
+    assert len(lines) == 1

@@ -62,7 +62,8 @@ def test_unknown_hook_argument_fails_at_start():
     with pytest.raises(PluginError, match="WrongArgument") as exc:
         make_scheduler(plugins=[WrongArgument()])
     assert exc.value.plugin == "WrongArgument-0"
-    assert "req" in str(exc.value)
+    assert "'req': did you mean 'request'?" in str(exc.value)
+    assert "schedkit_admit_request takes request, num_running, kv_cache_usage, now" in str(exc.value)
 
 
 def test_private_helpers_without_the_prefix_are_not_hooks():

@@ -41,6 +41,11 @@ class Preemption(NamedTuple):
     """A running request."""
     reason: str = "policy"
     """Why (counted per reason in the engine's stats: ``voluntary_preemptions``)."""
+    save_kv: bool | None = None
+    """Keep the victim's KV with the KV connector (a swap to host memory, loaded back on
+    resumption) rather than recompute it: True or False, or None to leave it to the
+    connector (``cpu-offload``'s ``save_on_preemption``). Without such a connector the
+    victim recomputes."""
 
 
 class SchedulerHooks(Protocol):

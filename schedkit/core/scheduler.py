@@ -140,6 +140,9 @@ class Scheduler:
         self._deferred_errors: list[PluginError] = []
         self.current_step = 0
         self.num_preemptions_total = 0
+        self._preempted_kv: list[tuple[Request, list[int], int, bool | None]] = []
+        """This step's victims for the connector's ``request_preempted``: blocks, computed
+        tokens, the policy's wish to save their KV."""
         self.voluntary_preemptions: Counter[str] = Counter()
         """Voluntary preemptions so far, by reason (``schedkit_select_voluntary_preemptions``)."""
         self._max_voluntary = scheduler_config.max_voluntary_preemptions if hooks.has_voluntary_preemptions else 0
@@ -294,8 +297,10 @@ class Scheduler:
                 self._schedule_waiting(st)
             output = build_scheduler_output(st, self.kv_cache_manager, self.running, self._preempted_ids,
                                             self.finished_req_ids, self.current_step)
+            self._tell_connector_of_preemptions()
             output.kv_connector_metadata = self._connector_call("build_connector_meta", output)
         except BaseException as e:
+            self._preempted_kv.clear()
             lost = self._rollback(st)
             if lost and isinstance(e, PluginError):
                 e.lost_request_ids += [r.request_id for r in lost]
@@ -426,15 +431,24 @@ class Scheduler:
         for p in chosen:
             undo.save(p.request)
             st.preempted_on_purpose.append(p.request)
-            self._preempt(p.request, front=False)
+            self._preempt(p.request, front=False, save_kv=p.save_kv)
             self.voluntary_preemptions[p.reason] += 1
 
-    def _preempt(self, req: Request, drop_stale: bool = False, front: bool = True) -> None:
+    def _tell_connector_of_preemptions(self) -> None:
+        victims, self._preempted_kv = self._preempted_kv, []
+        for req, block_ids, computed, save_kv in victims:
+            self._connector_call("request_preempted", req, block_ids, computed, save_kv)
+
+    def _preempt(self, req: Request, drop_stale: bool = False, front: bool = True,
+                 save_kv: bool | None = None) -> None:
         """Recompute preemption: drop its KV, keep its outputs, queue it again (at the
         head, or with ``add`` when not ``front``). The
         outputs of its steps in flight become stale: delivered when they arrive (it is
         not resumed before), or discarded with ``drop_stale``."""
         assert req.status is _RUNNING, req.status
+        if not drop_stale:  # a forced preemption (a cache reset) keeps nothing
+            self._preempted_kv.append((req, self.kv_cache_manager.get_block_ids(req.request_id),
+                                       req.num_computed_tokens, save_kv))
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_high = max(req.num_computed_high, req.num_computed_tokens)

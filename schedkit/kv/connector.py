@@ -51,6 +51,16 @@ class KVConnectorBase:
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """Engine-core process, after every successful allocation of a waiting request."""
 
+    def request_preempted(self, request: Any, block_ids: list[int], num_computed_tokens: int,
+                          save_kv: bool | None) -> None:
+        """Engine-core process, once per request preempted in a step that went through,
+        just before that step's ``build_connector_meta``. ``block_ids`` were the
+        request's blocks (freed now; the step may hand them to other requests, whose
+        writes the worker must not let in before it saved them) and
+        ``num_computed_tokens`` the leading tokens whose KV they held. ``save_kv`` is the
+        policy's wish (``Preemption.save_kv``: keep its KV rather than recompute it), or
+        None when it left that to the connector."""
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """Engine-core process, once per schedule(); must not mutate the output."""
         return None

@@ -155,6 +155,8 @@ class HookFacade:
                 raise self._bad_answer(name, plugin, item, "a request is named twice", req)
             if not isinstance(p.reason, str):
                 raise self._bad_answer(name, plugin, item, "a reason must be a string", req)
+            if p.save_kv is not None and not isinstance(p.save_kv, bool):
+                raise self._bad_answer(name, plugin, item, "save_kv must be true, false or None", req)
             seen.add(id(req))
             chosen.append(p)
         return chosen

@@ -249,6 +249,9 @@ class PagedModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         step = _InFlightStep(self, req_ids, t0, finished_ids=scheduler_output.finished_req_ids)
         if not req_ids:  # still polls the connector: transfers go on between steps
+            if self.kv_connector is not None:  # and moves what it was told (a victim's save)
+                self.kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+                self.kv_connector.start_load_kv(None)
             step.done = ModelRunnerOutput([], {}, [], step_duration=time.perf_counter() - t0,
                                           kv_connector_output=self._connector_output(step))
             return step

@@ -17,27 +17,37 @@ e, about 73 for f's):
 
 - a1, a2: heavy-tailed outputs (lognormal, median 64, sigma 1.2, up to 2,048 tokens),
   ample KV cache, at about 80% (a1) and 95% (a2) load: fcfs, sjf by prompt, sjf by
-  ``max_tokens`` (an oracle: the simulator generates exactly ``max_tokens``), mlfq, and
-  the oracle sjf under aging. Short/long requests are the lower/upper half by output
-  length. The script checks whether mlfq's per-request latencies equal fcfs's.
-- b: a2's workload with a KV cache of 500 blocks (8,000 tokens): fcfs, mlfq, mlfq +
-  aging, mlfq + least-computed, oracle sjf; preemptions, recomputed tokens and waits.
+  ``max_tokens`` (an oracle: the simulator generates exactly ``max_tokens``), srpt (the
+  oracle sjf with ``preemptive: true``), mlfq (preemptive, its default), mlfq with
+  ``preemptive: false``, and the oracle sjf under aging. Short/long requests are the
+  lower/upper half by output length. The script checks whether non-preemptive mlfq's
+  per-request latencies equal fcfs's.
+- b: a2's workload with a KV cache of 500 blocks (8,000 tokens): fcfs, mlfq, mlfq with
+  ``preemptive: false``, mlfq + aging, mlfq + least-computed, oracle sjf, srpt;
+  preemptions (for KV blocks and on purpose together), recomputed tokens and waits.
 - c1, c2, c3: 90% of the prompts start with one of 16 shared 1,024-token prefixes.
-  c1: 700 KV blocks, prefix caching on (fcfs, least-computed, lpm); c2: the same with
-  prefix caching off (fcfs, least-computed); c3: ample KV, caching on (fcfs, lpm).
+  c1: 700 KV blocks, prefix caching on (fcfs, least-computed, least-computed with
+  ``count_shared_prefix: false``, lpm); c2: the same with prefix caching off (fcfs,
+  least-computed); c3: ample KV, caching on (fcfs, lpm).
 - d1, d2: two tenants sending 5:1, burst of 600 requests: fcfs vs vtc. d1 at 200
   requests/s, so the light tenant alone asks for more than half the capacity; d2 at 100
   requests/s, where it asks for less. d3, d4: d1 and d2 with 1,200 requests, to see
   which gaps grow with the length of the run.
 - e1, e2: two priority classes (0: a quarter of the requests, TTFT SLO 0.5 s; 1: TTFT
   SLO 2 s, via ``slo.by_priority``) at about 1.15x (e1) and 1.4x (e2) capacity: fcfs,
-  priority, edf with ``on_miss`` reject, defer and admit.
+  priority, priority-preemptive, edf with ``on_miss`` reject, defer and admit. e3: the
+  same classes with long outputs (256 to 1,024 tokens; the server completes about 9 of
+  these requests/s), class 0's TTFT SLO 0.25 s and class 1's 5 s, 400 requests at
+  8.5/s (about 95% load): fcfs, priority, priority-preemptive.
 - f: lognormal prompts (median 256, up to 3,000) at about 1.1x capacity: fcfs, sjf,
   sjf + aging (``max_wait_s: 1``), sjf with ``aging_rate: 1000``.
 
-Runtime, default five seeds, on a 2-core AMD EPYC machine: 3 min 45 s with ``--jobs 1``,
-2 min 23 s with ``--jobs 2`` (the output is the same; each (scenario, seed) pair is an
-independent run). The figures are virtual time and do not depend on the machine.
+Runtime, default five seeds, on a 2-core AMD EPYC machine: about 6 min 10 s of CPU time
+in all (6 min 8 s and 6 min 24 s measured), so about that long with ``--jobs 1``;
+``--jobs 2`` took 5 min 54 s and 8 min while other processes shared the two cores, and
+should take a little over half the CPU time on idle ones (the output is the same; each
+(scenario, seed) pair is an independent run). The figures are virtual time and do not
+depend on the machine.
 """
 
 from __future__ import annotations
@@ -88,6 +98,9 @@ def config(*, workload: dict[str, Any], profiles: list[dict[str, Any]], num_bloc
 
 SJF_ORACLE = plugin("sjf", use_max_tokens=True)
 FCFS = profile("fcfs", "fcfs")
+MLFQ = profile("mlfq", "mlfq")  # preemptive (the default)
+MLFQ_NP = profile("mlfq (non-preemptive)", "mlfq", plugin("mlfq", preemptive=False))
+SRPT = profile("srpt", "sjf", plugin("sjf", use_max_tokens=True, preemptive=True))
 
 
 @dataclass(slots=True)
@@ -157,16 +170,20 @@ A_PROFILES = [
     FCFS,
     profile("sjf (prompt)", "sjf"),
     profile("sjf (oracle)", "sjf", SJF_ORACLE),
-    profile("mlfq", "mlfq"),
+    SRPT,
+    MLFQ,
+    MLFQ_NP,
     profile("sjf (oracle) + aging 2s", "sjf", SJF_ORACLE, plugin("aging", max_wait_s=2.0)),
 ]
-A_COLUMNS = (SHORT_E2E, LONG_E2E, E2E, TTFT_P99, MAX_WAIT, PREEMPTIONS)
+A_COLUMNS = (SHORT_E2E, LONG_E2E, E2E, TTFT_P99, MAX_WAIT, PREEMPTIONS, RECOMPUTED)
 
 SHARED = {"rate": 45.0, "num_requests": 600, "prompt_len": {"dist": "uniform", "min": 32, "max": 256},
           "output_len": {"dist": "lognormal", "median": 64, "sigma": 1.0, "min": 4, "max": 1024},
           "shared_prefix": {"count": 16, "length": 1024, "fraction": 0.9}}
 C_COLUMNS = (HIT_RATE, RECOMPUTED, PREEMPTIONS, TTFT, TTFT_P99, E2E, MAKESPAN)
 LEAST_COMPUTED = profile("least-computed", "fcfs", plugin("least-computed"))
+LEAST_COMPUTED_ALL = profile("least-computed (all computed)", "fcfs",
+                             plugin("least-computed", count_shared_prefix=False))
 
 
 def tenants(rate: float, num_requests: int = 600) -> dict[str, Any]:
@@ -190,6 +207,14 @@ def priorities(rate: float) -> dict[str, Any]:
             "slo": {"ttft_s": 2.0, "by_priority": {0: {"ttft_s": 0.5}}}}
 
 
+# e3: long outputs, so a seat frees up only every ~0.1 s: strict priority still makes a
+# class-0 request wait for one, priority-preemptive gives it one at the next step.
+LONG_PRIORITIES = {"rate": 8.5, "num_requests": 400, "prompt_len": PROMPTS,
+                   "output_len": {"dist": "uniform", "min": 256, "max": 1024},
+                   "priorities": [{"priority": 0, "weight": 1}, {"priority": 1, "weight": 3}],
+                   "slo": {"ttft_s": 5.0, "by_priority": {0: {"ttft_s": 0.25}}}}
+
+
 def edf(on_miss: str) -> dict[str, Any]:
     # Class 0 carries its 0.5 s target as Request.ttft_slo_s; ttft_slo_s is class 1's.
     return profile(f"edf {on_miss}", "edf", plugin("edf", ttft_slo_s=2.0, on_miss=on_miss))
@@ -203,6 +228,16 @@ E_COLUMNS = (
     Column("goodput (req/s)", s("goodput_req_s"), ".1f"),
     Column("class 0 TTFT mean (s)", s("by_priority", 0, "ttft_s", "mean")),
     Column("class 1 TTFT mean (s)", s("by_priority", 1, "ttft_s", "mean")),
+    PREEMPTIONS,
+)
+E3_COLUMNS = (
+    Column("attainment", s("slo_attainment")),
+    Column("class 0 attainment", s("by_priority", 0, "slo_attainment")),
+    Column("class 1 attainment", s("by_priority", 1, "slo_attainment")),
+    Column("class 0 TTFT mean (s)", s("by_priority", 0, "ttft_s", "mean")),
+    Column("class 0 TTFT p99 (s)", s("by_priority", 0, "ttft_s", "p99")),
+    Column("class 1 TTFT mean (s)", s("by_priority", 1, "ttft_s", "mean")),
+    E2E, PREEMPTIONS, RECOMPUTED,
 )
 
 F_COLUMNS = (
@@ -214,20 +249,20 @@ F_COLUMNS = (
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("a1", "Heavy-tailed outputs, ample KV, ~80% load (36 req/s)",
              config(workload=heavy_tailed(36.0), profiles=A_PROFILES, num_blocks=AMPLE_BLOCKS),
-             A_COLUMNS, same_as=(("mlfq", "fcfs"),)),
+             A_COLUMNS, same_as=(("mlfq (non-preemptive)", "fcfs"),)),
     Scenario("a2", "Heavy-tailed outputs, ample KV, ~95% load (44 req/s)",
              config(workload=heavy_tailed(44.0), profiles=A_PROFILES, num_blocks=AMPLE_BLOCKS),
-             A_COLUMNS, same_as=(("mlfq", "fcfs"),)),
+             A_COLUMNS, same_as=(("mlfq (non-preemptive)", "fcfs"),)),
     Scenario("b", "Heavy-tailed outputs under KV pressure (500 blocks), 44 req/s",
              config(workload=heavy_tailed(44.0), num_blocks=500, profiles=[
-                 FCFS, profile("mlfq", "mlfq"),
+                 FCFS, MLFQ, MLFQ_NP,
                  profile("mlfq + aging 2s", "mlfq", plugin("aging", max_wait_s=2.0)),
                  profile("mlfq + least-computed", "mlfq", plugin("mlfq"), plugin("least-computed")),
-                 profile("sjf (oracle)", "sjf", SJF_ORACLE)]),
-             (SHORT_E2E, E2E, TTFT, MAX_FIRST_WAIT, MAX_WAIT, PREEMPTIONS, RECOMPUTED)),
+                 profile("sjf (oracle)", "sjf", SJF_ORACLE), SRPT]),
+             (SHORT_E2E, LONG_E2E, E2E, TTFT, MAX_FIRST_WAIT, MAX_WAIT, PREEMPTIONS, RECOMPUTED)),
     Scenario("c1", "Shared prefixes, KV pressure (700 blocks), prefix caching on",
              config(workload=SHARED, num_blocks=700,
-                    profiles=[FCFS, LEAST_COMPUTED, profile("lpm", "lpm")]),
+                    profiles=[FCFS, LEAST_COMPUTED, LEAST_COMPUTED_ALL, profile("lpm", "lpm")]),
              C_COLUMNS),
     Scenario("c2", "Shared prefixes, KV pressure (700 blocks), prefix caching off",
              config(workload=SHARED, num_blocks=700, prefix_caching=False,
@@ -254,12 +289,21 @@ SCENARIOS: tuple[Scenario, ...] = (
              D_COLUMNS),
     Scenario("e1", "Two priority classes, per-class TTFT SLO, ~1.15x load (45 req/s)",
              config(workload=priorities(45.0), num_blocks=AMPLE_BLOCKS, profiles=[
-                 FCFS, profile("priority", "priority"), edf("reject"), edf("defer"), edf("admit")]),
+                 FCFS, profile("priority", "priority"),
+                 profile("priority-preemptive", "priority-preemptive"),
+                 edf("reject"), edf("defer"), edf("admit")]),
              E_COLUMNS),
     Scenario("e2", "Two priority classes, per-class TTFT SLO, ~1.4x load (55 req/s)",
              config(workload=priorities(55.0), num_blocks=AMPLE_BLOCKS, profiles=[
-                 FCFS, profile("priority", "priority"), edf("reject"), edf("defer"), edf("admit")]),
+                 FCFS, profile("priority", "priority"),
+                 profile("priority-preemptive", "priority-preemptive"),
+                 edf("reject"), edf("defer"), edf("admit")]),
              E_COLUMNS),
+    Scenario("e3", "Two priority classes, long outputs, class 0 TTFT SLO 0.25 s, ~0.95x load (8.5 req/s)",
+             config(workload=LONG_PRIORITIES, num_blocks=AMPLE_BLOCKS, profiles=[
+                 FCFS, profile("priority", "priority"),
+                 profile("priority-preemptive", "priority-preemptive")]),
+             E3_COLUMNS),
     Scenario("f", "Starvation: lognormal prompts, ~1.1x load (80 req/s)",
              config(workload={"rate": 80.0, "num_requests": 600,
                               "prompt_len": {"dist": "lognormal", "median": 256, "sigma": 1.0,

@@ -93,7 +93,8 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
 
     Stops at first non-None result. Called in the engine-core process, once at the start
     of every schedule() in which requests are running, requests are waiting, waiting
-    requests are served (the scheduler is not paused), ``scheduler.max_voluntary_preemptions``
+    requests are served (the scheduler is not paused), the step has a token budget,
+    ``scheduler.max_voluntary_preemptions``
     is above 0 and at least one plugin implements the hook; never per token. Its cost is
     one call with whole lists per such step: a plugin should look at the head of
     ``waiting`` (it iterates in serving order) rather than at all of it.
@@ -102,9 +103,10 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
         running: Running requests in admission order. Do not mutate.
         waiting: The waiting queue, iterable in serving order. Do not mutate (a plugin
             may reorder its own queue through its own methods).
-        max_num_running: ``scheduler.max_num_seqs``: running requests beyond it wait, so
-            ``max_num_running - len(running)`` waiting requests get a seat without any
-            preemption.
+        max_num_running: The seats for running requests (``scheduler.max_num_active_seqs``,
+            by default ``max_num_seqs``) less those that requests with a finished KV load
+            take first: ``max_num_running - len(running)`` waiting requests get a seat
+            without any preemption.
         kv_cache_usage: Fraction of usable KV blocks in use, in [0, 1].
         now: The scheduler clock.
         max_preemptions: The most requests this step may preempt

@@ -115,6 +115,22 @@ class FCFSQueue:
         return iter(self._q)
 
 
+def iter_heap(heap: list[tuple[Any, int, Request]]) -> Iterator[tuple[Any, int, Request]]:
+    """The entries of a binary min-heap of ``(key, seq, request)`` in order, lazily: the
+    first k cost O(k log k) whatever the heap's size (a frontier of candidate nodes).
+    The heap must not change while it is iterated."""
+    if not heap:
+        return
+    frontier = [(heap[0][0], heap[0][1], 0)]
+    n = len(heap)
+    while frontier:
+        _, _, i = heapq.heappop(frontier)
+        yield heap[i]
+        for c in (2 * i + 1, 2 * i + 2):
+            if c < n:
+                heapq.heappush(frontier, (heap[c][0], heap[c][1], c))
+
+
 class KeyedQueue(BaseRequestQueue):
     """A binary min-heap on ``key(request)``; ``prepend`` means re-insert by key.
 
@@ -157,4 +173,5 @@ class KeyedQueue(BaseRequestQueue):
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))
+        """Serving order, lazily (reading the head costs O(1), not a sort)."""
+        return (e[2] for e in iter_heap(self._heap))

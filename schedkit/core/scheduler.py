@@ -410,11 +410,15 @@ class Scheduler:
         """The policy's voluntary preemptions at the start of the step: each victim is
         preempted as on KV pressure, then queued with ``add`` (the policy's order), and
         sits out this step's admissions."""
-        if (not self._max_voluntary or not self.running or not self.waiting
+        if (not self._max_voluntary or not self.running or not self.waiting or st.budget <= 0
                 or self.pause_state is not PauseState.UNPAUSED):
             return
+        # Requests whose KV load finished are admitted before ``waiting``: their seats
+        # are not the waiting requests' to take.
+        loaded = sum(1 for r in self.kv_holding if r.status is not _LOADING or self.kv_loads.is_done(r))
         chosen = self.hooks.select_voluntary_preemptions(
-            running=self.running, waiting=self.waiting, max_num_running=self.max_num_active_seqs,
+            running=self.running, waiting=self.waiting,
+            max_num_running=self.max_num_active_seqs - loaded,
             kv_cache_usage=self.kv_cache_manager.usage, now=self.clock(),
             max_preemptions=self._max_voluntary)
         if not chosen:

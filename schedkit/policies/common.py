@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from schedkit.core.hooks import Preemption
-from schedkit.core.queues import BaseRequestQueue
+from schedkit.core.queues import BaseRequestQueue, iter_heap
 from schedkit.core.request import EventType, Request
 
 _QUEUED = EventType.QUEUED
@@ -81,16 +81,33 @@ def waiting_since(req: Request) -> float:
 
 
 # ------------------------------------------------------------- voluntary preemption
+def progress_since_resumed(req: Request) -> int:
+    """Tokens a running request has computed beyond its prompt and beyond everything it
+    had computed before its last preemption: its new progress since it (re)started."""
+    return req.num_computed_tokens - max(req.num_prompt_tokens, req.num_computed_high)
+
+
 def preempt_for_waiting(running: Sequence[Request], waiting: Iterable[Request],
                         max_num_running: int, max_preemptions: int,
-                        rank: Callable[[Request], Any], reason: str) -> list[Preemption] | None:
+                        rank: Callable[[Request], Any], reason: str,
+                        min_run_tokens: int = 0) -> list[Preemption] | None:
     """The common answer of a preemptive policy to ``schedkit_select_voluntary_preemptions``:
     the waiting requests at the head of the queue that find no free seat take the places
     of the running requests ranked worst, one for one, while the waiting one ranks
     strictly better (smaller ``rank``). Running requests are taken worst first, ties to
-    the latest admitted; at most ``max_preemptions``. Reads only as much of ``waiting``
-    (in serving order) as it can use. None when nobody is to be preempted."""
+    the latest admitted; at most ``max_preemptions``. Nobody is preempted while
+    requests with a finished KV load still wait for seats (``max_num_running`` below
+    ``len(running)``): they would take the seats freed. The heads are taken in the queue's
+    serving order and the pairing stops at the first head that beats no one left (the
+    seat would go to it first). A running request that has made fewer than
+    ``min_run_tokens`` tokens of new progress (:func:`progress_since_resumed`: still
+    computing its prompt, or recomputing after a preemption, counts as none) is not
+    taken, so that no request pays a prefill or a recompute only to be preempted again.
+    Reads only as much of ``waiting`` as it can use. None when nobody is to be
+    preempted."""
     free = max_num_running - len(running)
+    if free < 0:  # requests with a finished KV load take the next seats: wait for them
+        return None
     heads = []
     for req in waiting:
         if free > 0:  # gets a seat without a preemption
@@ -102,7 +119,9 @@ def preempt_for_waiting(running: Sequence[Request], waiting: Iterable[Request],
     if not heads:
         return None
     ranks = [rank(r) for r in running]
-    pool = sorted(range(len(running)), key=lambda i: (ranks[i], i), reverse=True)
+    pool = sorted((i for i, r in enumerate(running)
+                   if min_run_tokens <= 0 or progress_since_resumed(r) >= min_run_tokens),
+                  key=lambda i: (ranks[i], i), reverse=True)
     out = []
     for head, i in zip(heads, pool, strict=False):
         if not head < ranks[i]:
@@ -222,10 +241,12 @@ class LazyKeyedQueue(BaseRequestQueue):
 
 
     def __iter__(self) -> Iterator[Request]:
+        """Serving order, lazily: the heap walked in order, merged with the keys of the
+        requests added since the last read (computed, not stored)."""
         live = self._live
-        entries = [e for e in self._heap if live.get(id(e[2])) == e[1]]
-        entries += [(self._key(r), s, r) for s, r in self._pending if live.get(id(r)) == s]
-        return (e[2] for e in sorted(entries, key=lambda e: (e[0], e[1])))
+        pending = sorted((self._key(r), s, r) for s, r in self._pending if live.get(id(r)) == s)
+        ordered = heapq.merge(iter_heap(self._heap), pending, key=lambda e: (e[0], e[1]))
+        return (e[2] for e in ordered if live.get(id(e[2])) == e[1])
 
 
 class AgeIndex:

@@ -41,9 +41,11 @@ class LevelQueue(BaseRequestQueue):
         raise IndexError("peek from an empty queue")
 
     def add(self, request: Request) -> None:
-        self._levels[self._policy.admit_level(request)].append(request)
+        level = self._policy.admit_level(request)
+        self._levels[level].append(request)
         self._len += 1
-        self.ages.push(request)
+        if level:  # only a request below level 0 can be promoted
+            self.ages.push(request)
 
     def peek(self) -> Request:
         return self._top()[0]
@@ -55,9 +57,11 @@ class LevelQueue(BaseRequestQueue):
         return req
 
     def prepend_request(self, request: Request) -> None:
-        self._levels[self._policy.level_of(request)].appendleft(request)
+        level = self._policy.level_of(request)
+        self._levels[level].appendleft(request)
         self._len += 1
-        self.ages.push(request)
+        if level:
+            self.ages.push(request)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
@@ -71,6 +75,7 @@ class LevelQueue(BaseRequestQueue):
 
     def promote(self, request: Request) -> None:
         """Move a waiting request to the head of level 0 (its level is already 0)."""
+        self.ages.discard(request)
         for i, q in enumerate(self._levels):
             if i and request in q:
                 q.remove(request)
@@ -108,8 +113,11 @@ class MultiLevelFeedbackQueue:
     Starvation bound: a request waiting longer than ``starvation_s`` (since it was
     queued or last preempted) is promoted to the head of level 0 with a fresh quantum,
     as in FastServe, so it gets the next seat that frees up and, being in the top level,
-    cannot be preempted before it has used that quantum: no wait lasts much longer than
-    ``starvation_s`` plus a seat's turnover, whatever the load.
+    cannot be preempted before it has used that quantum. Promotion runs at every step's
+    end (``schedkit_on_step_end``), with or without ``preemptive`` and whatever
+    ``max_voluntary_preemptions`` is; a request already in level 0 is never promoted
+    (it is served in arrival order among level 0). ``starvation_s: .inf`` turns it off:
+    with ``preemptive: false`` too, mlfq is then the non-preemptive policy it was.
 
     Defining property: with room in the KV cache, a short job arriving behind long ones
     starts at once and finishes within its quanta, while long jobs sink to low levels and
@@ -129,6 +137,10 @@ class MultiLevelFeedbackQueue:
         prefill_tokens_per_step: Prompt tokens that cost about one decode step, for
             skip-join (>= 1, default 256).
         preemptive: Preempt running requests for higher-level waiting ones (default true).
+        min_run_tokens: New tokens a request must have computed since it (re)started
+            (beyond its prompt, and beyond what it recomputes after a preemption) before
+            it may be preempted on purpose (>= 0, default 16): no request pays a prefill
+            or a recompute only to be preempted again.
         starvation_s: Seconds of waiting after which a request is promoted to level 0
             (> 0, default 10.0; ``.inf`` turns the bound off).
 
@@ -138,7 +150,7 @@ class MultiLevelFeedbackQueue:
 
     def __init__(self, num_levels: int = 4, base_quantum: int = 16, quantum_growth: float = 2.0,
                  prefill_tokens_per_step: int = 256, preemptive: bool = True,
-                 starvation_s: float = 10.0) -> None:
+                 starvation_s: float = 10.0, min_run_tokens: int = 16) -> None:
         self.num_levels = check_int("num_levels", num_levels, minimum=1)
         self.base_quantum = check_int("base_quantum", base_quantum, minimum=1)
         self.quantum_growth = check_number("quantum_growth", quantum_growth, minimum=1.0)
@@ -147,6 +159,7 @@ class MultiLevelFeedbackQueue:
         if not isinstance(preemptive, bool):
             raise ValueError(f"preemptive must be true or false, got {preemptive!r}")
         self.preemptive = preemptive
+        self.min_run_tokens = check_int("min_run_tokens", min_run_tokens, minimum=0)
         self.starvation_s = check_number("starvation_s", starvation_s, strict=True, allow_inf=True)
         self.quanta = [max(1, round(self.base_quantum * self.quantum_growth ** i))
                        for i in range(self.num_levels)]
@@ -198,12 +211,11 @@ class MultiLevelFeedbackQueue:
     @hookimpl
     def schedkit_select_voluntary_preemptions(self, running: Sequence[Request],
                                               waiting: Iterable[Request], max_num_running: int,
-                                              now: float, max_preemptions: int) -> list[Preemption] | None:
-        self.promote_starved(now)
+                                              max_preemptions: int) -> list[Preemption] | None:
         if not self.preemptive:
             return None
         return preempt_for_waiting(running, waiting, max_num_running, max_preemptions,
-                                   self.level_of, "mlfq: a higher level waits")
+                                   self.level_of, "mlfq: a higher level waits", self.min_run_tokens)
 
     @hookimpl
     def schedkit_select_preemption_victim(self, running: Sequence[Request]) -> Request:
@@ -215,7 +227,8 @@ class MultiLevelFeedbackQueue:
         return victim
 
     @hookimpl
-    def schedkit_on_step_end(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+    def schedkit_on_step_end(self, outputs: dict[int, EngineCoreOutputs], now: float) -> None:
+        self.promote_starved(now)
         level, used, last = self._level, self._used, self.num_levels - 1
         for group in outputs.values():
             for out in group.outputs:

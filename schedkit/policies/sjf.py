@@ -11,6 +11,7 @@ from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import (
     LazyKeyedQueue,
     check_bool,
+    check_int,
     check_number,
     enqueue_time,
     preempt_for_waiting,
@@ -49,8 +50,10 @@ class ShortestJobFirst:
     request with the largest remaining size when its own is smaller (at most
     ``scheduler.max_voluntary_preemptions`` per step); a preempted request waits by its
     remaining size. Without ``use_max_tokens`` the size is the prompt length, which a
-    running request does not shrink. The running job preempted last may thus be
-    preempted again by each smaller arrival; ``aging_rate`` orders the waiting only.
+    running request does not shrink. A request is not preempted before it made
+    ``min_run_tokens`` of new progress since it (re)started. The waiting heads are taken
+    in the queue's order, aging credit included, and the pairing stops at the first head
+    smaller than no running job.
 
     Hooks: ``schedkit_create_waiting_queue``, and with ``preemptive``
     ``schedkit_select_voluntary_preemptions``; victim choice and the rest fall back to
@@ -63,16 +66,20 @@ class ShortestJobFirst:
             (default false).
         preemptive: Preempt running requests with a larger remaining size (SRPT,
             default false).
+        min_run_tokens: With ``preemptive``: new tokens a running request must have
+            computed since it (re)started before it may be preempted (>= 0, default 16),
+            so a long job is not preempted after every recompute.
 
     Raises:
         ValueError: A setting is out of range; the message names it and its value.
     """
 
     def __init__(self, aging_rate: float = 0.0, use_max_tokens: bool = False,
-                 preemptive: bool = False) -> None:
+                 preemptive: bool = False, min_run_tokens: int = 16) -> None:
         self.aging_rate = check_number("aging_rate", aging_rate)
         self.use_max_tokens = check_bool("use_max_tokens", use_max_tokens)
         self.preemptive = check_bool("preemptive", preemptive)
+        self.min_run_tokens = check_int("min_run_tokens", min_run_tokens, minimum=0)
         self._t0: float | None = None
 
     def job_size(self, request: Request) -> int:
@@ -102,4 +109,4 @@ class ShortestJobFirst:
         if not self.preemptive:
             return None
         return preempt_for_waiting(running, waiting, max_num_running, max_preemptions,
-                                   self.job_size, "srpt: a shorter job waits")
+                                   self.job_size, "srpt: a shorter job waits", self.min_run_tokens)

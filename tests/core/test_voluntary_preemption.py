@@ -164,3 +164,111 @@ def test_not_called_without_waiting_requests_or_with_the_bound_at_zero():
     while sched.has_requests():
         step(sched, sampled=7)
     assert off.calls == 0 and sched.num_preemptions_total == 0
+
+
+def test_seats_taken_by_finished_kv_loads_are_not_the_waiting_requests_to_take():
+    """A request whose KV load finished is admitted before the waiting queue, so it would
+    take the seat freed: the policy is told (max_num_running counts it) and waits (outside
+    review: low1 was preempted, remote-1 took the seat, and was preempted itself at the
+    next step, its loaded KV thrown away)."""
+    from schedkit.core.outputs import KVConnectorOutput
+    from schedkit.policies.priority_preemptive import PreemptivePriority
+    from tests.core.test_async_kv_loads import h4
+
+    sched, _ = h4(PreemptivePriority(), max_num_seqs=2, max_num_batched_tokens=256)
+    sched.add_request(make_request("low0", [5] * 16, max_tokens=100, priority=5, arrival_time=0.0))
+    step(sched, sampled=7)
+    sched.add_request(make_request("remote-1", [9] * 32, max_tokens=100, priority=9, arrival_time=1.0))
+    step(sched, sampled=7)
+    assert [r.request_id for r in sched.kv_holding] == ["remote-1"]  # its load is under way
+    sched.add_request(make_request("low1", [6] * 16, max_tokens=100, priority=5, arrival_time=2.0))
+    step(sched, sampled=7, kv_connector_output=KVConnectorOutput(finished_recving={"remote-1"}))
+    sched.add_request(make_request("hot", [8] * 16, max_tokens=4, priority=0, arrival_time=3.0))
+    for _ in range(3):
+        out = step(sched, sampled=7).scheduler_output
+        assert not out.preempted_req_ids and not out.scheduled_new_reqs
+    assert [r.request_id for r in sched.kv_holding] == ["remote-1"]
+    assert sched.requests["remote-1"].num_preemptions == 0
+    while sched.has_requests():
+        step(sched, sampled=7)
+    assert_scheduler_consistent(sched)
+
+
+def test_a_failed_step_gives_back_the_voluntary_preemption_counts():
+    class FailAdmission:
+        armed = True
+
+        @hookimpl
+        def schedkit_admit_request(self, request):
+            if self.armed:
+                raise RuntimeError("admission down")
+            return None
+
+    sched = make_scheduler(plugins=[PreemptTheOldest()], max_num_seqs=1)
+    reqs = [make_request(f"r{i}", [i + 1] * 8, max_tokens=6, arrival_time=float(i)) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched, sampled=7)
+    failing = FailAdmission()
+    sched.hooks = type(sched.hooks)(sched.hooks.pm)  # rebuilt below with the failing plugin
+    sched.hooks.pm.register(failing, name="fail-admission")
+    sched.hooks = type(sched.hooks)(sched.hooks.pm)
+    with pytest.raises(PluginError, match="admission down"):
+        sched.schedule()
+    assert sched.voluntary_preemptions == {} and reqs[0].status is RequestStatus.RUNNING
+    assert_scheduler_consistent(sched, reqs)
+    failing.armed = False
+    while sched.has_requests():
+        step(sched, sampled=7)
+    assert sum(sched.voluntary_preemptions.values()) >= 1
+
+
+def test_not_called_while_waiting_requests_are_not_served():
+    from schedkit.core.scheduler import PauseState
+
+    plugin = Greedy(lambda running: [running[0]])
+    sched = make_scheduler(plugins=[plugin], max_num_seqs=1)
+    for i in range(2):
+        sched.add_request(make_request(f"r{i}", [i + 1] * 8, max_tokens=5, arrival_time=float(i)))
+    step(sched, sampled=7)
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    for _ in range(3):
+        step(sched, sampled=7)
+    assert plugin.calls == 0
+    sched.set_pause_state(PauseState.UNPAUSED)
+    step(sched, sampled=7)
+    assert plugin.calls == 1
+
+
+def test_voluntary_victims_with_tokens_in_flight_lose_no_token():
+    """Async scheduling through EngineCore: steps really are in flight when the hook
+    preempts (the scheduler-level test above updates each step at once)."""
+    from schedkit.config import config_from_dict
+    from schedkit.core.request import Request, SamplingParams
+    from schedkit.engine.core import EngineCore
+
+    class InFlight(PreemptAtRandom):
+        in_flight = 0
+
+        @hookimpl
+        def schedkit_select_voluntary_preemptions(self, running, max_preemptions):
+            chosen = super().schedkit_select_voluntary_preemptions(running, max_preemptions)
+            self.in_flight += sum(p.request.num_in_flight_tokens > 0 for p in chosen or ())
+            return chosen
+
+    plugin = InFlight(seed=5)
+    engine = EngineCore(config_from_dict({
+        "runner": {"kind": "fake"}, "cache": {"enable_prefix_caching": True},
+        "scheduler": {"async_scheduling": True, "max_num_seqs": 4}}), extra_plugins=[plugin])
+    reqs = _requests(seed=4)
+    tokens = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(Request(r.request_id, r.prompt_token_ids,
+                                   SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                                   arrival_time=0.0))
+    while engine.has_requests():
+        for group in engine.step().values():
+            for o in group.outputs:
+                tokens[o.request_id] += o.new_token_ids
+    assert plugin.in_flight >= 5
+    assert all(len(tokens[r.request_id]) == r.max_tokens for r in reqs)

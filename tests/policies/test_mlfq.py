@@ -84,10 +84,10 @@ def test_a_request_is_demoted_after_its_quantum_of_output_tokens():
     r = req("r", 8)
     queue.add(r)
     for n, level in [(1, 0), (1, 1), (3, 1), (1, 2), (100, 2)]:
-        mlfq.schedkit_on_step_end(outputs=_outputs(r=n))
+        mlfq.schedkit_on_step_end(outputs=_outputs(r=n), now=0.0)
         assert mlfq.level_of(r) == level
     mlfq.schedkit_on_request_finished(request=r)
-    mlfq.schedkit_on_step_end(outputs={})
+    mlfq.schedkit_on_step_end(outputs={}, now=0.0)
     assert mlfq.level_of(req("r", 8)) == 0  # a new request with the same id starts afresh
 
 
@@ -97,7 +97,7 @@ def test_the_victim_is_the_running_request_in_the_lowest_level_latest_first():
     a, b, c, d = (req(x, 8) for x in "abcd")
     for r in (a, b, c, d):
         queue.add(r)
-    mlfq.schedkit_on_step_end(outputs=_outputs(b=2, c=2))  # b and c drop to level 1
+    mlfq.schedkit_on_step_end(outputs=_outputs(b=2, c=2), now=0.0)  # b and c drop to level 1
     assert mlfq.schedkit_select_preemption_victim(running=[a, b, c, d]) is c
     assert mlfq.schedkit_select_preemption_victim(running=[a, c, b, d]) is b
     assert mlfq.schedkit_select_preemption_victim(running=[a, d]) is d

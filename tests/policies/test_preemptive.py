@@ -51,11 +51,12 @@ def runs():
 
 
 def test_mlfq_cuts_short_job_latency_with_ample_kv(runs):
-    """Measured (3 seeds, 300 requests at 60 req/s): short-job mean E2E 0.06 s against
-    FCFS's 0.6-1.1 s; before mlfq could preempt it was FCFS's to the last digit."""
+    """Measured (3 seeds, 300 requests at 60 req/s): short-job mean E2E about 0.055 s
+    against FCFS's 0.30-0.60 s (5-11x); before mlfq could preempt it was FCFS's to the
+    last digit."""
     for fcfs, mlfq in zip(runs["fcfs"], runs["mlfq"], strict=True):
         assert summarize(fcfs)["preemptions"] == 0  # the KV cache never ran out
-        assert short_mean_e2e(mlfq) * 5 < short_mean_e2e(fcfs)
+        assert short_mean_e2e(mlfq) * 4 < short_mean_e2e(fcfs)
         assert summarize(mlfq)["e2e_s"]["mean"] < summarize(fcfs)["e2e_s"]["mean"]
         # bounded wait: the starvation bound (10 s) is never even reached
         assert summarize(mlfq)["max_wait_s"] < 10.0
@@ -169,3 +170,98 @@ def test_least_computed_counts_a_shared_prefix_as_surviving_work():
     first = reqs[victims[0]]
     # Its shared prefix was found again on resumption: only its own tokens were redone.
     assert 0 < first.num_recomputed_tokens <= first.num_computed_high - len(prefix)
+
+
+class CountingKey:
+    """A sort key that counts its comparisons."""
+
+    compares = 0
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __lt__(self, other: CountingKey) -> bool:
+        CountingKey.compares += 1
+        return self.v < other.v
+
+    def __eq__(self, other: object) -> bool:
+        CountingKey.compares += 1
+        return isinstance(other, CountingKey) and self.v == other.v
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_reading_the_head_of_a_keyed_queue_does_not_sort_it(lazy):
+    """Voluntary-preemption hooks read the head of the waiting queue every step: for a
+    heap queue that costs O(k log k) for k requests read, not a sort of the whole queue
+    (outside review: 41 ms per step at 50,000 waiting)."""
+    import random as _random
+
+    from schedkit.core.queues import KeyedQueue
+    from schedkit.policies.common import LazyKeyedQueue
+
+    rng = _random.Random(0)
+    values = list(range(20_000))
+    rng.shuffle(values)
+    reqs = {v: make_request(f"r{v}", [1, 2]) for v in values}
+    queue = (LazyKeyedQueue if lazy else KeyedQueue)(lambda r: CountingKey(int(r.request_id[1:])))
+    for v in values:
+        queue.add(reqs[v])
+    queue.peek()  # a lazy queue computes its keys here
+    CountingKey.compares = 0
+    it = iter(queue)
+    head = [next(it).request_id for _ in range(4)]
+    assert head == ["r0", "r1", "r2", "r3"]
+    assert CountingKey.compares < 200
+    assert [r.request_id for r in queue][:5] == ["r0", "r1", "r2", "r3", "r4"]  # whole order kept
+
+
+def test_mlfq_starvation_bound_holds_without_voluntary_preemption():
+    """Promotion runs at every step's end, so the bound holds with the hook switched off
+    (max_voluntary_preemptions 0) too (outside review: the request never got served)."""
+    from schedkit.core.outputs import longest_wait
+    from schedkit.policies.mlfq import MultiLevelFeedbackQueue
+
+    from ._harness import req, run
+
+    def longest(**kw):
+        reqs = [req("long", 600, t=0.0, max_tokens=4)] + [
+            req(f"s{i}", 16, t=0.01 * i, max_tokens=20) for i in range(1, 400)]
+        res = run(reqs, [MultiLevelFeedbackQueue(base_quantum=4, starvation_s=0.5)],
+                  max_num_seqs=1, step_s=0.01, max_num_batched_tokens=64, **kw)
+        return longest_wait(res.requests["long"])
+
+    assert longest(max_voluntary_preemptions=0) < 0.5 + 0.25
+
+
+def test_srpt_ranks_a_running_job_by_what_is_left_of_it():
+    from schedkit.policies.sjf import ShortestJobFirst
+
+    srpt = ShortestJobFirst(use_max_tokens=True, preemptive=True)
+    job = make_request("j", [1] * 8, max_tokens=100)
+    assert srpt.job_size(job) == 100
+    for _ in range(60):
+        job.append_output_token_ids(7)
+    assert srpt.job_size(job) == 40
+    assert ShortestJobFirst(use_max_tokens=True).job_size(job) == 100  # non-preemptive: fixed
+
+
+def test_a_long_job_is_not_preempted_after_every_recompute():
+    """One seat, a 500-token prompt asking for 200 tokens, a 5-token job every 6 steps
+    (outside review: preempted 67 times, 35,145 tokens recomputed for 67 outputs).
+    With min_run_tokens (default 16) it makes 16 tokens of progress per turn."""
+    from schedkit.policies.sjf import ShortestJobFirst
+
+    from ._harness import req, run
+
+    def serve(min_run_tokens):
+        reqs = [req("long", 500, t=0.0, max_tokens=200)] + [
+            req(f"s{i}", 8, t=0.06 * i, max_tokens=5) for i in range(1, 120)]
+        res = run(reqs, [ShortestJobFirst(use_max_tokens=True, preemptive=True,
+                                          min_run_tokens=min_run_tokens)],
+                  max_num_seqs=1, step_s=0.01, max_num_batched_tokens=512)
+        return res.requests["long"]
+
+    thrash, bounded = serve(0), serve(16)
+    assert thrash.num_preemptions > 40
+    assert bounded.num_preemptions <= 200 // 16 + 1
+    assert bounded.num_recomputed_tokens < thrash.num_recomputed_tokens / 3

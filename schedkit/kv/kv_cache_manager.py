@@ -15,7 +15,7 @@ operations.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from schedkit.errors import ConfigError
@@ -148,32 +148,27 @@ class KVCacheManager:
         state = self._reqs.get(request_id)
         return state.num_cached_blocks if state is not None else 0
 
-    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
-        """Leading blocks of the request's table held by all ``num_running_requests``."""
+    def _num_leading_blocks(self, request_id: str, holds: Callable[[int], bool]) -> int:
+        """Leading blocks of the request's table whose reference count passes ``holds``."""
         state = self._reqs.get(request_id)
         if state is None:
             return 0
         ref = self.block_pool.ref_cnt
         n = 0
         for b in state.block_ids:
-            if ref(b) != num_running_requests:
+            if not holds(ref(b)):
                 break
             n += 1
         return n
 
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
+        """Leading blocks of the request's table held by all ``num_running_requests``."""
+        return self._num_leading_blocks(request_id, lambda n: n == num_running_requests)
+
     def get_num_shared_prefix_blocks(self, request_id: str) -> int:
         """Leading blocks of the request's table that another request holds too: they
         stay allocated, and cached, when this request frees its blocks."""
-        state = self._reqs.get(request_id)
-        if state is None:
-            return 0
-        ref = self.block_pool.ref_cnt
-        n = 0
-        for b in state.block_ids:
-            if ref(b) < 2:
-                break
-            n += 1
-        return n
+        return self._num_leading_blocks(request_id, lambda n: n >= 2)
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[int], int]:
         """Look up the request's longest cached prefix, in whole blocks.

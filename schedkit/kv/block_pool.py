@@ -49,6 +49,9 @@ class BlockPool:
 
     __slots__ = (
         "num_blocks",
+        "record_evictions",
+        "_evicted",
+        "_evicted_mark",
         "block_size",
         "enable_caching",
         "enable_kv_events",
@@ -104,6 +107,11 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         self._journal: list[tuple] | None = None
         self._events_mark = 0
+        self.record_evictions = False
+        """Keep ``(block, hash)`` of every cached block an allocation evicts, for
+        :meth:`take_evicted` (a KV connector that saves evicted blocks turns it on)."""
+        self._evicted: list[tuple[int, BlockHash]] = []
+        self._evicted_mark = 0
 
     # Queries ------------------------------------------------------------------------
 
@@ -164,6 +172,8 @@ class BlockPool:
             if h is not None:
                 if journal is not None:
                     evicted.append((b, h, self.cached_block_map.index_of(h, b)))
+                if self.record_evictions:
+                    self._evicted.append((b, h))
                 self._evict(b)
             b = nxt[b]
         nxt[s] = b
@@ -295,6 +305,13 @@ class BlockPool:
         if self.enable_kv_events:
             self._events.append(BlockRemoved(block_hashes=[h]))
 
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """``(block id, hash)`` of the cached blocks that allocations evicted to reuse
+        them since the last call (recorded only with ``record_evictions``; the blocks
+        still hold that KV until the step that reuses them runs)."""
+        out, self._evicted = self._evicted, []
+        return out
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the given blocks' hashes from the prefix cache; ref counts are untouched."""
         for b in block_ids:
@@ -336,6 +353,7 @@ class BlockPool:
         assert self._journal is None, "nested transaction"
         self._journal = []
         self._events_mark = len(self._events)
+        self._evicted_mark = len(self._evicted)
 
     def commit(self) -> None:
         """Keep the changes since ``begin()`` and stop journaling."""
@@ -346,6 +364,7 @@ class BlockPool:
         journal = self._journal
         assert journal is not None, "rollback outside a transaction"
         self._journal = None
+        del self._evicted[self._evicted_mark:]
         ref, hashes, nxt, prev, s = self._ref_cnt, self._hash, self._next, self._prev, self._sentinel
         cmap = self.cached_block_map
         for entry in reversed(journal):

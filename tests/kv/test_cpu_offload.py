@@ -155,3 +155,44 @@ def test_swap_cuts_the_recompute_of_kv_pressure_preemptions():
         assert recompute["preemptions"] > 5 and swap["preemptions"] > 5
         ratios.append(swap["recomputed_tokens"] / recompute["recomputed_tokens"])
     assert statistics.mean(ratios) < 0.3, ratios
+
+
+def test_blocks_the_prefix_cache_evicts_are_saved_and_loaded_by_a_later_hit():
+    swap = Swap()
+    sched = make_scheduler(plugins=[swap], block_size=4, num_blocks=9, enable_prefix_caching=True)
+    prefix = list(range(500, 516))  # 4 full blocks
+    first = make_request("first", prefix + [1], max_tokens=1)
+    sched.add_request(first)
+    while sched.has_requests():
+        step(sched, sampled=7)
+    hashes = list(first.block_hashes[:4])
+    big = make_request("big", list(range(900, 931)), max_tokens=1)  # needs every block
+    sched.add_request(big)
+    while sched.has_requests():
+        step(sched, sampled=7)
+    saved = {h for m in swap.metas for _, h in m.saves}
+    assert set(hashes) <= saved  # evicted to make room for "big", saved first
+    again = make_request("again", prefix + [2, 3], max_tokens=1)
+    sched.add_request(again)
+    out = step(sched, sampled=7).scheduler_output
+    assert [h for h, _ in out.kv_connector_metadata.loads] == hashes
+    assert out.num_scheduled_tokens["again"] == 2  # the 16 prefix tokens were loaded
+    assert_scheduler_consistent(sched)
+
+
+def test_an_undone_step_forgets_its_evictions():
+    from schedkit.kv.block_pool import BlockPool
+
+    pool = BlockPool(num_blocks=6, enable_caching=True, block_size=4)
+    pool.record_evictions = True
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [b"a" * 8, b"b" * 8], 0, 2)
+    pool.free_blocks(blocks)
+    pool.begin()
+    pool.get_new_blocks(5)  # evicts both cached blocks
+    pool.rollback()
+    assert pool.take_evicted() == []
+    pool.begin()
+    pool.get_new_blocks(5)
+    pool.commit()
+    assert sorted(h for _, h in pool.take_evicted()) == [b"a" * 8, b"b" * 8]

@@ -4,9 +4,10 @@ KV instead of recomputing it (preemption by swap). The worker side, which moves 
 tensors, is :mod:`schedkit.runners.paged.kv_offload`.
 
 When a request is preempted (for KV blocks, or on purpose by a policy), the full blocks
-it had computed are saved unless their hash is stored already; the save is part of the
-step's connector metadata, and the worker copies those blocks to host memory before the
-step's forward pass can overwrite them. Any waiting request, the victim or another one
+it had computed are saved unless their hash is stored already, and so is every cached
+block that the prefix cache evicts to reuse it (``save_on_eviction``); the saves are
+part of the step's connector metadata, and the worker copies those blocks to host
+memory before the step's forward pass can overwrite them. Any waiting request, the victim or another one
 with the same prefix, then finds the leading stored blocks that the local prefix cache
 no longer has and loads them synchronously (they count as computed: they are not
 recomputed, and ``num_recomputed_tokens`` says so). The store holds at most
@@ -53,13 +54,14 @@ class CPUOffloadConnector(KVConnectorBase):
         config: The cache config (``block_size``, ``enable_prefix_caching``).
         max_blocks: Most blocks kept in host memory.
         save_on_preemption: Save a victim's KV unless its policy said otherwise.
+        save_on_eviction: Save a cached block that the prefix cache evicts to reuse it.
 
     Raises:
         ValueError: Prefix caching is off, or a setting is out of range.
     """
 
     def __init__(self, role: KVConnectorRole, config: Any, max_blocks: int = 4096,
-                 save_on_preemption: bool = True) -> None:
+                 save_on_preemption: bool = True, save_on_eviction: bool = True) -> None:
         super().__init__(role, config)
         if not getattr(config, "enable_prefix_caching", False):
             raise ValueError("cpu-offload keys blocks by their prefix-cache hash: it needs "
@@ -67,6 +69,7 @@ class CPUOffloadConnector(KVConnectorBase):
         self.block_size: int = config.block_size
         self.max_blocks = max_blocks
         self.save_on_preemption = save_on_preemption
+        self.save_on_eviction = save_on_eviction
         self._stored: OrderedDict[bytes, None] = OrderedDict()
         """Hashes stored (or saved by a step not yet run), least recently used first."""
         self._meta = OffloadMetadata()
@@ -82,21 +85,27 @@ class CPUOffloadConnector(KVConnectorBase):
         return len(self._stored)
 
     # -- scheduler side --------------------------------------------------------------------
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        super().bind_kv_cache_manager(manager)
+        if self.save_on_eviction:
+            manager.block_pool.record_evictions = True
+
+    def _save(self, block_id: int, h: bytes) -> None:
+        stored = self._stored
+        if h in stored:
+            stored.move_to_end(h)
+            return
+        stored[h] = None
+        self._meta.saves.append((block_id, h))
+        self.num_saved_blocks += 1
+
     def request_preempted(self, request: Any, block_ids: list[int], num_computed_tokens: int,
                           save_kv: bool | None) -> None:
         if not (self.save_on_preemption if save_kv is None else save_kv):
             return
         hashes = request.block_hashes
-        n = min(len(hashes), len(block_ids), num_computed_tokens // self.block_size)
-        stored, saves = self._stored, self._meta.saves
-        for i in range(n):
-            h = hashes[i]
-            if h in stored:
-                stored.move_to_end(h)
-                continue
-            stored[h] = None
-            saves.append((block_ids[i], h))
-        self.num_saved_blocks += n
+        for i in range(min(len(hashes), len(block_ids), num_computed_tokens // self.block_size)):
+            self._save(block_ids[i], hashes[i])
         self._trim()
 
     def _trim(self) -> None:
@@ -126,6 +135,10 @@ class CPUOffloadConnector(KVConnectorBase):
             self._loads[(rid, i)] = (hashes[i], block_ids[i])
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadMetadata:
+        if self.save_on_eviction and self.kv_cache_manager is not None:  # evicted by this step
+            for block_id, h in self.kv_cache_manager.block_pool.take_evicted():
+                self._save(block_id, h)
+            self._trim()
         meta, self._meta = self._meta, OffloadMetadata()
         # A load is sent only if its block still is the request's (a step that was
         # undone after the allocation gave the blocks back; it allocates again).

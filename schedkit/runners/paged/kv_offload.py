@@ -22,8 +22,8 @@ class CPUOffloadWorker(CPUOffloadConnector):
     """The worker side: moves blocks between the paged cache and host memory."""
 
     def __init__(self, role: KVConnectorRole, config: Any, max_blocks: int = 4096,
-                 save_on_preemption: bool = True) -> None:
-        super().__init__(role, config, max_blocks, save_on_preemption)
+                 save_on_preemption: bool = True, save_on_eviction: bool = True) -> None:
+        super().__init__(role, config, max_blocks, save_on_preemption, save_on_eviction)
         self._meta = OffloadMetadata()
         self._kv_caches: Any = None
         self.host: dict[bytes, list[Any]] = {}
@@ -60,17 +60,23 @@ class CPUOffload:
         max_blocks: Most KV blocks kept in host memory (>= 1, default 4096).
         save_on_preemption: Save a preempted request's KV unless its policy decides
             otherwise per victim (``Preemption.save_kv``); default true.
+        save_on_eviction: Save a cached block the prefix cache evicts to reuse it, so a
+            later request with that prefix loads it (default true).
     """
 
-    def __init__(self, max_blocks: int = 4096, save_on_preemption: bool = True) -> None:
+    def __init__(self, max_blocks: int = 4096, save_on_preemption: bool = True,
+                 save_on_eviction: bool = True) -> None:
         if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
             raise ValueError(f"max_blocks must be an integer >= 1, got {max_blocks!r}")
         if not isinstance(save_on_preemption, bool):
             raise ValueError(f"save_on_preemption must be true or false, got {save_on_preemption!r}")
+        if not isinstance(save_on_eviction, bool):
+            raise ValueError(f"save_on_eviction must be true or false, got {save_on_eviction!r}")
         self.max_blocks = max_blocks
         self.save_on_preemption = save_on_preemption
+        self.save_on_eviction = save_on_eviction
 
     @hookimpl
     def schedkit_create_kv_connector(self, role: KVConnectorRole, config: Any) -> CPUOffloadConnector:
         cls = CPUOffloadWorker if role is KVConnectorRole.WORKER else CPUOffloadConnector
-        return cls(role, config, self.max_blocks, self.save_on_preemption)
+        return cls(role, config, self.max_blocks, self.save_on_preemption, self.save_on_eviction)

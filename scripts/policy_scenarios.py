@@ -19,12 +19,17 @@ e, about 73 for f's):
   ample KV cache, at about 80% (a1) and 95% (a2) load: fcfs, sjf by prompt, sjf by
   ``max_tokens`` (an oracle: the simulator generates exactly ``max_tokens``), srpt (the
   oracle sjf with ``preemptive: true``), mlfq (preemptive, its default), mlfq with
-  ``preemptive: false``, and the oracle sjf under aging. Short/long requests are the
-  lower/upper half by output length. The script checks whether non-preemptive mlfq's
-  per-request latencies equal fcfs's.
-- b: a2's workload with a KV cache of 500 blocks (8,000 tokens): fcfs, mlfq, mlfq with
-  ``preemptive: false``, mlfq + aging, mlfq + least-computed, oracle sjf, srpt;
-  preemptions (for KV blocks and on purpose together), recomputed tokens and waits.
+  ``preemptive: false`` and ``starvation_s: .inf`` (exactly the non-preemptive mlfq of
+  before preemption on purpose: the starvation promotion runs at every step's end, with
+  or without ``preemptive``), and the oracle sjf under aging. mlfq and srpt use the
+  default ``min_run_tokens: 16``. Short/long requests are the lower/upper half by output
+  length. The script checks whether non-preemptive mlfq's per-request latencies equal
+  fcfs's.
+- b: a2's workload with a KV cache of 500 blocks (8,000 tokens), prefix caching on:
+  fcfs, mlfq, non-preemptive mlfq (as in a), mlfq + aging, mlfq + least-computed,
+  mlfq + cpu-offload (preemption by swap to host memory, default settings), oracle sjf,
+  srpt; preemptions (for KV blocks and on purpose together), recomputed tokens and
+  waits.
 - c1, c2, c3: 90% of the prompts start with one of 16 shared 1,024-token prefixes.
   c1: 700 KV blocks, prefix caching on (fcfs, least-computed, least-computed with
   ``count_shared_prefix: false``, lpm); c2: the same with prefix caching off (fcfs,
@@ -42,12 +47,11 @@ e, about 73 for f's):
 - f: lognormal prompts (median 256, up to 3,000) at about 1.1x capacity: fcfs, sjf,
   sjf + aging (``max_wait_s: 1``), sjf with ``aging_rate: 1000``.
 
-Runtime, default five seeds, on a 2-core AMD EPYC machine: about 6 min 10 s of CPU time
-in all (6 min 8 s and 6 min 24 s measured), so about that long with ``--jobs 1``;
-``--jobs 2`` took 5 min 54 s and 8 min while other processes shared the two cores, and
-should take a little over half the CPU time on idle ones (the output is the same; each
-(scenario, seed) pair is an independent run). The figures are virtual time and do not
-depend on the machine.
+Runtime, default five seeds, on a 2-core AMD EPYC machine: about 5 min 30 s to 6 min of
+CPU time in all (5 min 30 s and 5 min 49 s measured), so about that long with
+``--jobs 1``; ``--jobs 2`` took 3 min 23 s, and 4 min 36 s while other processes shared
+the two cores (the output is the same; each (scenario, seed) pair is an independent
+run). The figures are virtual time and do not depend on the machine.
 """
 
 from __future__ import annotations
@@ -99,7 +103,10 @@ def config(*, workload: dict[str, Any], profiles: list[dict[str, Any]], num_bloc
 SJF_ORACLE = plugin("sjf", use_max_tokens=True)
 FCFS = profile("fcfs", "fcfs")
 MLFQ = profile("mlfq", "mlfq")  # preemptive (the default)
-MLFQ_NP = profile("mlfq (non-preemptive)", "mlfq", plugin("mlfq", preemptive=False))
+# The mlfq of before preemption on purpose: no voluntary preemption and no starvation
+# promotion (which runs at every step's end, with or without ``preemptive``).
+MLFQ_NP = profile("mlfq (non-preemptive)", "mlfq",
+                  plugin("mlfq", preemptive=False, starvation_s=math.inf))
 SRPT = profile("srpt", "sjf", plugin("sjf", use_max_tokens=True, preemptive=True))
 
 
@@ -258,6 +265,7 @@ SCENARIOS: tuple[Scenario, ...] = (
                  FCFS, MLFQ, MLFQ_NP,
                  profile("mlfq + aging 2s", "mlfq", plugin("aging", max_wait_s=2.0)),
                  profile("mlfq + least-computed", "mlfq", plugin("mlfq"), plugin("least-computed")),
+                 profile("mlfq + cpu-offload", "mlfq", {"name": "cpu-offload"}),
                  profile("sjf (oracle)", "sjf", SJF_ORACLE), SRPT]),
              (SHORT_E2E, LONG_E2E, E2E, TTFT, MAX_FIRST_WAIT, MAX_WAIT, PREEMPTIONS, RECOMPUTED)),
     Scenario("c1", "Shared prefixes, KV pressure (700 blocks), prefix caching on",

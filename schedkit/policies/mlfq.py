@@ -139,8 +139,10 @@ class MultiLevelFeedbackQueue:
         preemptive: Preempt running requests for higher-level waiting ones (default true).
         min_run_tokens: New tokens a request must have computed since it (re)started
             (beyond its prompt, and beyond what it recomputes after a preemption) before
-            it may be preempted on purpose (>= 0, default 16): no request pays a prefill
-            or a recompute only to be preempted again.
+            it may be preempted on purpose (>= 0, default 0): with one seat, a long job
+            would otherwise pay a recompute for every token; with many seats sparing it
+            moves the preemption to another request, which the lab measured as no
+            better (docs/policies.md).
         starvation_s: Seconds of waiting after which a request is promoted to level 0
             (> 0, default 10.0; ``.inf`` turns the bound off).
 
@@ -150,7 +152,7 @@ class MultiLevelFeedbackQueue:
 
     def __init__(self, num_levels: int = 4, base_quantum: int = 16, quantum_growth: float = 2.0,
                  prefill_tokens_per_step: int = 256, preemptive: bool = True,
-                 starvation_s: float = 10.0, min_run_tokens: int = 16) -> None:
+                 starvation_s: float = 10.0, min_run_tokens: int = 0) -> None:
         self.num_levels = check_int("num_levels", num_levels, minimum=1)
         self.base_quantum = check_int("base_quantum", base_quantum, minimum=1)
         self.quantum_growth = check_number("quantum_growth", quantum_growth, minimum=1.0)

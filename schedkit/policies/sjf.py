@@ -67,15 +67,16 @@ class ShortestJobFirst:
         preemptive: Preempt running requests with a larger remaining size (SRPT,
             default false).
         min_run_tokens: With ``preemptive``: new tokens a running request must have
-            computed since it (re)started before it may be preempted (>= 0, default 16),
-            so a long job is not preempted after every recompute.
+            computed since it (re)started before it may be preempted (>= 0, default 0):
+            with few seats it stops a long job being preempted after every recompute;
+            with many, the lab measured more preemptions with it (docs/policies.md).
 
     Raises:
         ValueError: A setting is out of range; the message names it and its value.
     """
 
     def __init__(self, aging_rate: float = 0.0, use_max_tokens: bool = False,
-                 preemptive: bool = False, min_run_tokens: int = 16) -> None:
+                 preemptive: bool = False, min_run_tokens: int = 0) -> None:
         self.aging_rate = check_number("aging_rate", aging_rate)
         self.use_max_tokens = check_bool("use_max_tokens", use_max_tokens)
         self.preemptive = check_bool("preemptive", preemptive)

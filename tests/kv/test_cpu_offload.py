@@ -158,7 +158,7 @@ def test_swap_cuts_the_recompute_of_kv_pressure_preemptions():
 
 
 def test_blocks_the_prefix_cache_evicts_are_saved_and_loaded_by_a_later_hit():
-    swap = Swap()
+    swap = Swap(save_on_eviction=True)
     sched = make_scheduler(plugins=[swap], block_size=4, num_blocks=9, enable_prefix_caching=True)
     prefix = list(range(500, 516))  # 4 full blocks
     first = make_request("first", prefix + [1], max_tokens=1)

@@ -248,7 +248,7 @@ def test_srpt_ranks_a_running_job_by_what_is_left_of_it():
 def test_a_long_job_is_not_preempted_after_every_recompute():
     """One seat, a 500-token prompt asking for 200 tokens, a 5-token job every 6 steps
     (outside review: preempted 67 times, 35,145 tokens recomputed for 67 outputs).
-    With min_run_tokens (default 16) it makes 16 tokens of progress per turn."""
+    With min_run_tokens: 16 it makes 16 tokens of progress per turn."""
     from schedkit.policies.sjf import ShortestJobFirst
 
     from ._harness import req, run

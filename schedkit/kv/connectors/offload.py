@@ -5,7 +5,8 @@ tensors, is :mod:`schedkit.runners.paged.kv_offload`.
 
 When a request is preempted (for KV blocks, or on purpose by a policy), the full blocks
 it had computed are saved unless their hash is stored already, and so is every cached
-block that the prefix cache evicts to reuse it (``save_on_eviction``); the saves are
+block that the prefix cache evicts to reuse it (with ``save_on_eviction``, off by
+default: in a small store they push the victims' blocks out); the saves are
 part of the step's connector metadata, and the worker copies those blocks to host
 memory before the step's forward pass can overwrite them. Any waiting request, the victim or another one
 with the same prefix, then finds the leading stored blocks that the local prefix cache
@@ -61,7 +62,7 @@ class CPUOffloadConnector(KVConnectorBase):
     """
 
     def __init__(self, role: KVConnectorRole, config: Any, max_blocks: int = 4096,
-                 save_on_preemption: bool = True, save_on_eviction: bool = True) -> None:
+                 save_on_preemption: bool = True, save_on_eviction: bool = False) -> None:
         super().__init__(role, config)
         if not getattr(config, "enable_prefix_caching", False):
             raise ValueError("cpu-offload keys blocks by their prefix-cache hash: it needs "

@@ -22,7 +22,7 @@ class CPUOffloadWorker(CPUOffloadConnector):
     """The worker side: moves blocks between the paged cache and host memory."""
 
     def __init__(self, role: KVConnectorRole, config: Any, max_blocks: int = 4096,
-                 save_on_preemption: bool = True, save_on_eviction: bool = True) -> None:
+                 save_on_preemption: bool = True, save_on_eviction: bool = False) -> None:
         super().__init__(role, config, max_blocks, save_on_preemption, save_on_eviction)
         self._meta = OffloadMetadata()
         self._kv_caches: Any = None
@@ -61,11 +61,12 @@ class CPUOffload:
         save_on_preemption: Save a preempted request's KV unless its policy decides
             otherwise per victim (``Preemption.save_kv``); default true.
         save_on_eviction: Save a cached block the prefix cache evicts to reuse it, so a
-            later request with that prefix loads it (default true).
+            later request with that prefix loads it (default false: evicted blocks
+            can push the victims' out of a small store; give ``max_blocks`` room).
     """
 
     def __init__(self, max_blocks: int = 4096, save_on_preemption: bool = True,
-                 save_on_eviction: bool = True) -> None:
+                 save_on_eviction: bool = False) -> None:
         if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
             raise ValueError(f"max_blocks must be an integer >= 1, got {max_blocks!r}")
         if not isinstance(save_on_preemption, bool):

@@ -22,14 +22,14 @@ e, about 73 for f's):
   ``preemptive: false`` and ``starvation_s: .inf`` (exactly the non-preemptive mlfq of
   before preemption on purpose: the starvation promotion runs at every step's end, with
   or without ``preemptive``), and the oracle sjf under aging. mlfq and srpt use the
-  default ``min_run_tokens: 16``. Short/long requests are the lower/upper half by output
+  default ``min_run_tokens: 0``. Short/long requests are the lower/upper half by output
   length. The script checks whether non-preemptive mlfq's per-request latencies equal
   fcfs's.
 - b: a2's workload with a KV cache of 500 blocks (8,000 tokens), prefix caching on:
   fcfs, mlfq, non-preemptive mlfq (as in a), mlfq + aging, mlfq + least-computed,
-  mlfq + cpu-offload (preemption by swap to host memory, default settings), oracle sjf,
-  srpt; preemptions (for KV blocks and on purpose together), recomputed tokens and
-  waits.
+  mlfq + cpu-offload (preemption by swap to host memory, default settings:
+  ``max_blocks: 4096``, ``save_on_eviction: false``), oracle sjf, srpt; preemptions
+  (for KV blocks and on purpose together), recomputed tokens and waits.
 - c1, c2, c3: 90% of the prompts start with one of 16 shared 1,024-token prefixes.
   c1: 700 KV blocks, prefix caching on (fcfs, least-computed, least-computed with
   ``count_shared_prefix: false``, lpm); c2: the same with prefix caching off (fcfs,
@@ -49,9 +49,9 @@ e, about 73 for f's):
 
 Runtime, default five seeds, on a 2-core AMD EPYC machine: about 5 min 30 s to 6 min of
 CPU time in all (5 min 30 s and 5 min 49 s measured), so about that long with
-``--jobs 1``; ``--jobs 2`` took 3 min 23 s, and 4 min 36 s while other processes shared
-the two cores (the output is the same; each (scenario, seed) pair is an independent
-run). The figures are virtual time and do not depend on the machine.
+``--jobs 1``; ``--jobs 2`` took 3 min 23 s, and 4 min 36 s to 5 min 46 s while other
+processes shared the two cores (CPU time then rises too: 7 min in the 5 min 46 s run;
+the output is the same; each (scenario, seed) pair is an independent run). The figures are virtual time and do not depend on the machine.
 """
 
 from __future__ import annotations

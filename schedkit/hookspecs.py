@@ -58,7 +58,8 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
 
 
 @hookspec(firstresult=True)
-def schedkit_select_preemption_victim(running: Sequence[Request], request: Request) -> Request | None:
+def schedkit_select_preemption_victim(running: Sequence[Request],
+                                      request: Request) -> Request | Preemption | None:
     """Choose the running request to preempt when ``request`` cannot get its KV blocks.
 
     Stops at first non-None result. Called in the engine-core process, at most once per
@@ -73,8 +74,10 @@ def schedkit_select_preemption_victim(running: Sequence[Request], request: Reque
 
     Returns:
         A member of ``running`` (the scheduler frees its blocks, resets its computed
-        tokens, keeps its outputs and re-queues it with ``prepend_request``), or None to
-        defer. Built-ins: ``fcfs`` returns ``running[-1]``; ``priority`` returns the first
+        tokens, keeps its outputs and re-queues it with ``prepend_request``), or one as
+        ``Preemption(request, reason, save_kv)`` to say whether a KV connector that keeps
+        KV (``cpu-offload``) swaps it out (``save_kv``; the reason is not counted), or
+        None to defer. Built-ins: ``fcfs`` returns ``running[-1]``; ``priority`` returns the first
         request with the largest ``(priority, arrival_time)``. Returning an object that is
         not running raises PluginError.
 

@@ -55,7 +55,8 @@ class SchedulerHooks(Protocol):
                              kv_cache_manager: KVCacheManager,
                              clock: Callable[[], float]) -> RequestQueue: ...
 
-    def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request: ...
+    def select_preemption_victim(self, *, running: Sequence[Request],
+                                 request: Request) -> Request | Preemption: ...
 
     has_voluntary_preemptions: bool
     """Whether ``select_voluntary_preemptions`` can ever answer (a plugin implements it):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from schedkit.config import CacheConfig, SchedulerConfig
-from schedkit.core.hooks import AdmissionDecision, SchedulerHooks
+from schedkit.core.hooks import AdmissionDecision, Preemption, SchedulerHooks
 from schedkit.core.kv_loads import KVLoads
 from schedkit.core.outputs import (
     EngineCoreOutput,
@@ -377,7 +377,8 @@ class Scheduler:
         while True:
             if self._connector_call("has_pending_block_frees"):
                 return None, idx
-            victim = self.hooks.select_preemption_victim(running=running, request=req)
+            answer = self.hooks.select_preemption_victim(running=running, request=req)
+            victim, save_kv = (answer.request, answer.save_kv) if isinstance(answer, Preemption) else (answer, None)
             if st.undo.running is None:
                 st.undo.running = list(running)
             vidx = len(running) - 1 if running[-1] is victim else running.index(victim)
@@ -391,7 +392,7 @@ class Scheduler:
             if undo.preempted_before is None:
                 undo.preempted_before = set(self._preempted_ids)
             st.preempted.append(victim)
-            self._preempt(victim)
+            self._preempt(victim, save_kv=save_kv)
             if victim is req:
                 return None, idx
             new_blocks = self.kv_cache_manager.allocate_slots(req, n)

@@ -119,14 +119,18 @@ class HookFacade:
             raise self._bad_answer(name, plugin, queue, f"not a waiting queue (missing {missing})")
         return GuardedQueue(queue, plugin, self.errors)
 
-    def select_preemption_victim(self, *, running: Sequence[Request], request: Request) -> Request:
+    def select_preemption_victim(self, *, running: Sequence[Request],
+                                 request: Request) -> Request | Preemption:
         name = "schedkit_select_preemption_victim"
-        victim, plugin = self._call(name, {"running": running, "request": request}, True)
+        answer, plugin = self._call(name, {"running": running, "request": request}, True)
+        victim = answer.request if isinstance(answer, Preemption) else answer
         if (not isinstance(victim, Request) or victim.status is not RequestStatus.RUNNING
                 or not any(r is victim for r in running)):
-            raise self._bad_answer(name, plugin, victim, "the victim must be one of the running requests",
+            raise self._bad_answer(name, plugin, answer, "the victim must be one of the running requests",
                                    request)
-        return victim
+        if isinstance(answer, Preemption) and answer.save_kv is not None and not isinstance(answer.save_kv, bool):
+            raise self._bad_answer(name, plugin, answer, "save_kv must be true, false or None", request)
+        return answer
 
     def select_voluntary_preemptions(self, *, running: Sequence[Request], waiting: RequestQueue,
                                      max_num_running: int, kv_cache_usage: float, now: float,

@@ -196,3 +196,26 @@ def test_an_undone_step_forgets_its_evictions():
     pool.get_new_blocks(5)
     pool.commit()
     assert sorted(h for _, h in pool.take_evicted()) == [b"a" * 8, b"b" * 8]
+
+
+def test_the_kv_pressure_victim_hook_chooses_swap_or_recompute():
+    class Victim:
+        def __init__(self, save_kv):
+            self.save_kv = save_kv
+
+        @hookimpl
+        def schedkit_select_preemption_victim(self, running):
+            return Preemption(running[-1], "newest", save_kv=self.save_kv)
+
+    def saves(save_kv, default):
+        swap = Swap(save_on_preemption=default)
+        sched = make_scheduler(plugins=[swap, Victim(save_kv)], block_size=8, num_blocks=11,
+                               enable_prefix_caching=True)
+        for rid, base in (("a", 100), ("b", 200)):
+            sched.add_request(make_request(rid, list(range(base, base + 40)), max_tokens=30))
+        while sched.has_requests():
+            step(sched, sampled=7)
+        assert sched.num_preemptions_total > 0
+        return sum(len(m.saves) for m in swap.metas)
+
+    assert saves(True, False) > 0 and saves(False, True) == 0 and saves(None, True) > 0

@@ -309,18 +309,23 @@ class SLOConfig(SLOTargets):
                     for k, v in value.items()}
         return value
 
+    def class_target(self, name: str, tenant: str, priority: int) -> float | None:
+        """The value of target ``name`` set for the class itself: the tenant's entry
+        first, then the priority class's; None when neither sets it."""
+        for entry in (self.by_tenant.get(tenant), self.by_priority.get(priority)):
+            if entry is not None and (value := getattr(entry, name)) is not None:
+                return value
+        return None
+
     def for_class(self, tenant: str, priority: int) -> SLOTargets:
         """The targets a request of ``tenant`` and ``priority`` is judged by: each target
         from the tenant's entry if set there, else the priority class's, else the base."""
-        entries = [e for e in (self.by_tenant.get(tenant), self.by_priority.get(priority))
-                   if e is not None]
-        if not entries:
+        if tenant not in self.by_tenant and priority not in self.by_priority:
             return self
         values = {}
         for name in SLOTargets.model_fields:
-            chosen = next((getattr(e, name) for e in entries if getattr(e, name) is not None),
-                          getattr(self, name))
-            values[name] = chosen
+            value = self.class_target(name, tenant, priority)
+            values[name] = getattr(self, name) if value is None else value
         return SLOTargets(**values)
 
 

@@ -120,6 +120,7 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
     def of(cls, req: Request) -> RequestMetricsData:
         """The timeline and counters of ``req`` (the engine process sends these to clients;
         the policy lab reads the same fields in process)."""
+        spans = queued_spans(req)
         return cls(
             arrival_time=req.arrival_time,
             first_token_time=req.first_event_time(EventType.FIRST_TOKEN),
@@ -127,8 +128,8 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
             num_preemptions=req.num_preemptions, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             first_scheduled_time=req.first_event_time(EventType.SCHEDULED),
-            num_recomputed_tokens=req.num_recomputed_tokens, longest_wait_s=longest_wait(req),
-            queued_spans=queued_spans(req))
+            num_recomputed_tokens=req.num_recomputed_tokens,
+            longest_wait_s=max((b - a for a, b in spans), default=None), queued_spans=spans)
 
 
 def queued_spans(req: Request) -> list[tuple[float, float]]:

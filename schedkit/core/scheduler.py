@@ -36,7 +36,7 @@ from schedkit.core.scheduler_output import build_scheduler_output
 from schedkit.core.step_state import UNDO_FIELDS, StepState, StepUndo
 from schedkit.core.stop import check_stop
 from schedkit.errors import PluginError, RequestError
-from schedkit.kv.connector import KVConnectorRole, NoOpConnector
+from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
 from schedkit.kv.kv_cache_manager import KVCacheManager
 from schedkit.kv.metrics import PrefixCacheStats
@@ -113,6 +113,10 @@ class Scheduler:
                         if cache_config.enable_prefix_caching else None)
         connector = hooks.create_kv_connector(role=KVConnectorRole.SCHEDULER, config=cache_config)
         self.connector = connector if connector is not None else NoOpConnector(KVConnectorRole.SCHEDULER)
+        heard = getattr(type(self.connector), "request_preempted", None)
+        self._connector_hears_preemptions = heard is not None and heard is not KVConnectorBase.request_preempted
+        """Only a connector that overrides ``request_preempted`` is told of victims (their
+        block tables are copied for it)."""
         self._connector_stats = PrefixCacheStats() if connector is not None else None
         """This step's lookups answered by the connector (None without a connector)."""
         self.connector.bind_kv_cache_manager(self.kv_cache_manager)
@@ -451,7 +455,7 @@ class Scheduler:
         outputs of its steps in flight become stale: delivered when they arrive (it is
         not resumed before), or discarded with ``drop_stale``."""
         assert req.status is _RUNNING, req.status
-        if not drop_stale:  # a forced preemption (a cache reset) keeps nothing
+        if self._connector_hears_preemptions and not drop_stale:  # a cache reset keeps nothing
             self._preempted_kv.append((req, self.kv_cache_manager.get_block_ids(req.request_id),
                                        req.num_computed_tokens, save_kv))
         self.kv_cache_manager.free(req)

@@ -353,6 +353,7 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
     # A rejected request's prompt was never computed: it is no work and no cache query.
     prompt_tokens = sum(m.num_prompt_tokens for m in metrics if not m.rejected)
     completed = sum(m.served for m in metrics)
+    good = sum(m.meets(slo) for m in metrics)
     per_sec = _per_sec(duration)
     fair = fairness_summary(metrics, fairness, shares)
     tenants: dict[str, dict[str, float]] = {}
@@ -392,8 +393,8 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
         "preemptions": sum(m.num_preemptions for m in metrics),
         "recomputed_tokens": sum(m.num_recomputed_tokens for m in metrics),
         "prefix_hit_rate": sum(m.num_cached_tokens for m in metrics) / prompt_tokens if prompt_tokens else 0.0,
-        "slo_attainment": (sum(m.meets(slo) for m in metrics) / len(metrics)) if metrics else math.nan,
-        "goodput_req_s": per_sec(sum(m.meets(slo) for m in metrics)),
+        "slo_attainment": good / len(metrics) if metrics else math.nan,
+        "goodput_req_s": per_sec(good),
         "tenants": tenants,
         "jain_fairness": jain_index([t["service_tokens"] for t in tenants.values()]),
         "fairness": fair,

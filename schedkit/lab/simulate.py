@@ -12,21 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schedkit.config import Config, SLOConfig
+from schedkit.config import Config
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import SchedkitError
 from schedkit.lab.metrics import RequestMetrics, refused_metrics, request_metrics
 from schedkit.lab.workloads import WorkloadRequest, generate
-
-
-def class_ttft_target(slo: SLOConfig, tenant: str, priority: int) -> float | None:
-    """The TTFT target a request carries (``Request.ttft_slo_s``): its class's own, when
-    ``slo.by_tenant`` or ``slo.by_priority`` sets one, else None (the policy's default)."""
-    for entry in (slo.by_tenant.get(tenant), slo.by_priority.get(priority)):
-        if entry is not None and entry.ttft_s is not None:
-            return entry.ttft_s
-    return None
 
 
 def _refused(req: Request, start: float, error: str) -> RequestMetrics:
@@ -66,7 +57,7 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
         req = Request(w.request_id, w.prompt_token_ids,
                       SamplingParams(max_tokens=w.max_tokens, eos_token_id=eos),
                       arrival_time=start + w.arrival_time, priority=w.priority, tenant=w.tenant,
-                      ttft_slo_s=class_ttft_target(slo, w.tenant, w.priority))
+                      ttft_slo_s=slo.class_target("ttft_s", w.tenant, w.priority))
         try:
             engine.add_request(req, w.arrival_time)
         except SchedkitError as e:

@@ -141,6 +141,9 @@ class CacheConfig(_Strict):
     kv_load_failure_policy: Literal["recompute", "fail"] = "fail"
     """When a KV connector reports a failed asynchronous load: start the request over
     (recompute) or finish it with an error (fail)."""
+    enable_kv_events: bool = False
+    """Publish KV cache events (blocks stored, removed, cache cleared). The router turns
+    it on in every replica: its prefix-affinity view of each engine is built from them."""
 
 
 class SchedulerConfig(_Strict):
@@ -384,6 +387,65 @@ class WorkloadConfig(_Strict):
         return self
 
 
+class ReplicasConfig(_Strict):
+    """Data-parallel replicas: ``count`` engines behind one router."""
+
+    count: int = Field(default=1, ge=1, le=1024)
+    """Engines (each with its own scheduler, KV cache and runner). With 1 there is no
+    router: clients talk to the one engine directly."""
+    backend: Literal["local", "ray"] = "local"
+    """``local``: engine-core processes on this machine; ``ray``: one Ray actor per
+    replica, placed with the resources below (``pip install 'schedkit[cluster]'``)."""
+    ray_address: str | None = Field(default=None, min_length=1)
+    """The Ray cluster to join (``ray.init(address=...)``, e.g. ``auto`` or
+    ``ray://host:10001``); None starts a local cluster for the process."""
+    num_cpus: float = Field(default=1.0, ge=0)
+    """Ray: CPUs each replica's actor holds."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """Ray: GPUs each replica's actor holds (1 for one GPU per engine)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Ray: custom resources each replica's actor holds, e.g. ``{accelerator_type:H200: 1}``."""
+    transport: Literal["ipc", "tcp"] = "ipc"
+    """How the front end reaches local replicas (Ray replicas always use TCP)."""
+
+    @model_validator(mode="after")
+    def _check_resources(self) -> ReplicasConfig:
+        bad = {k: v for k, v in self.resources.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"replicas.resources must be non-negative amounts, got {bad}")
+        return self
+
+
+class RouterConfig(_Strict):
+    """How the router picks a replica: filters narrow the candidates, every scoring
+    plugin scores them (weighted), then a picker chooses (docs/cluster.md)."""
+
+    policy: str = "weighted"
+    """The router plugin: ``round-robin``, ``least-outstanding``, ``kv-usage``,
+    ``prefix-affinity``, ``session-affinity``, ``weighted`` (queue depth plus prefix
+    hits, like llm-d's default) or an installed router plugin's entry-point name."""
+    plugins: list[PluginConfig] = Field(default_factory=list)
+    """More router plugins to switch on (filters, scorers, observers), with settings; an
+    entry naming the policy gives the policy its settings."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Weight of each scoring plugin's score, by plugin name (default 1)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        names = [p.name for p in self.plugins]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"router plugin listed twice: {sorted(dup)}")
+        bad = {k: v for k, v in self.weights.items() if not (v >= 0 and v < float("inf"))}
+        if bad:
+            raise ValueError(f"router.weights must be finite and non-negative, got {bad}")
+        unknown = sorted(set(self.weights) - {self.policy, *names})
+        if unknown:
+            raise ValueError(f"router.weights names {unknown}, which are not switched on "
+                             f"(the policy {self.policy!r} or router.plugins)")
+        return self
+
+
 class ProfileConfig(_Strict):
     name: str = Field(min_length=1)
     """Label of this policy profile in tables, JSON and plots."""
@@ -394,6 +456,9 @@ class ProfileConfig(_Strict):
     scheduler: dict[str, Any] = Field(default_factory=dict)
     """scheduler keys this profile changes, e.g. ``{async_scheduling: true}`` or
     ``{long_prefill_token_threshold: 256}`` (the policy is set with ``policy``)."""
+    router: RouterConfig | None = None
+    """The router this profile uses instead of the config's (with ``replicas.count`` >
+    1, routing policies are compared like engine policies)."""
 
 
 class CompareConfig(_Strict):
@@ -449,6 +514,10 @@ class Config(_Strict):
     """Policy profiles for ``schedkit compare`` (default: just this config's policy)."""
     server: ServerConfig = Field(default_factory=ServerConfig)
     """The HTTP server of ``schedkit serve``."""
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    """Data-parallel replicas (one engine unless ``count`` is more)."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    """The router in front of the replicas."""
 
     _origin: ConfigOrigin | None = PrivateAttr(default=None)
 
@@ -497,13 +566,17 @@ class ConfigOrigin:
 
 def _switches_on(loc: tuple[int | str, ...]) -> bool:
     """Whether the YAML value at ``loc`` names a policy or plugin to switch on."""
-    if loc == ("scheduler", "policy"):
+    if loc in (("scheduler", "policy"), ("router", "policy")):
         return True
     if len(loc) == 3 and loc[0] == "plugins" and loc[2] == "name":
         return True
+    if len(loc) == 4 and loc[:2] == ("router", "plugins") and loc[3] == "name":
+        return True
     if loc[:2] == ("compare", "profiles"):
         return (len(loc) == 4 and loc[3] == "policy"
-                or len(loc) == 6 and loc[3] == "plugins" and loc[5] == "name")
+                or len(loc) == 6 and loc[3] == "plugins" and loc[5] == "name"
+                or len(loc) == 5 and loc[3:] == ("router", "policy")
+                or len(loc) == 7 and loc[3:5] == ("router", "plugins") and loc[6] == "name")
     return False
 
 

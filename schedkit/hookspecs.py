@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
+    from schedkit.core.routing import ReplicaState, RouteEvent, RouteRequest
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
     from schedkit.kv.kv_cache_manager import KVCacheManager
 
@@ -264,5 +265,95 @@ def schedkit_on_request_finished(request: Request, now: float) -> None:
     """
 
 
+# -- the router (front-end process, in front of replicas.count engines) -------------------
+# A router plugin is switched on by ``router.policy`` / ``router.plugins`` and lives in the
+# process that runs the router (the front end, or the cluster simulation), not in the
+# engines. The router never fails a request because a router plugin raised: the raising
+# plugin's answer is dropped for that decision (counted and logged) and the rest decide.
+
+
+@hookspec
+def schedkit_router_filter(request: RouteRequest,
+                           replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState] | None:
+    """Narrow the replicas that may take ``request``.
+
+    Called on every router plugin that implements it, once per routing decision, in
+    turn: each sees what the ones before it left.
+
+    Args:
+        request: The request to place. Do not mutate.
+        replicas: The candidates: healthy replicas, in index order. Do not mutate.
+
+    Returns:
+        The members of ``replicas`` that may take it, or None for no opinion. An empty
+        answer is ignored (counted as the plugin's error): a filter cannot leave a
+        request nowhere to go.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
+def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState]) -> Sequence[float] | None:
+    """Score each candidate replica for ``request`` (higher is better).
+
+    Called on every router plugin that implements it, once per routing decision, after
+    the filters. The router multiplies each plugin's scores by its ``router.weights``
+    entry (default 1) and adds them up per replica.
+
+    Args:
+        request: The request to place. Do not mutate.
+        replicas: The candidates left by the filters, in index order. Do not mutate.
+
+    Returns:
+        One finite score per candidate, in order (the built-ins give 0..1), or None for
+        no opinion.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState],
+                         scores: Sequence[float]) -> ReplicaState | None:
+    """Choose the replica that gets ``request``.
+
+    Stops at first non-None result. Called once per routing decision, after the scorers.
+
+    Args:
+        request: The request to place. Do not mutate.
+        replicas: The candidates left by the filters, in index order. Do not mutate.
+        scores: Their weighted total scores, in the same order (all 0 without scorers).
+
+    Returns:
+        A member of ``replicas``, or None to defer. The built-in default picks the
+        highest score; among equal scores, the first candidate after the replica that
+        got the previous request (so with no scorer it is round-robin). An answer that
+        is not a candidate is counted as the plugin's error and the default decides.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
+def schedkit_on_route_event(event: RouteEvent) -> None:
+    """Observe a routing outcome: routed, finished, failed, re-routed (its replica died
+    before it produced a token).
+
+    Called on every router plugin that implements it, once per outcome.
+
+    Args:
+        event: What happened, to which request and replica. Do not mutate.
+
+    Returns:
+        Nothing; return values are ignored.
+
+    .. versionadded:: 0.2
+    """
+
+
 HOOK_NAMES: tuple[str, ...] = tuple(
     name for name in list(globals()) if name.startswith("schedkit_"))
+ROUTER_HOOK_NAMES: tuple[str, ...] = (
+    "schedkit_router_filter", "schedkit_router_score", "schedkit_router_pick", "schedkit_on_route_event")
+"""The hooks a router plugin implements (the others are the engines')."""

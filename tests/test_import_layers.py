@@ -3,8 +3,9 @@ module imports itself back through another (no cycles, ``TYPE_CHECKING`` imports
 included).
 
     schedkit (the public surface), cli ... anything
-    lab/ ........................... engine and below (it runs whole engines)
-    server/ ........................ engine and below (the HTTP front door)
+    lab/ ........................... cluster, engine and below (it runs whole engines)
+    server/ ........................ cluster, engine and below (the HTTP front door)
+    cluster/ ....................... engine and below (replicas and the router)
     engine/ ........................ plugins, runners and below
     plugins/ ....................... hookspecs, policies, runners (the registry), core, kv
     policies/, runners/ ............ hookspecs, core, kv, config, errors
@@ -25,9 +26,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "schedkit"
 _BELOW_ENGINE = {"hookspecs", "policies", "runners", "plugins", "core", "kv", "config", "errors"}
 ALLOWED = {
-    "schedkit.cli": _BELOW_ENGINE | {"engine", "lab", "server", "cli"},
-    "schedkit.server": _BELOW_ENGINE | {"engine", "server"},
-    "schedkit.lab": _BELOW_ENGINE | {"engine", "lab"},
+    "schedkit.cli": _BELOW_ENGINE | {"engine", "cluster", "lab", "server", "cli"},
+    "schedkit.server": _BELOW_ENGINE | {"engine", "cluster", "server"},
+    "schedkit.lab": _BELOW_ENGINE | {"engine", "cluster", "lab"},
+    "schedkit.cluster": _BELOW_ENGINE | {"engine", "cluster"},
     "schedkit.engine": _BELOW_ENGINE | {"engine"},
     "schedkit.plugins": {"hookspecs", "policies", "core", "kv", "config", "errors", "plugins", "runners"},
     "schedkit.policies": {"hookspecs", "core", "kv", "config", "errors", "policies"},

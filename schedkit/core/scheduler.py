@@ -108,7 +108,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             block_size=cache_config.block_size, num_blocks=cache_config.num_blocks,
             max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
-            watermark=cache_config.watermark)
+            watermark=cache_config.watermark, enable_kv_events=cache_config.enable_kv_events)
         self._hasher = (BlockHasher(cache_config.block_size, cache_config.hash_algo)
                         if cache_config.enable_prefix_caching else None)
         connector = hooks.create_kv_connector(role=KVConnectorRole.SCHEDULER, config=cache_config)

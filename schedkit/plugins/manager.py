@@ -261,6 +261,79 @@ def get_plugin_manager(
     return pm
 
 
+BUILTIN_ROUTERS: Mapping[str, str] = {
+    "round-robin": "schedkit.policies.routers:RoundRobin",
+    "least-outstanding": "schedkit.policies.routers:LeastOutstanding",
+    "kv-usage": "schedkit.policies.routers:KVUsage",
+    "prefix-affinity": "schedkit.policies.routers:PrefixAffinity",
+    "session-affinity": "schedkit.policies.routers:SessionAffinity",
+    "weighted": "schedkit.policies.routers:Weighted",
+}
+"""The built-in router plugins, by the name ``router.policy`` / ``router.plugins`` use."""
+ROUTER_DEFAULT = ("best-score", "schedkit.policies.routers:BestScore")
+"""The default picker every router has (``trylast``)."""
+
+
+def _load_object(value: str) -> Any:
+    module, _, attr = value.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManager:
+    """Build a validated PluginManager for the router of ``config``: the default picker,
+    ``router.policy`` and ``router.plugins`` (built-in router names first, then installed
+    entry points, group ``schedkit``), then plugin objects passed in code.
+
+    Raises:
+        ConfigError: A router plugin that is not installed.
+        PluginError: One that fails to load, takes bad settings, implements an unknown
+            hook, or implements no router hook at all (an engine policy named as router).
+    """
+    router = config.router
+    wanted: dict[str, Mapping[str, Any]] = {router.policy: {}}
+    wanted.update({p.name: p.settings for p in router.plugins})
+
+    def where(name: str) -> str | None:
+        return config.where_switched_on(name)
+
+    pm = SchedkitPluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    _register(pm, _load_object(ROUTER_DEFAULT[1])(), ROUTER_DEFAULT[0])
+    installed: dict[str, EntryPoint] | None = None
+    for name, settings in wanted.items():
+        at = _at(where(name))
+        if name in BUILTIN_ROUTERS:
+            obj = _load_object(BUILTIN_ROUTERS[name])
+        else:
+            installed = discover_plugins() if installed is None else installed
+            ep = installed.get(name)
+            if ep is None:
+                raise ConfigError(f"{at}router plugin {name!r} is not installed; the built-in routers are "
+                                  f"{', '.join(BUILTIN_ROUTERS)}; installed plugins: {sorted(installed) or 'none'}")
+            try:
+                obj = ep.load()
+            except Exception as e:
+                raise PluginError(f"{at}router plugin {name!r} failed to load from {ep.value}: {e}",
+                                  plugin=name) from e
+        plugin = _instantiate(name, obj, settings, where(name))
+        _register(pm, plugin, name, where(name))
+        if not any(h.name in hookspecs.ROUTER_HOOK_NAMES for h in pm.get_hookcallers(plugin) or ()):
+            raise PluginError(f"{at}plugin {name!r} implements no router hook "
+                              f"({', '.join(hookspecs.ROUTER_HOOK_NAMES)}); is it an engine policy? "
+                              "Engine policies go in scheduler.policy or plugins", plugin=name)
+    for i, plugin in enumerate(extra_plugins):
+        name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
+        _register(pm, plugin, name)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        raise _unknown_hook_error(pm, e, where) from e
+    return pm
+
+
 def describe_plugins(pm: pluggy.PluginManager) -> list[tuple[str, list[str]]]:
     """Registered plugins with the hooks each implements, in registration order."""
     rows = []

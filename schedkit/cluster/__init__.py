@@ -1,0 +1,1 @@
+"""Replicas, the router and their backends (local processes or Ray)."""

@@ -1,0 +1,262 @@
+"""The router: which replica gets each request, through the router hooks.
+
+One decision: the healthy replicas -> every filter in turn -> every scorer (each
+plugin's scores times its ``router.weights`` entry, summed per replica) -> the picker
+(first answer; the built-in ``BestScore`` last). The router keeps each replica's
+:class:`~schedkit.core.routing.ReplicaState`: its outstanding requests (exact), its
+queue lengths and KV usage (as reported), and its prefix cache (from its KV events).
+
+A router plugin that raises or answers nonsense never fails a request: its answer is
+dropped for that decision, counted in :attr:`Router.errors` and logged (rate-limited),
+and the others decide. Transport is not the router's business: the cluster front end
+(:mod:`schedkit.cluster.front`) and the cluster simulation
+(:mod:`schedkit.lab.cluster_sim`) call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from schedkit.config import Config
+from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.engine.logs import RateLimitedLog
+from schedkit.errors import EngineDeadError
+from schedkit.hookspecs import ROUTER_HOOK_NAMES
+from schedkit.kv.events import KVCacheEvent
+from schedkit.kv.hashing import BlockHasher
+from schedkit.plugins.manager import describe_plugins, get_router_plugin_manager
+
+log = logging.getLogger("schedkit.router")
+
+ERROR_LOG_INTERVAL_S = 10.0
+
+_Impl = tuple[Any, tuple[str, ...], str]
+
+
+def replica_config(config: Config) -> Config:
+    """The config each replica's engine runs: the same, with KV cache events on (the
+    router's view of each prefix cache is built from them)."""
+    if config.cache.enable_kv_events:
+        return config
+    return config.model_copy(update={"cache": config.cache.model_copy(update={"enable_kv_events": True})})
+
+
+class Router:
+    """Args:
+        config: The whole config (its ``router`` and ``cache`` sections are read).
+        num_replicas: Replicas behind the router (default ``replicas.count``).
+        extra_plugins: Router plugin objects registered after the configured ones.
+    """
+
+    def __init__(self, config: Config, num_replicas: int | None = None, *,
+                 extra_plugins: Iterable[Any] = ()) -> None:
+        n = config.replicas.count if num_replicas is None else num_replicas
+        assert n >= 1, "a router needs at least one replica"
+        self.config = config
+        self.plugin_manager = get_router_plugin_manager(config, extra_plugins=extra_plugins)
+        self.replicas = [ReplicaState(i) for i in range(n)]
+        self.weights = dict(config.router.weights)
+        cache = config.cache
+        self._hasher = BlockHasher(cache.block_size, cache.hash_algo) if cache.enable_prefix_caching else None
+        self._impls: dict[str, tuple[_Impl, ...]] = {}
+        for name in ROUTER_HOOK_NAMES:
+            impls = getattr(self.plugin_manager.hook, name).get_hookimpls()
+            self._impls[name] = tuple((i.function, tuple(i.argnames), i.plugin_name) for i in reversed(impls))
+        self.errors: Counter[tuple[str, str]] = Counter()
+        """Router-hook errors so far by ``(plugin, hook)``: raises and bad answers."""
+        self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
+        self._placed: dict[str, tuple[RouteRequest, int]] = {}
+        """Outstanding requests: id -> (request, replica index)."""
+        self.num_rerouted = 0
+        self.num_failed_by_death = 0
+
+    # -- requests ------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
+                     priority: int = 0, session_id: str | None = None,
+                     cache_salt: str | None = None) -> RouteRequest:
+        """A RouteRequest whose block hashes match the replicas' prefix caches."""
+        hasher = self._hasher
+        if hasher is None:
+            return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
+                                session_id=session_id)
+
+        def hashes(tokens: Sequence[int]) -> list[bytes]:
+            out: list[bytes] = []
+            hasher.extend(tokens, out, cache_salt)
+            return out
+
+        return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
+                            session_id=session_id, hash_fn=hashes)
+
+    def route(self, request: RouteRequest) -> ReplicaState:
+        """Choose a healthy replica for ``request`` and count it as outstanding there.
+
+        Raises:
+            EngineDeadError: No replica is healthy.
+        """
+        assert request.request_id not in self._placed, f"{request.request_id} is already routed"
+        candidates = [r for r in self.replicas if r.healthy]
+        if not candidates:
+            raise EngineDeadError(f"no replica left to take request {request.request_id!r}: "
+                                  f"all {len(self.replicas)} died")
+        candidates = self._filter(request, candidates)
+        scores = self._score(request, candidates)
+        replica = self._pick(request, candidates, scores)
+        replica.num_outstanding += 1
+        replica.num_routed += 1
+        self._placed[request.request_id] = (request, replica.index)
+        self._emit(RouteEvent(RouteEventKind.ROUTED, request, replica,
+                              {r.index: s for r, s in zip(candidates, scores, strict=True)}))
+        return replica
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica an outstanding request is on (None once it finished)."""
+        placed = self._placed.get(request_id)
+        return placed[1] if placed is not None else None
+
+    def finished(self, request_id: str, *, failed: bool = False) -> None:
+        """The request ended on its replica (``failed``: with an error). Unknown ids
+        (finished already, never routed) are ignored."""
+        placed = self._placed.pop(request_id, None)
+        if placed is None:
+            return
+        request, index = placed
+        replica = self.replicas[index]
+        replica.num_outstanding -= 1
+        self._emit(RouteEvent(RouteEventKind.FAILED if failed else RouteEventKind.FINISHED, request, replica))
+
+    def replica_died(self, index: int) -> list[RouteRequest]:
+        """Take replica ``index`` out of rotation; returns its outstanding requests (still
+        counted there until :meth:`reroute` or :meth:`finished` is called for each)."""
+        replica = self.replicas[index]
+        if replica.healthy:
+            log.error("%s died; %d requests were outstanding there", replica.name, replica.num_outstanding)
+        replica.healthy = False
+        replica.cached_blocks.clear()
+        return [req for req, i in self._placed.values() if i == index]
+
+    def reroute(self, request_id: str) -> ReplicaState:
+        """Route an outstanding request again (its replica died before it produced a
+        token): a REROUTED event for the old replica, then a new decision.
+
+        Raises:
+            EngineDeadError: No healthy replica is left (the request is forgotten).
+        """
+        request, index = self._placed.pop(request_id)
+        old = self.replicas[index]
+        old.num_outstanding -= 1
+        self._emit(RouteEvent(RouteEventKind.REROUTED, request, old))
+        request.attempt += 1
+        self.num_rerouted += 1
+        return self.route(request)
+
+    # -- what replicas report ------------------------------------------------------------
+    def update_load(self, index: int, *, num_waiting: int, num_running: int, kv_cache_usage: float) -> None:
+        r = self.replicas[index]
+        r.num_waiting, r.num_running, r.kv_cache_usage = num_waiting, num_running, kv_cache_usage
+
+    def apply_kv_events(self, index: int, events: Iterable[KVCacheEvent]) -> None:
+        """Fold a replica's KV cache events into its prefix-cache view (ignored once the
+        replica is out of rotation)."""
+        r = self.replicas[index]
+        if r.healthy:
+            r.cached_blocks.apply(events)
+
+    # -- the decision's phases -----------------------------------------------------------
+    def _bad(self, plugin: str, hook: str, why: str) -> None:
+        self.errors[(plugin, hook)] += 1
+        self._error_log.error("router plugin %r, hook %s: %s (its answer is ignored)", plugin, hook, why)
+
+    def _call(self, fn: Any, argnames: tuple[str, ...], plugin: str, hook: str,
+              kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        try:
+            return True, fn(*[kwargs[a] for a in argnames])
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # a plugin's exit() must not end the front end
+            self._bad(plugin, hook, f"raised {type(e).__name__}: {e}")
+            return False, None
+
+    def _filter(self, request: RouteRequest, candidates: list[ReplicaState]) -> list[ReplicaState]:
+        hook = "schedkit_router_filter"
+        for fn, argnames, plugin in self._impls[hook]:
+            ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
+            if not ok or answer is None:
+                continue
+            try:
+                kept = list(answer)
+            except TypeError:
+                self._bad(plugin, hook, f"answered {answer!r}, not a list of replicas")
+                continue
+            allowed = {id(r) for r in candidates}
+            if any(id(r) not in allowed for r in kept):
+                self._bad(plugin, hook, "answered a replica that is not a candidate")
+            elif not kept:
+                self._bad(plugin, hook, "left no candidate")
+            else:
+                chosen = {id(r) for r in kept}
+                candidates = [r for r in candidates if id(r) in chosen]
+        return candidates
+
+    def _score(self, request: RouteRequest, candidates: list[ReplicaState]) -> list[float]:
+        hook = "schedkit_router_score"
+        total = [0.0] * len(candidates)
+        for fn, argnames, plugin in self._impls[hook]:
+            weight = self.weights.get(plugin, 1.0)
+            if not weight:
+                continue
+            ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
+            if not ok or answer is None:
+                continue
+            try:
+                scores = [float(s) for s in answer]
+            except (TypeError, ValueError):
+                self._bad(plugin, hook, f"answered {answer!r}, not a list of numbers")
+                continue
+            if len(scores) != len(candidates) or not all(math.isfinite(s) for s in scores):
+                self._bad(plugin, hook, f"answered {len(scores)} scores for {len(candidates)} "
+                          "candidates, or a score that is not finite")
+                continue
+            for i, s in enumerate(scores):
+                total[i] += weight * s
+        return total
+
+    def _pick(self, request: RouteRequest, candidates: list[ReplicaState], scores: list[float]) -> ReplicaState:
+        hook = "schedkit_router_pick"
+        kwargs = {"request": request, "replicas": candidates, "scores": scores}
+        allowed = {id(r) for r in candidates}
+        for fn, argnames, plugin in self._impls[hook]:
+            ok, answer = self._call(fn, argnames, plugin, hook, kwargs)
+            if not ok or answer is None:
+                continue
+            if id(answer) in allowed:
+                return answer  # type: ignore[no-any-return]
+            self._bad(plugin, hook, f"answered {answer!r}, which is not a candidate")
+        # Every picker failed, the built-in included (it cannot, but a plugin can block
+        # it): the first candidate, so the request still goes somewhere.
+        return candidates[0]
+
+    def _emit(self, event: RouteEvent) -> None:
+        hook = "schedkit_on_route_event"
+        for fn, argnames, plugin in self._impls[hook]:
+            self._call(fn, argnames, plugin, hook, {"event": event})
+
+    # -- reporting -----------------------------------------------------------------------
+    def list_plugins(self) -> list[tuple[str, list[str]]]:
+        return describe_plugins(self.plugin_manager)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.config.router.policy,
+            "replicas": [{"index": r.index, "healthy": r.healthy, "num_outstanding": r.num_outstanding,
+                          "num_routed": r.num_routed, "num_waiting": r.num_waiting,
+                          "num_running": r.num_running, "kv_cache_usage": r.kv_cache_usage,
+                          "num_cached_blocks": len(r.cached_blocks)} for r in self.replicas],
+            "num_rerouted": self.num_rerouted,
+            "num_failed_by_death": self.num_failed_by_death,
+            "num_hook_errors": [[p, h, n] for (p, h), n in self.errors.items()],
+        }

@@ -1,0 +1,118 @@
+"""What the router hooks see: the request being routed, the replicas, routing outcomes.
+
+The router itself (:mod:`schedkit.cluster.router`) keeps these up to date; router
+plugins read them and must not mutate them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from schedkit.kv.prefix_index import CachedPrefixIndex
+
+
+class RouteRequest:
+    """One request to place on a replica.
+
+    Attributes:
+        request_id: The request's id.
+        prompt_token_ids: Its prompt.
+        tenant: ``Request.tenant`` (the OpenAI ``user``).
+        priority: ``Request.priority``.
+        session_id: A conversation id when the client gave one (the trace's session,
+            a ``session_id`` extra of the HTTP request), else None.
+        num_prompt_tokens: ``len(prompt_token_ids)``.
+        attempt: 0 when first routed; 1, 2... when re-routed after its replica died.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "session_id",
+                 "num_prompt_tokens", "attempt", "_hashes", "_hash_fn")
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
+                 priority: int = 0, session_id: str | None = None,
+                 hash_fn: Callable[[Sequence[int]], list[bytes]] | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.tenant = tenant
+        self.priority = priority
+        self.session_id = session_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.attempt = 0
+        self._hashes: list[bytes] | None = None
+        self._hash_fn = hash_fn
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """The prompt's full-block hashes, as the replicas' prefix caches compute them
+        (computed on first use; empty when the router has no hasher)."""
+        if self._hashes is None:
+            self._hashes = self._hash_fn(self.prompt_token_ids) if self._hash_fn is not None else []
+        return self._hashes
+
+    def __repr__(self) -> str:
+        return f"RouteRequest({self.request_id!r}, {self.num_prompt_tokens} tokens)"
+
+
+@dataclass(slots=True, eq=False)
+class ReplicaState:
+    """The router's view of one replica.
+
+    Attributes:
+        index: 0..N-1, fixed for the replica's life.
+        name: ``replica-<index>``.
+        healthy: False once the replica died or was taken out of rotation; an unhealthy
+            replica is never offered to the hooks.
+        num_outstanding: Requests routed here that have not finished (the router's own
+            count: exact at every decision).
+        num_waiting, num_running: As the replica last reported (its scheduler's queue
+            and running list).
+        kv_cache_usage: Fraction of its KV blocks in use, as last reported.
+        cached_blocks: The block hashes its prefix cache holds, from its KV events.
+        num_routed: Requests routed here so far.
+    """
+
+    index: int
+    name: str = ""
+    healthy: bool = True
+    num_outstanding: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+    cached_blocks: CachedPrefixIndex = field(default_factory=CachedPrefixIndex)
+    num_routed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = f"replica-{self.index}"
+
+
+class RouteEventKind(enum.Enum):
+    ROUTED = "routed"
+    """The request was sent to ``replica``."""
+    FINISHED = "finished"
+    """It finished there (any finish reason but an error)."""
+    FAILED = "failed"
+    """It failed there (an error, or its replica died after it produced tokens)."""
+    REROUTED = "rerouted"
+    """Its replica died before it produced a token; it is routed again (a ROUTED event
+    follows, with the new replica)."""
+
+
+@dataclass(slots=True, frozen=True)
+class RouteEvent:
+    """One routing outcome, for ``schedkit_on_route_event``.
+
+    Attributes:
+        kind: What happened.
+        request: The request.
+        replica: The replica it concerns.
+        scores: With ROUTED: the weighted total score of each candidate the picker saw,
+            by replica index (empty when nothing scored).
+    """
+
+    kind: RouteEventKind
+    request: RouteRequest
+    replica: ReplicaState
+    scores: dict[int, float] = field(default_factory=dict)

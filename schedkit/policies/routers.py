@@ -1,0 +1,215 @@
+"""Built-in router plugins: which replica gets a request (docs/cluster.md).
+
+Each is a class (its settings are the constructor's keyword arguments) implementing some
+of the router hooks: filters narrow the candidates, scorers score them 0..1, a picker
+chooses. ``BestScore`` is the default picker every router has (registered ``trylast``):
+the highest weighted score wins; ties go to the first candidate after the replica that
+got the previous request, so a router with no scorer is round-robin.
+
+The load a router sees at once is ``ReplicaState.num_outstanding`` (requests routed to a
+replica and not finished; the router's own count), so the load-aware scorers use it
+rather than the queue lengths a replica reports now and then.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.hookspecs import hookimpl
+from schedkit.policies.common import check_int, check_number
+
+__all__ = ["BestScore", "KVUsage", "LeastOutstanding", "PrefixAffinity", "RoundRobin",
+           "SessionAffinity", "Weighted", "least_outstanding_scores", "prefix_scores"]
+
+
+def _next_after(replicas: Sequence[ReplicaState], last: int) -> int:
+    """Position in ``replicas`` of the first one whose index follows ``last`` (wrapping)."""
+    for pos, r in enumerate(replicas):
+        if r.index > last:
+            return pos
+    return 0
+
+
+def least_outstanding_scores(replicas: Sequence[ReplicaState]) -> list[float]:
+    """1 for the least loaded candidate, 0 for the most loaded, linear between (all 1
+    when every candidate has the same load)."""
+    loads = [r.num_outstanding for r in replicas]
+    lo, hi = min(loads), max(loads)
+    if hi == lo:
+        return [1.0] * len(loads)
+    return [(hi - x) / (hi - lo) for x in loads]
+
+
+def prefix_scores(request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[float]:
+    """The fraction of the prompt's full blocks each candidate's prefix cache holds from
+    the start (its prefix-cache hit for this request); all 0 for a prompt shorter than
+    one block."""
+    hashes = request.block_hashes
+    if not hashes:
+        return [0.0] * len(replicas)
+    n = len(hashes)
+    return [r.cached_blocks.num_matched_blocks(hashes) / n for r in replicas]
+
+
+class BestScore:
+    """The default picker: highest score, ties rotate (round-robin among equals)."""
+
+    def __init__(self) -> None:
+        self.last = -1
+
+    @hookimpl(trylast=True)
+    def schedkit_router_pick(self, replicas: Sequence[ReplicaState],
+                             scores: Sequence[float]) -> ReplicaState:
+        best = max(scores)
+        start = _next_after(replicas, self.last)
+        n = len(replicas)
+        for k in range(n):
+            pos = (start + k) % n
+            if scores[pos] == best:
+                return replicas[pos]
+        raise AssertionError("no candidate has the best score")
+
+    @hookimpl
+    def schedkit_on_route_event(self, event: RouteEvent) -> None:
+        if event.kind is RouteEventKind.ROUTED:
+            self.last = event.replica.index
+
+
+class RoundRobin:
+    """Each request to the next healthy replica in turn, whatever the scores.
+
+    Defining property: over any run of requests with no replica joining or leaving, the
+    counts routed to the replicas differ by at most one.
+    """
+
+    def __init__(self) -> None:
+        self.last = -1
+
+    @hookimpl
+    def schedkit_router_pick(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        r = replicas[_next_after(replicas, self.last)]
+        self.last = r.index
+        return r
+
+
+class LeastOutstanding:
+    """Score replicas by requests in flight: the least loaded gets 1 (Vidur's and Ray
+    Serve's "least outstanding requests"; vLLM's data-parallel balancing by queue)."""
+
+    @hookimpl
+    def schedkit_router_score(self, replicas: Sequence[ReplicaState]) -> list[float]:
+        return least_outstanding_scores(replicas)
+
+
+class KVUsage:
+    """Score replicas by free KV cache: ``1 - kv_cache_usage`` as each last reported,
+    so long prompts go where their blocks fit without preempting."""
+
+    @hookimpl
+    def schedkit_router_score(self, replicas: Sequence[ReplicaState]) -> list[float]:
+        return [1.0 - min(max(r.kv_cache_usage, 0.0), 1.0) for r in replicas]
+
+
+class PrefixAffinity:
+    """Send a request where its prefix is cached: the score is the fraction of its
+    prompt blocks the replica's prefix cache holds (tracked from the replica's KV
+    events). A filter keeps affinity from piling work on one replica: a replica with
+    more than ``max_imbalance`` requests outstanding above the least loaded candidate is
+    not a candidate (0 turns the filter off).
+
+    Defining property: with balanced load, a request whose prefix one replica holds
+    goes to that replica; with no prefix held anywhere the default picker's rotation
+    decides.
+    """
+
+    def __init__(self, max_imbalance: int = 16) -> None:
+        self.max_imbalance = check_int("max_imbalance", max_imbalance, minimum=0)
+
+    @hookimpl
+    def schedkit_router_filter(self, replicas: Sequence[ReplicaState]) -> list[ReplicaState] | None:
+        if not self.max_imbalance:
+            return None
+        floor = min(r.num_outstanding for r in replicas) + self.max_imbalance
+        return [r for r in replicas if r.num_outstanding <= floor]
+
+    @hookimpl
+    def schedkit_router_score(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[float]:
+        return prefix_scores(request, replicas)
+
+
+class SessionAffinity:
+    """Keep a conversation (``key: session``) or a tenant (``key: tenant``) on the
+    replica it went to last: that replica scores 1, the others 0. A request without a
+    session id has no opinion. When the replica dies, the next request of the session
+    goes where the other plugins say and sticks there.
+
+    Settings:
+        key: ``session`` (default) or ``tenant``.
+        max_entries: Sessions remembered (the least recently routed are forgotten).
+    """
+
+    def __init__(self, key: str = "session", max_entries: int = 100_000) -> None:
+        if key not in ("session", "tenant"):
+            raise ValueError(f"key must be 'session' or 'tenant', got {key!r}")
+        self.key = key
+        self.max_entries = check_int("max_entries", max_entries, minimum=1)
+        self.home: OrderedDict[str, int] = OrderedDict()
+
+    def _key(self, request: RouteRequest) -> str | None:
+        return request.session_id if self.key == "session" else request.tenant
+
+    @hookimpl
+    def schedkit_router_score(self, request: RouteRequest,
+                              replicas: Sequence[ReplicaState]) -> list[float] | None:
+        key = self._key(request)
+        home = self.home.get(key) if key is not None else None
+        if home is None:
+            return None
+        return [1.0 if r.index == home else 0.0 for r in replicas]
+
+    @hookimpl
+    def schedkit_on_route_event(self, event: RouteEvent) -> None:
+        if event.kind is not RouteEventKind.ROUTED:
+            return
+        key = self._key(event.request)
+        if key is None:
+            return
+        self.home[key] = event.replica.index
+        self.home.move_to_end(key)
+        if len(self.home) > self.max_entries:
+            self.home.popitem(last=False)
+
+
+class Weighted:
+    """llm-d's default in one plugin: a weighted sum of queue depth (least outstanding),
+    prefix-cache hits and, optionally, free KV cache; every part is 0..1, and so is the
+    total (divided by the sum of the weights).
+
+    Settings:
+        queue_weight: Weight of the least-outstanding score (default 1).
+        prefix_weight: Weight of the prefix-hit fraction (default 1).
+        kv_weight: Weight of the free-KV fraction (default 0).
+    """
+
+    def __init__(self, queue_weight: float = 1.0, prefix_weight: float = 1.0,
+                 kv_weight: float = 0.0) -> None:
+        self.queue_weight = check_number("queue_weight", queue_weight)
+        self.prefix_weight = check_number("prefix_weight", prefix_weight)
+        self.kv_weight = check_number("kv_weight", kv_weight)
+        if not self.queue_weight + self.prefix_weight + self.kv_weight > 0:
+            raise ValueError("at least one of queue_weight, prefix_weight, kv_weight must be > 0")
+
+    @hookimpl
+    def schedkit_router_score(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[float]:
+        total = [0.0] * len(replicas)
+        parts = ((self.queue_weight, least_outstanding_scores),
+                 (self.prefix_weight, lambda rs: prefix_scores(request, rs)),
+                 (self.kv_weight, lambda rs: KVUsage.schedkit_router_score(KVUsage(), rs)))
+        for weight, scorer in parts:
+            if weight:
+                for i, s in enumerate(scorer(replicas)):
+                    total[i] += weight * s
+        norm = self.queue_weight + self.prefix_weight + self.kv_weight
+        return [t / norm for t in total]

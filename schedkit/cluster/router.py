@@ -90,7 +90,7 @@ class Router:
             return out
 
         return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
-                            session_id=session_id, hash_fn=hashes)
+                            session_id=session_id, hash_fn=hashes, block_size=hasher.block_size)
 
     def route(self, request: RouteRequest) -> ReplicaState:
         """Choose a healthy replica for ``request`` and count it as outstanding there.

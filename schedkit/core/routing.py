@@ -25,14 +25,17 @@ class RouteRequest:
             a ``session_id`` extra of the HTTP request), else None.
         num_prompt_tokens: ``len(prompt_token_ids)``.
         attempt: 0 when first routed; 1, 2... when re-routed after its replica died.
+        block_size: Tokens per block of :attr:`block_hashes` (the replicas' KV block
+            size; 0 without prefix caching).
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "session_id",
-                 "num_prompt_tokens", "attempt", "_hashes", "_hash_fn")
+                 "num_prompt_tokens", "attempt", "block_size", "_hashes", "_hash_fn")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
                  priority: int = 0, session_id: str | None = None,
-                 hash_fn: Callable[[Sequence[int]], list[bytes]] | None = None) -> None:
+                 hash_fn: Callable[[Sequence[int]], list[bytes]] | None = None,
+                 block_size: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.tenant = tenant
@@ -40,6 +43,7 @@ class RouteRequest:
         self.session_id = session_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.attempt = 0
+        self.block_size = block_size if hash_fn is not None else 0
         self._hashes: list[bytes] | None = None
         self._hash_fn = hash_fn
 

@@ -27,6 +27,7 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.queues import BaseRequestQueue, FCFSQueue, KeyedQueue, RequestQueue
 from schedkit.core.request import EventType, FinishReason, Request, RequestStatus, SamplingParams
+from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
 from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
@@ -41,6 +42,11 @@ __all__ = [
     "hookimpl",
     "AdmissionDecision",
     "Preemption",
+    # routing between replicas
+    "RouteRequest",
+    "ReplicaState",
+    "RouteEvent",
+    "RouteEventKind",
     # requests
     "Request",
     "RequestStatus",

@@ -352,8 +352,11 @@ def schedkit_on_route_event(event: RouteEvent) -> None:
     """
 
 
-HOOK_NAMES: tuple[str, ...] = tuple(
-    name for name in list(globals()) if name.startswith("schedkit_"))
 ROUTER_HOOK_NAMES: tuple[str, ...] = (
     "schedkit_router_filter", "schedkit_router_score", "schedkit_router_pick", "schedkit_on_route_event")
-"""The hooks a router plugin implements (the others are the engines')."""
+"""The hooks a router plugin implements (they run in the router's process)."""
+HOOK_NAMES: tuple[str, ...] = tuple(
+    name for name in list(globals()) if name.startswith("schedkit_") and name not in ROUTER_HOOK_NAMES)
+"""The engine's hooks (they run in the engine-core process)."""
+ALL_HOOK_NAMES: tuple[str, ...] = HOOK_NAMES + ROUTER_HOOK_NAMES
+"""Every hook name a plugin may implement."""

@@ -81,7 +81,7 @@ def is_copied_from(snippet: str, source: str) -> bool:
 def test_hooks_documented():
     docs = sections(HOOKS_MD.read_text())
     problems = []
-    for name in hookspecs.HOOK_NAMES:
+    for name in hookspecs.ALL_HOOK_NAMES:
         if name not in docs:
             problems.append(f"{name}: no '## {name}' section in docs/hooks.md")
             continue
@@ -94,15 +94,15 @@ def test_hooks_documented():
 
 def test_hook_sections_are_real_hooks():
     documented = [h for h in sections(HOOKS_MD.read_text()) if h.startswith("schedkit_")]
-    assert sorted(documented) == sorted(hookspecs.HOOK_NAMES)
+    assert sorted(documented) == sorted(hookspecs.ALL_HOOK_NAMES)
 
 
 def test_hook_sections_say_what_none_means_and_the_builtin():
     docs = sections(HOOKS_MD.read_text())
-    for name in hookspecs.HOOK_NAMES:
+    for name in hookspecs.ALL_HOOK_NAMES:
         body = docs[name]
-        for needle in ("**Called**", "**Returns**", "**Built-in:**", "engine-core process",
-                       "**Example:**"):
+        where = "router's process" if name in hookspecs.ROUTER_HOOK_NAMES else "engine-core process"
+        for needle in ("**Called**", "**Returns**", "**Built-in:**", where, "**Example:**"):
             assert needle in body, f"{name}: section lacks {needle!r}"
 
 
@@ -117,14 +117,14 @@ def _test_function_names() -> set[str]:
 
 def test_hooks_have_tests():
     names = _test_function_names()
-    missing = [h for h in hookspecs.HOOK_NAMES if f"test_hook_{h}" not in names]
+    missing = [h for h in hookspecs.ALL_HOOK_NAMES if f"test_hook_{h}" not in names]
     assert not missing, f"no test_hook_<name> test under tests/ for {missing}"
 
 
 @pytest.mark.parametrize("doc", PLUGIN_DOCS, ids=lambda p: p.name)
 def test_doc_snippets_are_copied_from_tested_files(doc):
     text = doc.read_text()
-    signatures = {render_signature(h) for h in hookspecs.HOOK_NAMES}
+    signatures = {render_signature(h) for h in hookspecs.ALL_HOOK_NAMES}
     checked = 0
     for src, lang, body in code_blocks(text):
         if src is not None:
@@ -257,6 +257,8 @@ SECTION_MODELS = {
     "runner (simulated)": config_models.SimulatedRunnerConfig,
     "runner (paged)": config_models.PagedRunnerConfig,
     "server": config_models.ServerConfig,
+    "replicas": config_models.ReplicasConfig,
+    "router": config_models.RouterConfig,
 }
 
 

@@ -121,7 +121,7 @@ def _argument_hints(plugin: Any) -> str:
     arguments the spec offers, and the closest one to each unknown name."""
     hints = []
     for attr in dir(plugin):
-        spec = getattr(hookspecs, attr, None) if attr in hookspecs.HOOK_NAMES else None
+        spec = getattr(hookspecs, attr, None) if attr in hookspecs.ALL_HOOK_NAMES else None
         fn = getattr(plugin, attr, None)
         if spec is None or not callable(fn):
             continue
@@ -174,10 +174,10 @@ def _unknown_hook_error(pm: pluggy.PluginManager, err: pluggy.PluginValidationEr
         return PluginError(f"plugin {name!r}: {err}", plugin=name)
     what = []
     for hook in unknown:
-        close = difflib.get_close_matches(hook, hookspecs.HOOK_NAMES, n=1)
+        close = difflib.get_close_matches(hook, hookspecs.ALL_HOOK_NAMES, n=1)
         what.append(f"{hook!r} (did you mean {close[0]!r}?)" if close else repr(hook))
     hint = "" if all("did you mean" in w for w in what) else (
-        f"; the hooks are {', '.join(hookspecs.HOOK_NAMES)}")
+        f"; the hooks are {', '.join(hookspecs.ALL_HOOK_NAMES)}")
     return PluginError(f"{_at(where(name))}plugin {name!r} implements unknown "
                        f"hook{'s' if len(what) > 1 else ''} {', '.join(what)}{hint}",
                        plugin=name, hook=unknown[0])

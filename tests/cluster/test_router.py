@@ -47,8 +47,8 @@ def load(router: Router, outstanding: list[int]) -> None:
             k += 1
 
 
-class Recorder:
-    """An observer of routing outcomes."""
+class RouteLog:
+    """Record every routing outcome: what happened, to which request, where."""
 
     def __init__(self) -> None:
         self.events = []
@@ -56,6 +56,78 @@ class Recorder:
     @hookimpl
     def schedkit_on_route_event(self, event):
         self.events.append((event.kind, event.request.request_id, event.replica.index))
+
+
+class AvoidLongQueues:
+    """Keep requests off replicas whose reported waiting queue is longer than a limit."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+
+    @hookimpl
+    def schedkit_router_filter(self, replicas):
+        return [r for r in replicas if r.num_waiting <= self.max_waiting]
+
+
+class FewestRunning:
+    """Score replicas by the running requests each last reported (fewest scores 1)."""
+
+    @hookimpl
+    def schedkit_router_score(self, replicas):
+        most = max(r.num_running for r in replicas) or 1
+        return [1 - r.num_running / most for r in replicas]
+
+
+class PinHighPriority:
+    """Requests of priority < 0 go to replica 0 when it is a candidate; others: no opinion."""
+
+    @hookimpl
+    def schedkit_router_pick(self, request, replicas, scores):
+        if request.priority < 0 and replicas[0].index == 0:
+            return replicas[0]
+        return None
+
+
+def report(router: Router, index: int, *, waiting: int = 0, running: int = 0) -> None:
+    router.update_load(index, num_waiting=waiting, num_running=running, kv_cache_usage=0.0)
+
+
+# ------------------------------------------------------------------ one test per hook
+def test_hook_schedkit_router_filter():
+    r = make_router("round-robin", 3, extra=[AvoidLongQueues(max_waiting=4)])
+    report(r, 1, waiting=9)
+    assert [route(r, f"a{i}") for i in range(4)] == [0, 2, 0, 2]
+    for i in range(3):
+        report(r, i, waiting=9)  # every replica over the limit: the filter is ignored
+    assert route(r, "b") in (0, 1, 2)
+    assert r.errors == {("AvoidLongQueues-0", "schedkit_router_filter"): 1}
+
+
+def test_hook_schedkit_router_score():
+    scored = make_router("least-outstanding", 3, extra=[FewestRunning()])
+    rr = make_router("round-robin", 3, extra=[FewestRunning()])
+    for r in (scored, rr):
+        for i, running in enumerate([5, 1, 3]):
+            report(r, i, running=running)
+    assert route(scored, "x") == 1  # equal outstanding (1 each); fewest running decides
+    assert route(scored, "y") == 2  # 1 has one outstanding now: totals 1.0, 0.8, 1.4
+    assert route(rr, "x") == 0  # round-robin's picker ignores scores
+
+
+def test_hook_schedkit_router_pick():
+    r = make_router("least-outstanding", 3, extra=[PinHighPriority()])
+    assert [route(r, f"hi{i}", priority=-1) for i in range(3)] == [0, 0, 0]
+    assert route(r, "normal") == 1  # no opinion: the default picks the least loaded
+    r.replica_died(0)
+    assert route(r, "hi3", priority=-1) in (1, 2)
+
+
+def test_hook_schedkit_on_route_event():
+    rec = RouteLog()
+    r = make_router("round-robin", 2, extra=[rec])
+    route(r, "a")
+    r.finished("a")
+    assert rec.events == [(RouteEventKind.ROUTED, "a", 0), (RouteEventKind.FINISHED, "a", 0)]
 
 
 # ------------------------------------------------------------------ the built-ins
@@ -218,7 +290,7 @@ def test_yaml_weights_combine_scorers():
 
 
 def test_observer_sees_routed_finished_failed_and_rerouted():
-    rec = Recorder()
+    rec = RouteLog()
     r = make_router("round-robin", 2, extra=[rec])
     route(r, "a")
     route(r, "b")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedkit import hookimpl
-from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit import ReplicaState, RouteEvent, RouteEventKind, RouteRequest, hookimpl
 
 __all__ = ["LeastOutstandingTokens"]
 

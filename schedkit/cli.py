@@ -84,7 +84,7 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from schedkit.lab import report
-    from schedkit.lab.compare import CompareResult, compare, parse_sweep, sweep
+    from schedkit.lab.compare import RayRunner, parse_sweep, submit
 
     config = load_config(args.config)
     base = Path(args.config).parent
@@ -96,18 +96,27 @@ def _compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output-dir {out}: cannot create it ({e.strerror})") from None
     if not os.access(out, os.W_OK):
         raise ConfigError(f"--output-dir {out}: not writable")
-    result = compare(config, base_dir=base) if not args.sweep_only else CompareResult()
-    if result.summaries:
-        print(report.format_table(result.summaries))
-        for name, failed in result.failed.items():
-            if failed:
-                print(f"  {name}: {len(failed)} requests failed, e.g. {next(iter(failed.values()))}")
-    if knob is not None:
-        sweep(config, knob, values, base_dir=base, result=result)
-        print(f"\nhighest {'load (1/time_scale)' if knob == 'time_scale' else knob} meeting the SLO "
-              f"(attainment >= {config.workload.slo.attainment:.0%}):")
-        for name, best in result.sustained.items():
-            print(f"  {name:<20} {'none of the loads' if best is None else f'{best:g}'}")
+    ray = RayRunner(args.ray or None) if args.ray is not None else None  # no Ray: fails here
+    try:
+        # Everything is submitted at once (on Ray, all points run side by side); serially,
+        # the single-load comparison runs (and is printed) before the sweep.
+        todo = submit(config, single=not args.sweep_only, knob=knob, values=values,
+                      base_dir=base, runner=ray)
+        result = todo.compared()
+        if result.summaries:
+            print(report.format_table(result.summaries))
+            for name, failed in result.failed.items():
+                if failed:
+                    print(f"  {name}: {len(failed)} requests failed, e.g. {next(iter(failed.values()))}")
+        if knob is not None:
+            todo.swept()
+            print(f"\nhighest {'load (1/time_scale)' if knob == 'time_scale' else knob} meeting the SLO "
+                  f"(attainment >= {config.workload.slo.attainment:.0%}):")
+            for name, best in result.sustained.items():
+                print(f"  {name:<20} {'none of the loads' if best is None else f'{best:g}'}")
+    finally:
+        if ray is not None:
+            ray.close()
     payload = {
         "config": config.model_dump(mode="json"),
         "summaries": result.summaries,
@@ -201,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", help="KNOB=V1,V2,...: find the highest load each profile sustains "
                                    "under the SLO (KNOB: rate or time_scale)")
     p.add_argument("--sweep-only", action="store_true", help="skip the single-load comparison")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run the profiles and load points as Ray tasks (same results.json as "
+                        "without); ADDRESS: a running cluster (host:port, ray://host:port, or "
+                        "auto); alone (after the config file): start a local cluster and stop "
+                        "it after (needs pip install 'schedkit[cluster]')")
     p.set_defaults(func=_compare)
     p = sub.add_parser("serve", help="serve the YAML's engine over an OpenAI-compatible HTTP API")
     p.add_argument("config")

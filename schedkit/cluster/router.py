@@ -250,8 +250,11 @@ class Router:
         return describe_plugins(self.plugin_manager)
 
     def stats(self) -> dict[str, Any]:
+        plugins = [(name, [h for h in hooks if h in ROUTER_HOOK_NAMES]) for name, hooks in self.list_plugins()]
         return {
             "policy": self.config.router.policy,
+            "plugins": [name for name, _ in plugins],
+            "plugin_hooks": [[name, hooks] for name, hooks in plugins],
             "replicas": [{"index": r.index, "healthy": r.healthy, "num_outstanding": r.num_outstanding,
                           "num_routed": r.num_routed, "num_waiting": r.num_waiting,
                           "num_running": r.num_running, "kv_cache_usage": r.kv_cache_usage,

@@ -10,30 +10,41 @@ socket and are read before the client decides the engine is silent.
 Requests are validated here (:func:`schedkit.engine.messages.check_request`) before they
 are sent, so a badly typed field raises :class:`RequestError` naming the field and the
 request instead of reaching the engine.
+
+``AsyncLLM`` streams through a core: one engine's :class:`AsyncEngineClient`, or, with
+``replicas.count`` > 1, the cluster front end (:mod:`schedkit.cluster.front`: the router
+and one AsyncEngineClient per replica). ``LLM`` with replicas runs that replicated
+AsyncLLM on a background event loop; with one engine it keeps its synchronous sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import itertools
+import logging
 import os
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from schedkit.config import Config, load_config
 from schedkit.core.request import SamplingParams
+from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
     AbortRequests,
     AddRequests,
     Heartbeat,
     Hello,
+    LoadReport,
     OutputBatch,
     Ready,
     UtilityCall,
@@ -47,6 +58,10 @@ from schedkit.engine.messages import (
 )
 from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
 from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
+
+_T = TypeVar("_T")
+
+log = logging.getLogger("schedkit.engine")
 
 DEAD_AFTER_S = 3.0
 """No message (not even a heartbeat) for this long means the engine is gone."""
@@ -285,7 +300,13 @@ def _resolve(config: Config | str | os.PathLike[str]) -> Config:
 
 
 class LLM:
-    """Offline batch generation through an engine process started from a config."""
+    """Offline batch generation through an engine process started from a config.
+
+    With ``replicas.count`` > 1 the requests go through the router to the replicas: a
+    replicated :class:`AsyncLLM` runs on a background event-loop thread and every request
+    streams through it (so a replica's death re-routes the requests that had produced
+    no token and fails the others, as with AsyncLLM; docs/cluster.md).
+    """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc",
                  tokenizer: Any = None) -> None:
@@ -296,13 +317,23 @@ class LLM:
         """
         self.config = _resolve(config)
         self.tokenizer: Any = tokenizer
+        self._ids = itertools.count()
+        self._replicated: tuple[_LoopThread, AsyncLLM] | None = None
+        self._closed = False
+        if self.config.replicas.count > 1:
+            loop = _LoopThread()
+            try:
+                self._replicated = (loop, loop.run(AsyncLLM.create(self.config)))
+            except BaseException:
+                loop.stop()
+                raise
+            return
         self.engine = EngineProcess(self.config, transport=transport)
         try:
             self.client = EngineClient(self.engine.input_addr, self.engine.output_addr, engine=self.engine)
         except BaseException:
             self.engine.shutdown()
             raise
-        self._ids = itertools.count()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -317,10 +348,15 @@ class LLM:
         call ends early (an exception, KeyboardInterrupt), its unfinished requests are
         aborted, so they do not keep the engine busy.
 
+        With replicas, a replica's death re-routes its requests that had produced no
+        token yet; those that had end with ``finish_reason == "error"`` and an error
+        naming the replica.
+
         Raises:
             RequestError: A badly typed or out-of-range input (a token id that is not a
                 non-negative int, a priority that is not an int, a non-finite arrival
                 offset...), naming the prompt and the field; nothing is sent.
+            EngineDeadError: The engine died (with replicas: no replica is left).
         """
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -332,18 +368,25 @@ class LLM:
                 raise RequestError(f"{len(prompts)} prompts but {len(values)} {name}")
         results: dict[str, RequestOutput] = {}
         wire = []
+        replicated = self._replicated
+        prefix = "r" if replicated is not None else self.client.client_index
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"{self.client.client_index}-{next(self._ids)}"
+            rid = f"{prefix}-{next(self._ids)}"
             try:
                 w = wire_request(rid, _prompt_ids(prompt, self), sp,
                                  priority=priorities[i] if priorities else 0,
                                  tenant=tenants[i] if tenants else "default",
                                  arrival_offset=arrival_offsets[i] if arrival_offsets else None,
-                                 final_only=True)
+                                 final_only=replicated is None)
             except RequestError as e:
                 raise RequestError(f"prompts[{i}]: {e}", request_id=rid) from None
             results[rid] = RequestOutput(rid, w.prompt_token_ids)
             wire.append(w)
+        if replicated is not None:
+            if self._closed:
+                raise EngineDeadError("this LLM was closed")
+            self._generate_replicated(replicated, wire, results, use_tqdm)
+            return list(results.values())
         try:
             self.client.add_requests(wire)
             self._collect(results, use_tqdm)
@@ -353,6 +396,22 @@ class LLM:
             self.client.abort_quietly([rid for rid, r in results.items() if not r.finished])
             raise
         return list(results.values())
+
+    @staticmethod
+    def _generate_replicated(replicated: tuple[_LoopThread, AsyncLLM], wire: list[WireRequest],
+                             results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        """Stream every request through the replicated AsyncLLM (streamed, not final-only:
+        whether a request produced a token decides what a replica's death does to it)."""
+        loop, allm = replicated
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(results), desc="requests", unit="req", dynamic_ncols=True)
+        try:
+            loop.run(_stream_batch(allm.core, wire, results, bar))
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _collect(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         remaining = len(results)
@@ -374,9 +433,24 @@ class LLM:
                 bar.close()
 
     def call_utility(self, method: str, *args: Any) -> Any:
+        if self._replicated is not None:
+            if self._closed:
+                raise EngineDeadError("this LLM was closed")
+            loop, allm = self._replicated
+            return loop.run(allm.call_utility(method, *args))
         return self.client.call_utility(method, *args)
 
     def close(self) -> None:
+        if self._replicated is not None:
+            if self._closed:
+                return
+            self._closed = True
+            loop, allm = self._replicated
+            try:
+                loop.run(allm.close())
+            finally:
+                loop.stop()
+            return
         self.client.close()
         self.engine.shutdown()
 
@@ -402,20 +476,38 @@ def _apply(outputs: list[WireOutput], results: dict[str, RequestOutput]) -> int:
     return done
 
 
-class AsyncLLM:
-    """Async streaming generation through an engine process.
+class EngineHandle(Protocol):
+    """What a connection needs of the engine it talks to: an :class:`EngineProcess`, or a
+    cluster replica (a local process or a Ray actor's engine)."""
 
-    Use ``await AsyncLLM.create(config)``; then ``async for out in llm.generate(...)``
-    yields one :class:`RequestOutput` delta per engine step (new tokens only); the last
-    one has ``finish_reason`` set. Cancelling the iteration aborts the request, and so
-    does closing the generator: ``break`` out of an ``async for`` over
-    ``llm.generate(...)`` aborts once the generator is garbage collected, but a generator
-    you keep a reference to keeps its request running until you ``await gen.aclose()``.
+    input_addr: str
+    output_addr: str
+
+    def is_alive(self) -> bool: ...
+
+    def death_reason(self) -> str: ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...
+
+
+class AsyncEngineClient:
+    """One asyncio connection to an engine: two DEALER sockets (one identity) and a reader
+    task that hands each request's outputs to its stream.
+
+    Args:
+        engine: The engine to connect to.
+        owns_engine: :meth:`close` also shuts the engine down.
+        on_load: With it, the engine sends this client its load reports
+            (``Hello.load_reports``) and the reader calls ``on_load(report)`` for each.
+        on_dead: Called once, from the reader, with the EngineDeadError when the engine
+            is found dead (before any stream or utility call hears of it).
     """
 
-    def __init__(self, config: Config, engine: EngineProcess) -> None:
-        self.config = config
+    def __init__(self, engine: EngineHandle, *, owns_engine: bool = True,
+                 on_load: Callable[[LoadReport], None] | None = None,
+                 on_dead: Callable[[EngineDeadError], None] | None = None) -> None:
         self.engine = engine
+        self.owns_engine = owns_engine
         self.ctx = zmq.asyncio.Context()
         identity = uuid.uuid4().bytes
         self.in_sock = self.ctx.socket(zmq.DEALER)
@@ -423,36 +515,36 @@ class AsyncLLM:
         for sock, addr in ((self.in_sock, engine.input_addr), (self.out_sock, engine.output_addr)):
             EngineClient._connect_opts(sock, identity)
             sock.connect(addr)
+        self._on_load = on_load
+        self._on_dead = on_dead
+        self._load_error_log = RateLimitedLog(log, 10.0)
         self._queues: dict[str, asyncio.Queue[WireOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._ids = itertools.count()
-        self._dead: BaseException | None = None
+        self._call_ids = itertools.count()
+        self._dead: EngineDeadError | None = None
         self._ready = asyncio.Event()
         self.client_index: int | None = None
-        """Set by the engine's ``Ready``, which :meth:`create` waits for."""
-        self.tokenizer: Any = None
+        """Set by the engine's ``Ready``, which :meth:`connect` waits for."""
 
-    @classmethod
-    async def create(cls, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> AsyncLLM:
-        cfg = _resolve(config)
-        # Spawned from the loop's thread (the engine's parent-death signal follows the
-        # spawning thread; see EngineProcess); the slow wait for ready runs off the loop.
-        engine = EngineProcess(cfg, transport=transport, wait=False)
-        await asyncio.to_thread(engine.wait_ready)
-        llm = cls(cfg, engine)
-        await llm.out_sock.send(client_encoder.encode(Hello()))
-        llm._reader = asyncio.create_task(llm._read_outputs())
-        try:
-            # The engine's output socket drops messages to a client it does not know yet;
-            # its Ready (the answer to our Hello) says it knows us.
-            await asyncio.wait_for(llm._ready.wait(), START_TIMEOUT_S)
-            if llm._dead is not None:
-                raise EngineDeadError(str(llm._dead))
-        except BaseException:
-            await llm.close()
-            raise
-        return llm
+    async def connect(self) -> None:
+        """Say hello and wait for the engine's ``Ready``.
+
+        Raises:
+            EngineDeadError: The engine died or did not answer in START_TIMEOUT_S.
+        """
+        await self.out_sock.send(client_encoder.encode(Hello(load_reports=self._on_load is not None)))
+        self._reader = asyncio.create_task(self._read_outputs())
+        # The engine's output socket drops messages to a client it does not know yet;
+        # its Ready (the answer to our Hello) says it knows us.
+        await asyncio.wait_for(self._ready.wait(), START_TIMEOUT_S)
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine is considered dead (None while it answers)."""
+        return self._dead
 
     async def _read_outputs(self) -> None:
         last_seen = time.monotonic()
@@ -473,23 +565,39 @@ class AsyncLLM:
                                     fut.set_exception(utility_error("call", res.error))
                                 else:
                                     fut.set_result(res.result)
+                    elif isinstance(msg, LoadReport):
+                        if self._on_load is not None:
+                            try:
+                                self._on_load(msg)
+                            except Exception as e:  # the router's bug, not a dead engine
+                                self._load_error_log.error("handling a load report failed: %s: %s",
+                                                           type(e).__name__, e)
                     elif isinstance(msg, Ready):
                         self.client_index = msg.client_index
                         self._ready.set()
                     continue
                 if not self.engine.is_alive():
-                    raise EngineDeadError(f"the engine process exited (code {self.engine.exitcode})")
+                    raise EngineDeadError(self.engine.death_reason())
                 # A loop blocked for a while can time the poll out with messages queued.
                 if time.monotonic() - last_seen > DEAD_AFTER_S and not self._readable():
                     raise EngineDeadError(f"no message from the engine for {DEAD_AFTER_S:.0f} s")
-        except EngineDeadError as e:
-            self._dead = e
-            self._ready.set()
-            for q in self._queues.values():
-                q.put_nowait(e)
-            for fut in self._calls.values():
-                if not fut.done():
-                    fut.set_exception(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # EngineDeadError, or a bug here: either way no stream may hang
+            dead = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"the connection to the engine failed: {type(e).__name__}: {e}")
+            self._fail_all(dead)
+            if self._on_dead is not None:
+                self._on_dead(dead)
+
+    def _fail_all(self, dead: EngineDeadError) -> None:
+        self._dead = dead
+        self._ready.set()
+        for q in self._queues.values():
+            q.put_nowait(dead)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(dead)
 
     def is_alive(self) -> bool:
         """The engine process runs and answers (False once it died or went silent)."""
@@ -500,56 +608,43 @@ class AsyncLLM:
         events = self.out_sock.get(zmq.EVENTS)
         return isinstance(events, int) and bool(events & zmq.POLLIN)
 
-    async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                       *, request_id: str | None = None, priority: int = 0,
-                       tenant: str = "default", ttft_slo_s: float | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs.
-
-        Leaving the iteration early aborts the request when the generator closes: at once
-        on cancellation or ``await gen.aclose()``; after ``break``, only once the generator
-        is garbage collected (never while you still hold a reference to it).
+    async def stream(self, request: WireRequest, *,
+                     session_id: str | None = None) -> AsyncGenerator[WireOutput, None]:
+        """Send one (validated) request and yield its outputs as they come; the last has
+        ``finish_reason`` set. Leaving early aborts it in the engine. ``session_id`` is
+        for routers; one engine ignores it.
 
         Raises:
-            RequestError: Invalid input (naming the field), an id already streaming in
-                this client, or the engine rejected the request.
+            EngineDeadError: The engine died (at once, or while the request ran).
+            RequestError: Its id is already streaming in this client.
         """
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
-        rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
-        req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
-                           priority=priority, tenant=tenant, ttft_slo_s=ttft_slo_s)
+        rid = request.request_id
         if rid in self._queues:
             raise RequestError(f"request {rid!r} is already streaming in this client "
                                "(request ids must be unique)", request_id=rid)
-        ids = req.prompt_token_ids
         q: asyncio.Queue[WireOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         finished = False
         try:
-            await self.in_sock.send(client_encoder.encode(AddRequests([req])))
+            await self.in_sock.send(client_encoder.encode(AddRequests([request])))
             while not finished:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.error is not None and not item.new_token_ids and item.metrics is None:
-                    finished = True
-                    raise RequestError(f"request {rid!r} failed: {item.error}", request_id=rid)
                 finished = item.finish_reason is not None
-                yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
-                                    item.stop_reason, item.error, item.metrics,
-                                    num_cached_tokens=item.num_cached_tokens,
-                                    rejected_by=item.rejected_by)
+                yield item
         finally:
             self._queues.pop(rid, None)
-            if not finished and self._dead is None:
+            if not finished and self._dead is None and not self.in_sock.closed:
                 await self.in_sock.send(client_encoder.encode(AbortRequests([rid])))
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
-        call_id = next(self._ids)
+        call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
@@ -559,16 +654,153 @@ class AsyncLLM:
             self._calls.pop(call_id, None)
 
     async def close(self) -> None:
+        """Stop reading (streams still waiting get EngineDeadError, none hangs), close the
+        sockets and, with ``owns_engine``, shut the engine down."""
         if self._reader is not None:
             self._reader.cancel()
             try:
                 await self._reader
             except asyncio.CancelledError:
                 pass
+        if self._dead is None:
+            self._fail_all(EngineDeadError("the client was closed"))
         self.in_sock.close(0)
         self.out_sock.close(0)
         self.ctx.term()
-        await asyncio.to_thread(self.engine.shutdown)
+        if self.owns_engine:
+            await asyncio.to_thread(self.engine.shutdown)
+
+
+class AsyncCore(Protocol):
+    """What :class:`AsyncLLM` streams through: one engine (:class:`AsyncEngineClient`) or
+    the cluster front end (:class:`schedkit.cluster.front.ClusterClient`, with
+    ``replicas.count`` > 1)."""
+
+    @property
+    def dead(self) -> EngineDeadError | None: ...
+
+    def stream(self, request: WireRequest, *, session_id: str | None = None) -> AsyncGenerator[WireOutput, None]: ...
+
+    async def call_utility(self, method: str, *args: Any) -> Any: ...
+
+    def is_alive(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class AsyncLLM:
+    """Async streaming generation through an engine process, or through the router to
+    ``replicas.count`` engines (docs/cluster.md): the same API either way.
+
+    Use ``await AsyncLLM.create(config)``; then ``async for out in llm.generate(...)``
+    yields one :class:`RequestOutput` delta per engine step (new tokens only); the last
+    one has ``finish_reason`` set. Cancelling the iteration aborts the request, and so
+    does closing the generator: ``break`` out of an ``async for`` over
+    ``llm.generate(...)`` aborts once the generator is garbage collected, but a generator
+    you keep a reference to keeps its request running until you ``await gen.aclose()``.
+    """
+
+    def __init__(self, config: Config, core: AsyncCore) -> None:
+        self.config = config
+        self.core = core
+        """The connection the requests go through."""
+        self._ids = itertools.count()
+        self.tokenizer: Any = None
+
+    @property
+    def engine(self) -> EngineHandle:
+        """The engine process (one engine only; a cluster's are ``core.replicas``)."""
+        if not isinstance(self.core, AsyncEngineClient):
+            raise AttributeError("a replicated AsyncLLM has no single engine: see .core.replicas")
+        return self.core.engine
+
+    @property
+    def client_index(self) -> int | None:
+        return self.core.client_index if isinstance(self.core, AsyncEngineClient) else None
+
+    @property
+    def _ready(self) -> asyncio.Event:
+        assert isinstance(self.core, AsyncEngineClient)
+        return self.core._ready
+
+    @classmethod
+    async def create(cls, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> AsyncLLM:
+        """Start the engine (or, with ``replicas.count`` > 1, the replicas and the router)
+        and connect.
+
+        Raises:
+            ConfigError, PluginError: A bad config or plugin (nothing keeps running).
+            EngineDeadError: An engine failed to start.
+        """
+        cfg = _resolve(config)
+        if cfg.replicas.count > 1:
+            # The cluster front end lives above the engine layer (cluster/ imports
+            # engine/); resolved by name here so that engine/ does not import it.
+            front = importlib.import_module("schedkit.cluster.front")
+            return cls(cfg, await front.ClusterClient.start(cfg))
+        # Spawned from the loop's thread (the engine's parent-death signal follows the
+        # spawning thread; see EngineProcess); the slow wait for ready runs off the loop.
+        engine = EngineProcess(cfg, transport=transport, wait=False)
+        await asyncio.to_thread(engine.wait_ready)
+        conn = AsyncEngineClient(engine)
+        try:
+            await conn.connect()
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(cfg, conn)
+
+    def is_alive(self) -> bool:
+        """The engine runs and answers (a cluster: at least one replica does)."""
+        return self.core.is_alive()
+
+    async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
+                       *, request_id: str | None = None, priority: int = 0,
+                       tenant: str = "default", ttft_slo_s: float | None = None,
+                       session_id: str | None = None, cache_salt: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs.
+
+        Leaving the iteration early aborts the request when the generator closes: at once
+        on cancellation or ``await gen.aclose()``; after ``break``, only once the generator
+        is garbage collected (never while you still hold a reference to it).
+
+        ``session_id`` (a conversation's id) is for the router's session affinity;
+        ``cache_salt`` keeps the request's prefix-cache blocks apart from other salts'.
+
+        Raises:
+            RequestError: Invalid input (naming the field), an id already streaming in
+                this client, or the engine rejected the request.
+            EngineDeadError: The engine died (with replicas: every replica died, or the
+                request's replica died before it produced a token and none is left).
+        """
+        dead = self.core.dead
+        if dead is not None:
+            raise EngineDeadError(str(dead))
+        rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
+        req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
+                           priority=priority, tenant=tenant, ttft_slo_s=ttft_slo_s,
+                           cache_salt=cache_salt)
+        ids = req.prompt_token_ids
+        produced = False
+        async with contextlib.aclosing(self.core.stream(req, session_id=session_id)) as outputs:
+            async for item in outputs:
+                if (item.error is not None and not item.new_token_ids and item.metrics is None
+                        and not produced):
+                    raise RequestError(f"request {rid!r} failed: {item.error}", request_id=rid)
+                produced = produced or bool(item.new_token_ids)
+                yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
+                                    item.stop_reason, item.error, item.metrics,
+                                    num_cached_tokens=item.num_cached_tokens,
+                                    rejected_by=item.rejected_by)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine
+        (a cluster: in every replica, answers combined; see ClusterClient.call_utility)."""
+        return await self.core.call_utility(method, *args)
+
+    async def close(self) -> None:
+        await self.core.close()
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -576,3 +808,57 @@ class AsyncLLM:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
+
+class _LoopThread:
+    """An asyncio event loop on a daemon thread, for the synchronous :class:`LLM` over a
+    replicated :class:`AsyncLLM`."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="schedkit-llm-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` on the loop and wait for it. If the wait is interrupted
+        (KeyboardInterrupt), the coroutine is cancelled and its clean-up awaited (a few
+        seconds at most) before the interruption goes on."""
+        done = threading.Event()
+
+        async def wrapped() -> _T:
+            try:
+                return await coro
+            finally:
+                done.set()
+
+        fut = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            done.wait(10)
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+async def _stream_batch(core: AsyncCore, requests: list[WireRequest], results: dict[str, RequestOutput],
+                        bar: Any) -> None:
+    """Stream every request through ``core`` at once, folding outputs into ``results``."""
+
+    async def one(w: WireRequest) -> None:
+        async with contextlib.aclosing(core.stream(w)) as outputs:
+            async for o in outputs:
+                if _apply([o], results) and bar is not None:
+                    bar.update(1)
+
+    tasks = [asyncio.create_task(one(w)) for w in requests]
+    try:
+        await asyncio.gather(*tasks)
+    finally:  # one failed (no replica left) or we were cancelled: abort the others
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

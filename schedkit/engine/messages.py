@@ -2,7 +2,9 @@
 
 Client -> engine (input socket): ``AddRequests``, ``AbortRequests``, ``UtilityCall``.
 Engine -> client (output socket): ``OutputBatch`` (token deltas, finishes with metrics,
-per-request errors, utility results) and ``Heartbeat``.
+per-request errors, utility results) and ``Heartbeat``; to a client whose ``Hello`` asked
+for them (the cluster front end), ``LoadReport`` too: the engine's queue lengths, KV usage
+and KV cache events, for the router.
 
 :func:`check_request` validates one request's wire form; the client runs it before
 sending, and the engine again on every request it decodes (the engine decodes the
@@ -26,6 +28,7 @@ from schedkit.core.request import (
     check_ttft_slo,
 )
 from schedkit.errors import RequestError
+from schedkit.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -148,8 +151,12 @@ class UtilityCall(msgspec.Struct, tag="utility", frozen=True):
     args: list[Any] = []
 
 
-class Hello(msgspec.Struct, tag="hello", frozen=True):
+class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
     """Sent on the output socket by a client so the engine learns its identity."""
+
+    load_reports: bool = False
+    """Also send this client a :class:`LoadReport` after steps that changed the engine's
+    load or KV cache (the router's view of a replica)."""
 
 
 ClientMessage = AddRequests | AbortRequests | UtilityCall | Hello
@@ -181,10 +188,69 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     client_index: int
 
 
-EngineMessage = OutputBatch | Heartbeat | Ready
+# KV cache events on the wire: arrays tagged by a small int, without the token ids
+# (the router's prefix index needs only the hashes).
+class WireBlockStored(msgspec.Struct, tag=0, array_like=True, frozen=True):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    block_size: int
+
+
+class WireBlockRemoved(msgspec.Struct, tag=1, array_like=True, frozen=True):
+    block_hashes: list[bytes]
+
+
+class WireAllBlocksCleared(msgspec.Struct, tag=2, array_like=True, frozen=True):
+    pass
+
+
+WireKVEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+
+
+def kv_events_to_wire(events: list[KVCacheEvent]) -> list[WireKVEvent]:
+    out: list[WireKVEvent] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.append(WireBlockStored(ev.block_hashes, ev.parent_block_hash, ev.block_size))
+        elif isinstance(ev, BlockRemoved):
+            out.append(WireBlockRemoved(ev.block_hashes))
+        else:
+            out.append(WireAllBlocksCleared())
+    return out
+
+
+def kv_events_from_wire(events: list[WireKVEvent]) -> list[KVCacheEvent]:
+    """The events as :mod:`schedkit.kv.events` types (``BlockStored.token_ids`` empty:
+    they do not travel)."""
+    out: list[KVCacheEvent] = []
+    for ev in events:
+        if isinstance(ev, WireBlockStored):
+            out.append(BlockStored(ev.block_hashes, ev.parent_block_hash, [], ev.block_size))
+        elif isinstance(ev, WireBlockRemoved):
+            out.append(BlockRemoved(ev.block_hashes))
+        else:
+            out.append(AllBlocksCleared())
+    return out
+
+
+class LoadReport(msgspec.Struct, tag="load", frozen=True, omit_defaults=True):
+    """The engine's load and its KV cache events since the previous report, sent to the
+    clients that asked for them (``Hello.load_reports``) at most every
+    ``process.LOAD_REPORT_INTERVAL_S`` while something changes. Reports go out in order on the
+    output socket, so events are never lost or reordered; ``seq`` counts them from 0."""
+
+    seq: int
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    kv_events: list[WireKVEvent] = []
+
+
+EngineMessage = OutputBatch | Heartbeat | Ready | LoadReport
 
 client_encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(EngineInput)
+hello_decoder = msgspec.msgpack.Decoder(Hello)
 request_decoder = msgspec.msgpack.Decoder(WireRequest)
 
 

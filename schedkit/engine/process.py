@@ -14,6 +14,11 @@ Threads of the engine process:
   sends output batches, and sends a heartbeat every 0.5 s so clients can tell a dead
   engine from a slow one.
 
+A client whose ``Hello`` asks for load reports (the cluster front end) also gets a
+``LoadReport`` (queue lengths, KV usage, the KV cache events since the last one) from the
+busy loop, at most every ``LOAD_REPORT_INTERVAL_S`` and only when something changed;
+reports share the output queue with the outputs, so nothing is lost or reordered.
+
 Each socket is used by one thread only (ZMQ sockets are not thread-safe).
 
 The process leaves (removing its socket files) when its parent goes: stdin EOF, the
@@ -53,6 +58,7 @@ from schedkit.engine.messages import (
     AbortRequests,
     Heartbeat,
     Hello,
+    LoadReport,
     OutputBatch,
     RawAddRequests,
     Ready,
@@ -65,6 +71,8 @@ from schedkit.engine.messages import (
     client_decoder,
     decode_request,
     engine_encoder,
+    hello_decoder,
+    kv_events_to_wire,
 )
 from schedkit.errors import ConfigError, EngineDeadError, PluginError, SchedkitError
 
@@ -75,6 +83,8 @@ MALFORMED_LOG_INTERVAL_S = 10.0
 """At most one log line per this many seconds about malformed messages."""
 PARENT_CHECK_S = 0.25
 """How often the engine process checks that its parent is still its parent."""
+LOAD_REPORT_INTERVAL_S = 0.05
+"""Load reports go out at most this often (each carries every KV event since the last)."""
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugins", "shutdown",
                    "num_unfinished")
 
@@ -101,7 +111,7 @@ class EngineCoreProc:
     def __init__(self, config: Config, input_addr: str, output_addr: str, *, runner: Any = None) -> None:
         self.engine = EngineCore(config, runner=runner)
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[tuple[int, OutputBatch]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[int, OutputBatch | LoadReport]] = queue.Queue()
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._identities: list[bytes] = []
@@ -109,6 +119,13 @@ class EngineCoreProc:
         self._lock = threading.Lock()
         self._live: dict[str, Request] = {}
         self._final_only: set[str] = set()
+        self._subscribers: tuple[int, ...] = ()
+        """Clients that asked for load reports (replaced whole, never mutated: the output
+        thread adds, the busy loop reads)."""
+        self._kv_events: list[Any] = []
+        self._report_seq = 0
+        self._last_report_t = float("-inf")
+        self._last_load: tuple[int, int, float] | None = None
         self.num_malformed = 0
         self._malformed_log = RateLimitedLog(log, MALFORMED_LOG_INTERVAL_S)
         self._in_sock = self._bind(input_addr)
@@ -162,8 +179,12 @@ class EngineCoreProc:
         while True:
             while sock.poll(0):
                 frames = sock.recv_multipart()
-                if len(frames) == 2 and frames[1] == encode(Hello()):
+                hello = self._hello(frames)
+                if hello is not None:
                     idx = self.client_index(frames[0])
+                    if hello.load_reports and idx not in self._subscribers:
+                        with self._lock:
+                            self._subscribers = (*self._subscribers, idx)
                     sock.send_multipart([frames[0], encode(Ready(client_index=idx))])
             try:
                 client, batch = self.output_queue.get(timeout=0.05)
@@ -179,6 +200,15 @@ class EngineCoreProc:
                     sock.send_multipart([identity, beat])
                 next_beat = now + HEARTBEAT_INTERVAL_S
         sock.close(0)
+
+    @staticmethod
+    def _hello(frames: list[bytes]) -> Hello | None:
+        if len(frames) != 2:
+            return None
+        try:
+            return hello_decoder.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
 
     # -- busy loop -----------------------------------------------------------------------
     def run_busy_loop(self) -> None:
@@ -196,11 +226,33 @@ class EngineCoreProc:
                     self._handle(identity, msg)
                 if engine.has_requests():
                     self._dispatch(engine.step())
+                if self._subscribers:
+                    self._report_load()
         finally:
             self._stop.set()
             for t in self._threads:
                 t.join(timeout=2)
             self.ctx.term()
+
+    def _report_load(self) -> None:
+        """Queue a LoadReport for the subscribed clients if one is due and something
+        changed (the KV events are collected at every call, so none is dropped)."""
+        sched = self.engine.scheduler
+        kv = sched.kv_cache_manager
+        self._kv_events.extend(kv.take_events())
+        now = time.monotonic()
+        if now - self._last_report_t < LOAD_REPORT_INTERVAL_S:
+            return
+        load = (len(sched.waiting), len(sched.running), kv.usage)
+        if not self._kv_events and load == self._last_load:
+            return
+        report = LoadReport(self._report_seq, load[0], load[1], load[2],
+                            kv_events_to_wire(self._kv_events))
+        self._report_seq += 1
+        self._kv_events = []
+        self._last_load, self._last_report_t = load, now
+        for client in self._subscribers:
+            self.output_queue.put((client, report))
 
     def _wait_for_work(self) -> None:
         engine = self.engine
@@ -338,9 +390,9 @@ class EngineCoreProc:
 START_TIMEOUT_S = 120.0
 
 
-def _free_tcp_port() -> int:
+def _free_tcp_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -351,12 +403,15 @@ class EngineProcess:
     plugin that is not installed stops the launch before any process starts.
 
     Args:
+        transport: ``ipc`` (socket files) or ``tcp``.
+        host: With tcp, the address the engine's sockets bind (default loopback; a Ray
+            replica binds its node's IP so a front end elsewhere can reach it).
         wait: Wait for the engine's ``ready`` here; False leaves it to :meth:`wait_ready`
             (so that a caller can spawn from its own thread and wait in another).
     """
 
     def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING",
-                 wait: bool = True) -> None:
+                 wait: bool = True, host: str = "127.0.0.1") -> None:
         from schedkit.plugins.manager import get_plugin_manager
         from schedkit.runners import runner_class
 
@@ -368,8 +423,8 @@ class EngineProcess:
             self._paths = [Path(f"{base}-in.sock"), Path(f"{base}-out.sock")]
             self.input_addr, self.output_addr = (f"ipc://{p}" for p in self._paths)
         elif transport == "tcp":
-            self.input_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
-            self.output_addr = f"tcp://127.0.0.1:{_free_tcp_port()}"
+            self.input_addr = f"tcp://{host}:{_free_tcp_port(host)}"
+            self.output_addr = f"tcp://{host}:{_free_tcp_port(host)}"
         else:
             raise SchedkitError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         # A fresh interpreter (not multiprocessing): no re-import of the caller's __main__,
@@ -413,6 +468,10 @@ class EngineProcess:
     @property
     def exitcode(self) -> int | None:
         return self.proc.poll()
+
+    def death_reason(self) -> str:
+        """Why :meth:`is_alive` is False, for error messages."""
+        return f"the engine process exited (code {self.exitcode})"
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the process (SIGTERM, then SIGKILL), reap it and remove the socket files."""

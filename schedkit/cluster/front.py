@@ -1,0 +1,314 @@
+"""The cluster front end: one client, the router, N replicas.
+
+:class:`ClusterClient` is what a replicated :class:`~schedkit.engine.client.AsyncLLM`
+streams through (``AsyncLLM.create(config)`` with ``replicas.count`` > 1; the sync
+``LLM`` runs that on a background loop). Per request it asks the router for a replica
+(:meth:`Router.make_request` with the tenant, priority, session id and cache salt,
+then :meth:`Router.route`), sends the request there over that replica's own
+:class:`~schedkit.engine.client.AsyncEngineClient` connection, streams its deltas back
+and tells the router when it ends. Each replica's load reports (queue lengths, KV usage,
+KV cache events) feed the router's view of it.
+
+A replica that dies (its process exits, its Ray actor dies, or it sends nothing, not
+even a heartbeat, for ``DEAD_AFTER_S``) is taken out of rotation at once and shut down.
+Each of its outstanding requests then decides alone:
+
+- it had produced no token (none reached the caller): it is re-routed to another replica
+  and sent again under the same id; the caller's stream just goes on;
+- it had produced tokens: its stream ends with ``finish_reason`` "error" and an error
+  naming the replica ("replica 1 died after this request produced 3 tokens (...)");
+- no replica is left: EngineDeadError, as with one engine.
+
+Nothing hangs: a connection's reader fails every waiting stream when its engine is found
+dead, and when the client is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from schedkit.cluster.replicas import ReplicaSet, spawn_replicas
+from schedkit.cluster.router import Router, replica_config
+from schedkit.config import Config
+from schedkit.engine.client import AsyncEngineClient
+from schedkit.engine.messages import LoadReport, WireOutput, WireRequest, kv_events_from_wire
+from schedkit.errors import EngineDeadError, RequestError
+
+log = logging.getLogger("schedkit.cluster")
+
+_SUMMED_DICTS = ("voluntary_preemptions", "num_rejected_by_plugin")
+DEAD_SHUTDOWN_S = 2.0
+"""Grace a replica found dead (or silent) gets to stop before it is killed."""
+
+
+class ClusterClient:
+    """The replicas' connections and the router (an ``AsyncCore`` for AsyncLLM).
+
+    Use ``await ClusterClient.start(config)``, or ``AsyncLLM.create(config)`` with
+    ``replicas.count`` > 1, which wraps it.
+
+    Attributes:
+        config: The front end's config (replicas run :func:`replica_config` of it).
+        router: The router (its ``replicas`` are the router's view of each replica).
+        replicas: The backend's replica handles (``replicas.handles[i]``: an
+            EngineProcess for ``local``, a RayReplica for ``ray``).
+        conns: One connection per replica, index order.
+        num_lost_load_reports: Load reports a replica sent that never arrived (a gap
+            in their sequence numbers; 0 unless something is badly wrong).
+    """
+
+    def __init__(self, config: Config, replicas: ReplicaSet, router: Router) -> None:
+        self.config = config
+        self.router = router
+        self.replicas = replicas
+        self.conns = [AsyncEngineClient(h, owns_engine=False, on_load=functools.partial(self._on_load, i),
+                                        on_dead=functools.partial(self._on_dead, i))
+                      for i, h in enumerate(replicas.handles)]
+        self._active: set[str] = set()
+        self._next_seq: list[int | None] = [None] * len(self.conns)
+        self._closed = False
+        self._shutdowns: list[asyncio.Future[None]] = []
+        self.num_lost_load_reports = 0
+
+    @classmethod
+    async def start(cls, config: Config) -> ClusterClient:
+        """Start ``replicas.count`` replicas on ``replicas.backend`` and connect to each.
+
+        Raises:
+            ConfigError, PluginError: A bad config, router or engine plugin, or
+                ``backend: ray`` without Ray installed (the message says how to install
+                it); nothing is left running.
+            EngineDeadError: A replica failed to start.
+        """
+        router = Router(config)
+        rcfg = replica_config(config)
+        if config.replicas.backend == "ray":  # connecting to Ray blocks for seconds
+            replicas = await asyncio.to_thread(spawn_replicas, rcfg)
+        else:  # spawned from the loop's thread (the engines' parent-death signal)
+            replicas = spawn_replicas(rcfg)
+        try:
+            await asyncio.to_thread(replicas.wait_ready)
+            client = cls(config, replicas, router)
+        except BaseException:
+            await asyncio.to_thread(replicas.shutdown)
+            raise
+        try:
+            await asyncio.gather(*(c.connect() for c in client.conns))
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    # -- what the replicas report --------------------------------------------------------
+    def _on_load(self, index: int, report: LoadReport) -> None:
+        expected = self._next_seq[index]
+        if expected is not None and report.seq != expected:
+            self.num_lost_load_reports += report.seq - expected
+            log.warning("replica %d: %d load reports lost", index, report.seq - expected)
+        self._next_seq[index] = report.seq + 1
+        router = self.router
+        router.update_load(index, num_waiting=report.num_waiting, num_running=report.num_running,
+                           kv_cache_usage=report.kv_cache_usage)
+        if report.kv_events:
+            router.apply_kv_events(index, kv_events_from_wire(report.kv_events))
+
+    def _on_dead(self, index: int, error: EngineDeadError) -> None:
+        if self._closed:
+            return
+        log.error("replica %d died: %s; it is out of rotation", index, error)
+        self.router.replica_died(index)
+        # Dead, or silent and maybe hung: make sure it is gone and frees what it holds.
+        handle = self.replicas.handles[index]
+        self._shutdowns.append(asyncio.ensure_future(asyncio.to_thread(handle.shutdown, DEAD_SHUTDOWN_S)))
+
+    # -- the AsyncCore interface ---------------------------------------------------------
+    @property
+    def dead(self) -> EngineDeadError | None:
+        if self._closed:
+            return EngineDeadError("the client was closed")
+        if any(c.dead is None for c in self.conns):
+            return None
+        reasons = "; ".join(f"replica {i}: {c.dead}" for i, c in enumerate(self.conns))
+        return EngineDeadError(f"all {len(self.conns)} replicas died ({reasons})")
+
+    def is_alive(self) -> bool:
+        """At least one replica runs and answers."""
+        return not self._closed and any(c.is_alive() for c in self.conns)
+
+    async def stream(self, request: WireRequest, *,
+                     session_id: str | None = None) -> AsyncGenerator[WireOutput, None]:
+        """Route one request and stream its outputs from its replica, re-routing it if
+        that replica dies before the request produced a token (module docstring).
+
+        Raises:
+            EngineDeadError: No replica is left to take it.
+            RequestError: Its id is already streaming in this client.
+        """
+        rid = request.request_id
+        if rid in self._active:
+            raise RequestError(f"request {rid!r} is already streaming in this client "
+                               "(request ids must be unique)", request_id=rid)
+        router = self.router
+        dead = self.dead
+        if dead is not None:
+            raise dead
+        replica = router.route(router.make_request(
+            rid, request.prompt_token_ids, tenant=request.tenant, priority=request.priority,
+            session_id=session_id, cache_salt=request.cache_salt))
+        self._active.add(rid)
+        produced = 0
+        ended = False
+        try:
+            while True:
+                index = replica.index
+                try:
+                    async with contextlib.aclosing(self.conns[index].stream(request)) as outputs:
+                        async for item in outputs:
+                            produced += len(item.new_token_ids)
+                            if item.finish_reason is not None:
+                                ended = True
+                                router.finished(rid, failed=item.finish_reason == "error")
+                            yield item
+                    return
+                except EngineDeadError as e:
+                    if self._closed:
+                        ended = True
+                        raise
+                    router.replica_died(index)  # known already when its reader saw it die
+                    if produced:
+                        ended = True
+                        router.finished(rid, failed=True)
+                        router.num_failed_by_death += 1
+                        yield WireOutput(rid, finish_reason="error", error=(
+                            f"replica {index} died after this request produced {produced} "
+                            f"tokens ({e})"))
+                        return
+                    try:
+                        replica = router.reroute(rid)
+                    except EngineDeadError:
+                        ended = True  # the router forgot it
+                        raise
+                    log.info("request %r: replica %d died before its first token; re-routed "
+                             "to replica %d", rid, index, replica.index)
+        finally:
+            self._active.discard(rid)
+            if not ended:  # the caller left early: aborted on its replica
+                router.finished(rid)
+
+    async def call_each(self, method: str, *args: Any) -> list[Any]:
+        """Run a utility method on every live replica; its answer per replica, None for
+        a dead one.
+
+        Raises:
+            EngineDeadError: Every replica is dead.
+            SchedkitError: The method failed (a bad argument: the same on every replica).
+        """
+        dead = self.dead
+        if dead is not None:
+            raise dead
+
+        async def one(conn: AsyncEngineClient) -> Any:
+            if conn.dead is not None:
+                return None
+            try:
+                return await conn.call_utility(method, *args)
+            except EngineDeadError:
+                return None
+
+        results = await asyncio.gather(*(one(c) for c in self.conns), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """A utility method on every live replica, answered as one engine would answer:
+
+        - ``stats``: the replicas' counters summed (``kv_cache_usage`` averaged,
+          ``prefix_cache_hit_rate`` recomputed), plus ``replicas`` (each replica's own
+          stats with ``index`` and ``healthy``; a dead one: ``healthy`` False and
+          ``error``) and ``router`` (:meth:`Router.stats`);
+        - ``num_unfinished``: the sum; ``reset_prefix_cache``: True if every live replica
+          reset; ``list_plugins``, ``set_pause_state``: the first live replica's answer
+          (they run the same config);
+        - anything else: the list :meth:`call_each` returns.
+        """
+        results = await self.call_each(method, *args)
+        live = [r for r, c in zip(results, self.conns, strict=True) if c.dead is None and r is not None]
+        if method == "stats":
+            return self._stats(results)
+        if not live:
+            raise self.dead or EngineDeadError("no replica answered")
+        if method == "num_unfinished":
+            return sum(live)
+        if method == "reset_prefix_cache":
+            return all(live)
+        if method in ("list_plugins", "set_pause_state", "shutdown"):
+            return live[0]
+        return results
+
+    def _stats(self, results: list[Any]) -> dict[str, Any]:
+        per: list[dict[str, Any]] = []
+        live: list[dict[str, Any]] = []
+        for i, (r, conn) in enumerate(zip(results, self.conns, strict=True)):
+            if isinstance(r, dict) and conn.dead is None:
+                per.append({"index": i, "healthy": True, **r})
+                live.append(r)
+            else:
+                per.append({"index": i, "healthy": False,
+                            "error": str(conn.dead) if conn.dead is not None else "no answer"})
+        out = aggregate_stats(live)
+        out["replicas"] = per
+        out["router"] = self.router.stats() | {"num_lost_load_reports": self.num_lost_load_reports}
+        return out
+
+    async def close(self) -> None:
+        """Disconnect and stop every replica (streams still waiting end with
+        EngineDeadError)."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
+        await asyncio.gather(*self._shutdowns, return_exceptions=True)
+        await asyncio.to_thread(self.replicas.shutdown)
+
+
+def aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's ``stats`` shape from several: numbers summed, except
+    ``kv_cache_usage`` (the mean), ``now`` (the latest) and ``prefix_cache_hit_rate``
+    (hits over queries); per-plugin counts summed; other values from the first."""
+    out: dict[str, Any] = {}
+    if not stats:
+        return out
+    for key in stats[0]:
+        values = [s[key] for s in stats if key in s]
+        first = values[0]
+        if key == "num_hook_errors":
+            merged: dict[tuple[str, str], int] = {}
+            for v in values:
+                for plugin, hook, n in v:
+                    merged[(plugin, hook)] = merged.get((plugin, hook), 0) + n
+            out[key] = [[p, h, n] for (p, h), n in merged.items()]
+        elif key in _SUMMED_DICTS and all(isinstance(v, dict) for v in values):
+            total: dict[str, Any] = {}
+            for v in values:
+                for k, n in v.items():
+                    total[k] = total.get(k, 0) + n
+            out[key] = total
+        elif key == "kv_cache_usage":
+            out[key] = sum(values) / len(values)
+        elif key == "now":
+            out[key] = max(values)
+        elif all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = sum(values)
+        else:
+            out[key] = first
+    if "prefix_cache_hit_rate" in out:
+        queries = out.get("prefix_cache_queries", 0)
+        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / queries if queries else 0.0
+    return out

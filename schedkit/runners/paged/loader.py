@@ -8,6 +8,7 @@ separate q/k/v and gate/up weights are copied into the fused projections. Every 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -69,10 +70,16 @@ def resolve_model_path(name: str, seed: int = 0) -> Path:
         build, seeded = BUILTIN_MODELS[name]
         path = cache_dir() / "models" / (f"{name}-seed{seed}" if seeded else name)
         if not (path / "config.json").is_file():
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            build(tmp, seed)
-            shutil.rmtree(path, ignore_errors=True)  # a half-written folder of a killed run
-            tmp.replace(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # One builder at a time (replicas starting together on a cold cache): the
+            # others wait, then find the folder built.
+            with open(path.with_name(path.name + ".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (path / "config.json").is_file():
+                    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+                    build(tmp, seed)
+                    shutil.rmtree(path, ignore_errors=True)  # a half-written folder of a killed run
+                    tmp.replace(path)
         return path
     path = Path(name).expanduser()
     if not path.is_dir():

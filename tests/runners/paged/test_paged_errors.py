@@ -105,3 +105,22 @@ def test_out_of_vocabulary_prompt_is_rejected_at_add(model_dir: Any) -> None:
     assert "oov" not in engine.scheduler.requests
     outs = run_engine(engine, [greedy_request(f"ok{i}", [1 + i, 2, 3], 3) for i in range(3)])
     assert all(len(v) == 3 for v in outs.values())
+
+
+def test_replicas_building_the_same_model_at_once_do_not_break_each_other(tmp_path: Path) -> None:
+    """Two processes resolving a built-in model on a cold cache (replicas starting
+    together): one builds, the other waits for it; neither removes the folder the other
+    is about to read."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from schedkit.runners.paged.loader import resolve_model_path, read_model_args; "
+            "p = resolve_model_path('tiny-llama', 3); read_model_args(p); "
+            "assert (p / 'config.json').is_file() and any(p.glob('*.safetensors')); print(p)")
+    env = {**__import__("os").environ, "SCHEDKIT_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert len({out.strip() for out, _ in results}) == 1
+    assert not list((tmp_path / "models").glob("*.tmp*"))

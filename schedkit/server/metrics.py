@@ -69,6 +69,25 @@ _ENGINE_SERIES: tuple[tuple[Any, str, str, str], ...] = (
 ``model_name`` label."""
 
 
+_REPLICA_SERIES: tuple[tuple[Any, str, str, str], ...] = (
+    (GaugeMetricFamily, "replica_num_requests_running", "Requests in model execution batches, "
+     "per replica.", "num_running"),
+    (GaugeMetricFamily, "replica_num_requests_waiting", "Requests waiting to be processed, per "
+     "replica.", "num_waiting"),
+    (GaugeMetricFamily, "replica_kv_cache_usage_perc", "KV-cache usage per replica (1 means 100 "
+     "percent).", "kv_cache_usage"),
+    (CounterMetricFamily, "replica_prefix_cache_queries", "Prefix cache queries per replica, in "
+     "queried tokens.", "prefix_cache_queries"),
+    (CounterMetricFamily, "replica_prefix_cache_hits", "Prefix cache hits per replica, in cached "
+     "tokens.", "prefix_cache_hits"),
+    (CounterMetricFamily, "replica_num_preemptions", "Preemptions per replica.", "num_preemptions"),
+    (CounterMetricFamily, "replica_engine_steps", "Engine steps run per replica.", "num_steps"),
+)
+"""With ``replicas.count`` > 1: ``(family, name, help, stats key)`` of the per-replica
+series (labels ``model_name``, ``replica``); the series above are then cluster totals
+(``kv_cache_usage_perc`` the mean over live replicas)."""
+
+
 class EngineStatsCollector(Collector):
     """Engine-wide series from the last ``stats`` snapshot the server fetched."""
 
@@ -77,6 +96,7 @@ class EngineStatsCollector(Collector):
         self.policy = policy
         self.plugins = [(name, list(hooks)) for name, hooks in plugins]
         self.stats: dict[str, Any] = {}
+        self._last_replica: dict[int, dict[str, Any]] = {}
 
     def collect(self) -> Iterable[Metric]:
         m, st = self.model_name, self.stats
@@ -116,6 +136,67 @@ class EngineStatsCollector(Collector):
                                     "answers, 0 once it is gone.", labels=labels)
         healthy.add_metric([m], 0.0 if st.get("dead") else 1.0)
         yield healthy
+        if "replicas" in st:
+            yield from self._replica_series(st["replicas"])
+        if "router" in st:
+            yield from self._router_series(st["router"])
+
+    def _replica_series(self, replicas: list[dict[str, Any]]) -> Iterable[Metric]:
+        m = self.model_name
+        for rep in replicas:  # a dead replica keeps its last counts
+            if rep.get("healthy"):
+                self._last_replica[rep["index"]] = rep
+        labels = ["model_name", "replica"]
+        for family, name, doc, key in _REPLICA_SERIES:
+            metric = family(PREFIX + name, doc, labels=labels)
+            for rep in replicas:
+                last = self._last_replica.get(rep["index"], {})
+                value = last.get(key, 0) if (rep.get("healthy") or family is CounterMetricFamily) else 0
+                metric.add_metric([m, str(rep["index"])], value)
+            yield metric
+        healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 while the replica answers, 0 "
+                                    "once it died.", labels=labels)
+        for rep in replicas:
+            healthy.add_metric([m, str(rep["index"])], 1.0 if rep.get("healthy") else 0.0)
+        yield healthy
+
+    def _router_series(self, router: dict[str, Any]) -> Iterable[Metric]:
+        m = self.model_name
+        info = GaugeMetricFamily(PREFIX + "router_info", "The router policy and the router plugins "
+                                 "switched on (value 1).", labels=["model_name", "policy", "plugins"])
+        info.add_metric([m, str(router.get("policy", "")), ",".join(router.get("plugins", []))], 1)
+        yield info
+        labels = ["model_name", "replica"]
+        routed = CounterMetricFamily(PREFIX + "router_requests_routed", "Requests the router sent "
+                                     "to each replica.", labels=labels)
+        outstanding = GaugeMetricFamily(PREFIX + "router_requests_outstanding", "Requests routed to "
+                                        "each replica and not finished.", labels=labels)
+        cached = GaugeMetricFamily(PREFIX + "router_cached_blocks", "Prefix-cache blocks the router "
+                                   "knows each replica holds (from its KV events).", labels=labels)
+        for rep in router.get("replicas", []):
+            key = [m, str(rep["index"])]
+            routed.add_metric(key, rep.get("num_routed", 0))
+            outstanding.add_metric(key, rep.get("num_outstanding", 0))
+            cached.add_metric(key, rep.get("num_cached_blocks", 0))
+        yield from (routed, outstanding, cached)
+        rerouted = CounterMetricFamily(PREFIX + "router_rerouted", "Requests sent to another replica "
+                                       "because theirs died before they produced a token.",
+                                       labels=["model_name"])
+        rerouted.add_metric([m], router.get("num_rerouted", 0))
+        yield rerouted
+        lost = CounterMetricFamily(PREFIX + "router_failed_by_replica_death", "Requests failed "
+                                   "because their replica died after they produced tokens.",
+                                   labels=["model_name"])
+        lost.add_metric([m], router.get("num_failed_by_death", 0))
+        yield lost
+        errors = {(p, h): 0 for p, hooks in router.get("plugin_hooks", []) for h in hooks}
+        errors |= {(p, h): n for p, h, n in router.get("num_hook_errors", [])}
+        err = CounterMetricFamily(PREFIX + "router_hook_errors", "Router-hook calls that raised or "
+                                  "answered something impossible, by plugin and hook.",
+                                  labels=["model_name", "plugin", "hook"])
+        for (p, h), n in sorted(errors.items()):
+            err.add_metric([m, p, h], n)
+        yield err
 
 
 class ServerMetrics:

@@ -80,6 +80,9 @@ class _Sampling(_Body):
     """vLLM's priority: smaller is served first under the ``priority`` policy."""
     ttft_slo_s: FiniteFloat | None = Field(default=None, gt=0)
     """This request's time-to-first-token target (``edf``, admission plugins)."""
+    session_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    """A conversation id: with replicas, ``session-affinity`` keeps a session on one
+    replica (its history stays in that replica's prefix cache)."""
     # accepted only at their neutral value
     frequency_penalty: FiniteFloat | None = None
     presence_penalty: FiniteFloat | None = None

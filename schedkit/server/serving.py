@@ -291,7 +291,8 @@ class Server:
         told_end = False
         try:
             gen: Any = self.llm.generate(c.prompt_token_ids, c.params, request_id=c.request_id,
-                                    priority=req.priority, tenant=tenant, ttft_slo_s=req.ttft_slo_s)
+                                    priority=req.priority, tenant=tenant, ttft_slo_s=req.ttft_slo_s,
+                                    session_id=req.session_id)
             async with aclosing(gen):
                 async for out in gen:
                     now = time.perf_counter()

@@ -532,7 +532,7 @@ def test_admission_rejection_is_a_429(api, client):
     assert rejected() == before + 3
     # a rejected n=2 request is one 429, both choices rejected (and none left behind)
     assert_error(client.post("/v1/completions", json={**hopeless, "n": 2}), 429, says=("edf",))
-    assert wait_for(lambda: rejected() == before + 5, 2.0, "both choices rejected")
+    assert wait_for(lambda: rejected() == before + 5, 10.0, "both choices rejected")
     wait_idle(api)
 
 

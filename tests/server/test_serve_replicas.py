@@ -1,0 +1,117 @@
+"""``schedkit serve`` with ``replicas.count: 2``: requests go through the router, /metrics
+reports each replica and the router, and a replica that dies is taken out of rotation
+while the server keeps answering."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.server.conftest import metric, server_config
+
+PROMPT = list(range(10, 43))  # two full blocks of 16 and one token
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """The engine-core processes the server started (its children running the engine)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == server_pid and b"schedkit.engine.process" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def complete(client, prompt=PROMPT, **extra) -> dict:
+    r = client.post("/v1/completions", json={"model": "word-model", "prompt": prompt,
+                                             "max_tokens": 4, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_requests_are_routed_and_metrics_report_each_replica(serve, word_tokenizer):
+    s = serve(server_config(word_tokenizer, replicas={"count": 2}, router={"policy": "round-robin"}))
+    with s.client() as c:
+        for i in range(10):
+            out = complete(c, prompt=[i + 10] * 20)
+            assert out["usage"]["completion_tokens"] == 4
+    st = s.stats()
+    assert metric(st, "schedkit:router_requests_routed_total", replica="0") == 5
+    assert metric(st, "schedkit:router_requests_routed_total", replica="1") == 5
+    assert metric(st, "schedkit:router_requests_outstanding", replica="0") == 0
+    assert metric(st, "schedkit:replica_healthy") == 2
+    assert metric(st, "schedkit:router_info", policy="round-robin") == 1
+    assert metric(st, "schedkit:request_success_total") == 10
+    # The cluster totals are the replicas' sums.
+    steps = [metric(st, "schedkit:replica_engine_steps_total", replica=r) for r in ("0", "1")]
+    assert all(n > 0 for n in steps)
+    assert metric(st, "schedkit:engine_steps_total") == sum(steps)
+    assert metric(st, "schedkit:router_hook_errors_total", plugin="round-robin",
+                  hook="schedkit_router_pick") == 0
+
+
+def test_prefix_affinity_over_http_follows_the_replica_that_cached_the_prompt(serve, word_tokenizer):
+    s = serve(server_config(word_tokenizer, replicas={"count": 2}, router={"policy": "prefix-affinity"}))
+    with s.client() as c:
+        first = complete(c)
+        assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+        # Wait for the first replica's KV events to reach the router.
+        assert wait_for(lambda: sum(metric(s.stats(), "schedkit:router_cached_blocks", replica=r) > 0
+                                    for r in ("0", "1")) == 1)
+        st = s.stats()
+        home = "0" if metric(st, "schedkit:router_cached_blocks", replica="0") else "1"
+        for _ in range(4):
+            out = complete(c)
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    st = s.stats()
+    assert metric(st, "schedkit:router_requests_routed_total", replica=home) == 5
+
+
+def test_session_id_keeps_a_conversation_on_one_replica(serve, word_tokenizer):
+    s = serve(server_config(word_tokenizer, replicas={"count": 2}, router={"policy": "session-affinity"}))
+    with s.client() as c:
+        for i in range(6):
+            complete(c, prompt=[i + 10] * 8, session_id="conversation-7")
+        r = c.post("/v1/completions", json={"model": "word-model", "prompt": [1, 2], "session_id": 7})
+        assert r.status_code == 400 and "session_id" in r.text
+    st = s.stats()
+    counts = sorted(metric(st, "schedkit:router_requests_routed_total", replica=r) for r in ("0", "1"))
+    assert counts == [0, 6]
+
+
+def test_a_dead_replica_leaves_rotation_and_the_server_keeps_serving(serve, word_tokenizer):
+    s = serve(server_config(word_tokenizer, replicas={"count": 2}, router={"policy": "round-robin"}))
+    pids = engine_pids(s.proc.pid)
+    assert len(pids) == 2, pids
+    with s.client() as c:
+        complete(c)
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_for(lambda: metric(s.stats(), "schedkit:replica_healthy") == 1)
+        for _ in range(6):
+            complete(c)
+        assert c.get("/health").status_code == 200
+    st = s.stats()
+    dead = [r for r in ("0", "1") if metric(st, "schedkit:replica_healthy", replica=r) == 0]
+    assert len(dead) == 1
+    alive = "1" if dead == ["0"] else "0"
+    assert metric(st, "schedkit:router_requests_outstanding", replica=alive) == 0
+    assert metric(st, "schedkit:engine_healthy") == 1
+    assert metric(st, "schedkit:request_success_total") == 7

@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     wl = config.workload
     summary = summarize(metrics, wl.slo, finish - start, fairness=wl.fairness,
                         shares=wl.tenant_shares)
-    _print_summary(config, summary, wall, stats["num_steps"])
+    _print_summary(config, summary, wall, stats["num_steps"], stats.get("router"))
     texts = config.workload.prompts
     for i, o in enumerate(outs[: args.samples]):
         toks = o.output_token_ids
@@ -65,8 +65,9 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _print_summary(config: Config, s: dict, wall: float, steps: int) -> None:
-    clock = "virtual" if config.runner.kind == "fake" else "wall"
+def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dict | None = None) -> None:
+    runner = config.runner
+    clock = "virtual" if runner.kind == "simulated" or getattr(runner, "clock", "wall") == "virtual" else "wall"
     rows = [
         ("policy", config.scheduler.policy), ("runner", config.runner.kind),
         ("requests", s["requests"]), ("steps", steps),
@@ -77,6 +78,9 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int) -> None:
         ("rejected", s["rejected"]), ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("wall time (s)", f"{wall:.2f}"),
     ]
+    if router is not None:
+        routed = " / ".join(str(r["num_routed"]) for r in router["replicas"])
+        rows.insert(2, ("replicas (routed)", f"{len(router['replicas'])} ({config.router.policy}): {routed}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

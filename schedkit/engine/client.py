@@ -33,6 +33,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, 
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -847,9 +848,18 @@ class _LoopThread:
 
 async def _stream_batch(core: AsyncCore, requests: list[WireRequest], results: dict[str, RequestOutput],
                         bar: Any) -> None:
-    """Stream every request through ``core`` at once, folding outputs into ``results``."""
+    """Stream every request through ``core`` at once, folding outputs into ``results``.
+
+    A request with an arrival offset is sent when it arrives (offset seconds after the
+    batch started), not before: the router places it with the replicas' load at that
+    moment, as the cluster simulation does, instead of placing a whole trace at once."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
 
     async def one(w: WireRequest) -> None:
+        if w.arrival_offset is not None:
+            await asyncio.sleep(max(t0 + w.arrival_offset - loop.time(), 0.0))
+            w = msgspec.structs.replace(w, arrival_offset=None)
         async with contextlib.aclosing(core.stream(w)) as outputs:
             async for o in outputs:
                 if _apply([o], results) and bar is not None:

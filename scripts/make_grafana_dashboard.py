@@ -1,6 +1,7 @@
 """Writes docs/grafana/schedkit-dashboard.json: a Grafana dashboard for every metric of
-``schedkit serve`` (tests/server/test_dashboard.py checks that each panel's series exist
-and that every exposed series has a panel).
+``schedkit serve``, with a "Replicas and router" row for a server with ``replicas.count`` > 1
+(tests/server/test_dashboard.py checks, against a single-engine and a replicated server,
+that each panel's series exist and that every exposed series has a panel).
 
     python scripts/make_grafana_dashboard.py
 """
@@ -53,24 +54,35 @@ def gp(x, y, w, h):
     return {"x": x, "y": y, "w": w, "h": h}
 
 
+def health_stat(title, desc, pos, tgts, text_mode="value"):
+    return {
+        "id": next(_ids), "type": "stat", "title": title, "description": desc, "datasource": DS,
+        "gridPos": pos,
+        "fieldConfig": {"defaults": {
+            "mappings": [{"type": "value", "options": {
+                "0": {"text": "DOWN", "color": "red", "index": 0},
+                "1": {"text": "UP", "color": "green", "index": 1}}}],
+            "thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None},
+                                                          {"color": "green", "value": 1}]},
+            "unit": "none"}, "overrides": []},
+        "options": {"colorMode": "background", "graphMode": "none", "justifyMode": "center",
+                    "textMode": text_mode, "reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                                             "values": False}},
+        "targets": tgts}
+
+
+def row(title, y):
+    """A Grafana row: the panels below it, up to the next row, are its own."""
+    return {"id": next(_ids), "type": "row", "title": title, "collapsed": False,
+            "gridPos": gp(0, y, 24, 1), "panels": []}
+
+
 panels = []
 # --- health and the active policy (y 0..5) ---------------------------------------------
-panels.append({
-    "id": next(_ids), "type": "stat", "title": "Engine healthy",
-    "description": "schedkit:engine_healthy: 1 while the engine process answers the server, 0 once "
-                   "it is gone (the server then answers 503 on /health).",
-    "datasource": DS, "gridPos": gp(0, 0, 4, 6),
-    "fieldConfig": {"defaults": {
-        "mappings": [{"type": "value", "options": {
-            "0": {"text": "DOWN", "color": "red", "index": 0},
-            "1": {"text": "UP", "color": "green", "index": 1}}}],
-        "thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None},
-                                                      {"color": "green", "value": 1}]},
-        "unit": "none"}, "overrides": []},
-    "options": {"colorMode": "background", "graphMode": "none", "justifyMode": "center",
-                "textMode": "value", "reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
-                                                        "values": False}},
-    "targets": targets((f"min(schedkit:engine_healthy{{{M}}})", "healthy"))})
+panels.append(health_stat(
+    "Engine healthy", "schedkit:engine_healthy: 1 while the engine process answers the server, 0 "
+    "once it is gone (the server then answers 503 on /health). With replicas: 1 while one "
+    "replica lives.", gp(0, 0, 4, 6), targets((f"min(schedkit:engine_healthy{{{M}}})", "healthy"))))
 
 
 def info_table(title, desc, pos, expr, columns):
@@ -98,12 +110,13 @@ panels.append(info_table(
 # --- load (y 6) ------------------------------------------------------------------------
 panels.append(timeseries(
     "Requests running / waiting", "schedkit:num_requests_running (in the step's batch) and "
-    "schedkit:num_requests_waiting (in the policy's waiting queue).", gp(0, 6, 8, 8),
+    "schedkit:num_requests_waiting (in the policy's waiting queue); with replicas, the cluster's "
+    "totals.", gp(0, 6, 8, 8),
     targets((f"sum(schedkit:num_requests_running{{{M}}})", "running"),
             (f"sum(schedkit:num_requests_waiting{{{M}}})", "waiting"))))
 panels.append(timeseries(
-    "KV cache usage", "schedkit:kv_cache_usage_perc: fraction of KV-cache blocks in use (1 = full).",
-    gp(8, 6, 8, 8), targets((f"max(schedkit:kv_cache_usage_perc{{{M}}})", "KV cache used")),
+    "KV cache usage", "schedkit:kv_cache_usage_perc: fraction of KV-cache blocks in use (1 = full); "
+    "with replicas, the mean over the live ones.", gp(8, 6, 8, 8), targets((f"max(schedkit:kv_cache_usage_perc{{{M}}})", "KV cache used")),
     unit="percentunit", max_=1))
 panels.append(timeseries(
     "Preemptions", "rate(schedkit:num_preemptions_total): requests preempted per second (the "
@@ -216,6 +229,79 @@ panels.append(timeseries(
     "per second.", gp(12, 62, 12, 8),
     targets((f"sum(rate(schedkit:engine_steps_total{{{M}}}{RI}))", "steps/s")), unit="ops"))
 
+# --- replicas and the router (y 70..108): only a server with replicas.count > 1 has these
+# series (labelled by replica); the panels above then show the cluster's totals -----------
+panels.append(row("Replicas and router", 70))
+panels.append(health_stat(
+    "Replicas healthy", "schedkit:replica_healthy by replica: 1 while the replica answers, 0 once it "
+    "died (it is out of rotation; /health stays 200 while one replica lives).", gp(0, 71, 8, 6),
+    targets((f"min by (replica) (schedkit:replica_healthy{{{M}}})", "replica {{replica}}")),
+    text_mode="value_and_name"))
+panels.append(info_table(
+    "Router policy", "schedkit:router_info: router.policy and every router plugin switched on, per "
+    "scraped server.", gp(8, 71, 16, 6),
+    f"max by (instance, policy, plugins) (schedkit:router_info{{{M}}})",
+    ["instance", "policy", "plugins"]))
+panels.append(timeseries(
+    "Requests running / waiting per replica", "schedkit:replica_num_requests_running and "
+    "schedkit:replica_num_requests_waiting by replica (0 for a dead one).", gp(0, 77, 8, 8),
+    targets((f"sum by (replica) (schedkit:replica_num_requests_running{{{M}}})",
+             "replica {{replica}} running"),
+            (f"sum by (replica) (schedkit:replica_num_requests_waiting{{{M}}})",
+             "replica {{replica}} waiting"))))
+panels.append(timeseries(
+    "KV cache usage per replica", "schedkit:replica_kv_cache_usage_perc by replica: fraction of "
+    "the replica's KV-cache blocks in use (1 = full).", gp(8, 77, 8, 8),
+    targets((f"max by (replica) (schedkit:replica_kv_cache_usage_perc{{{M}}})",
+             "replica {{replica}}")), unit="percentunit", max_=1))
+panels.append(timeseries(
+    "Prefix cache hit rate per replica", "rate(schedkit:replica_prefix_cache_hits_total) / "
+    "rate(schedkit:replica_prefix_cache_queries_total) by replica: how much of what the router "
+    "sent each replica was cached there (no data while nothing is queried).", gp(16, 77, 8, 8),
+    targets((f"sum by (replica) (rate(schedkit:replica_prefix_cache_hits_total{{{M}}}{RI})) / "
+             f"(sum by (replica) (rate(schedkit:replica_prefix_cache_queries_total{{{M}}}{RI})) > 0)",
+             "replica {{replica}}")), unit="percentunit", max_=1))
+panels.append(timeseries(
+    "Engine steps per replica", "rate(schedkit:replica_engine_steps_total) by replica: engine steps "
+    "per second (a replica that stops stepping while others step is stuck or dead).",
+    gp(0, 85, 12, 8),
+    targets((f"sum by (replica) (rate(schedkit:replica_engine_steps_total{{{M}}}{RI}))",
+             "replica {{replica}}")), unit="ops"))
+panels.append(timeseries(
+    "Preemptions per replica", "rate(schedkit:replica_num_preemptions_total) by replica: requests "
+    "preempted per second on each replica.", gp(12, 85, 12, 8),
+    targets((f"sum by (replica) (rate(schedkit:replica_num_preemptions_total{{{M}}}{RI}))",
+             "replica {{replica}}"))))
+panels.append(timeseries(
+    "Requests routed by replica", "rate(schedkit:router_requests_routed_total) by replica: the "
+    "router's decisions per second (re-routed requests count again on their new replica).",
+    gp(0, 93, 8, 8),
+    targets((f"sum by (replica) (rate(schedkit:router_requests_routed_total{{{M}}}{RI}))",
+             "replica {{replica}}")), unit="reqps", stack=True))
+panels.append(timeseries(
+    "Outstanding requests by replica", "schedkit:router_requests_outstanding by replica: requests "
+    "routed there and not finished, the router's own count.", gp(8, 93, 8, 8),
+    targets((f"sum by (replica) (schedkit:router_requests_outstanding{{{M}}})",
+             "replica {{replica}}")), stack=True))
+panels.append(timeseries(
+    "Cached blocks by replica", "schedkit:router_cached_blocks by replica: the prefix-cache blocks "
+    "the router knows each replica holds, from the replica's KV cache events.", gp(16, 93, 8, 8),
+    targets((f"sum by (replica) (schedkit:router_cached_blocks{{{M}}})", "replica {{replica}}"))))
+panels.append(timeseries(
+    "Re-routed and failed by replica death", "rate(schedkit:router_rerouted_total): requests sent "
+    "again to another replica because theirs died before their first token (the client sees "
+    "nothing); rate(schedkit:router_failed_by_replica_death_total): requests that had produced "
+    "tokens and failed with their replica.", gp(0, 101, 12, 8),
+    targets((f"sum(rate(schedkit:router_rerouted_total{{{M}}}{RI}))", "re-routed"),
+            (f"sum(rate(schedkit:router_failed_by_replica_death_total{{{M}}}{RI}))",
+             "failed by replica death")), unit="reqps"))
+panels.append(timeseries(
+    "Router hook errors by plugin and hook", "rate(schedkit:router_hook_errors_total) by plugin and "
+    "hook: router-hook calls that raised or answered something impossible (the answer is dropped "
+    "for that decision; the request is still routed).", gp(12, 101, 12, 8),
+    targets((f"sum by (plugin, hook) (rate(schedkit:router_hook_errors_total{{{M}}}{RI}))",
+             "{{plugin}} / {{hook}}")), unit="ops", stack=True))
+
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "
                   "that scrapes schedkit serve's /metrics", "type": "datasource",
@@ -230,8 +316,9 @@ dashboard = {
     "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
                               "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
                               "name": "Annotations & Alerts", "type": "dashboard"}]},
-    "description": "schedkit serve: vLLM-style serving metrics and the scheduling policy's view "
-                   "(policy, plugins, admission rejections, hook errors, tenants).",
+    "description": "schedkit serve: vLLM-style serving metrics, the scheduling policy's view "
+                   "(policy, plugins, admission rejections, hook errors, tenants) and, with "
+                   "replicas, each replica and the router.",
     "editable": True,
     "fiscalYearStartMonth": 0,
     "graphTooltip": 1,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import LLM
-
 from tests.cluster.replica_runs import fake_config
 
 

@@ -1,17 +1,22 @@
 """docs/grafana/schedkit-dashboard.json: valid dashboard JSON, and its queries match what a
 live ``schedkit serve`` exposes on /metrics, both ways (every series a panel reads exists;
-every metric family the server exposes is on some panel)."""
+every metric family the server exposes is on some panel), for a single-engine server and
+for one with ``replicas.count: 2``: the families only a replicated server has (per replica,
+the router's) are read on the "Replicas and router" row's panels and nowhere else."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.server.conftest import LiveServer, server_config
+from tests.server.conftest import LiveServer, server_config, start_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -23,6 +28,9 @@ _SUFFIXES = ("_bucket", "_sum", "_count")
 # Counters labelled by plugin that have no series until a plugin rejects a request or a hook
 # fails; on the default server (fcfs, no failing plugin) only their # TYPE line is there.
 NO_SAMPLES_ON_DEFAULT_SERVER = {"schedkit:admission_rejections_total", "schedkit:hook_errors_total"}
+REPLICA_ROW = "Replicas and router"
+# The families only a server with replicas exposes: per replica, and the router's.
+REPLICA_ONLY = ("schedkit:replica_", "schedkit:router_")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +42,30 @@ def panel_exprs(dashboard: dict[str, Any]) -> list[str]:
     return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
+def row_of(dashboard: dict[str, Any]) -> dict[int, str | None]:
+    """Panel id -> the title of the (expanded) row it sits in, None above the first row: in
+    Grafana a row holds the panels below it up to the next row."""
+    rows = sorted((p["gridPos"]["y"], p["title"]) for p in dashboard["panels"] if p["type"] == "row")
+    out: dict[int, str | None] = {}
+    for p in dashboard["panels"]:
+        if p["type"] != "row":
+            above = [title for y, title in rows if y <= p["gridPos"]["y"]]
+            out[p["id"]] = above[-1] if above else None
+    return out
+
+
+def referenced_by_row(dashboard: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """``(series the replica row's panels read, series read anywhere else)``, the template
+    variables' queries counted as elsewhere."""
+    rows = row_of(dashboard)
+    inside: set[str] = set()
+    outside = {m for e in variable_queries(dashboard) for m in _METRIC.findall(e)}
+    for p in dashboard["panels"]:
+        for t in p.get("targets", []):
+            (inside if rows.get(p["id"]) == REPLICA_ROW else outside).update(_METRIC.findall(t["expr"]))
+    return inside, outside
+
+
 def variable_queries(dashboard: dict[str, Any]) -> list[str]:
     out = []
     for v in dashboard["templating"]["list"]:
@@ -41,10 +73,6 @@ def variable_queries(dashboard: dict[str, Any]) -> list[str]:
             q = v["query"]
             out.append(q["query"] if isinstance(q, dict) else q)
     return out
-
-
-def referenced(dashboard: dict[str, Any]) -> set[str]:
-    return {m for e in panel_exprs(dashboard) + variable_queries(dashboard) for m in _METRIC.findall(e)}
 
 
 def scrape(server: LiveServer) -> tuple[dict[str, str], set[str]]:
@@ -74,9 +102,9 @@ def series_family(name: str, families: dict[str, str]) -> str | None:
 
 def traffic(server: LiveServer) -> None:
     """Enough requests that every histogram and counter of the default server has samples:
-    plain and streamed completions from two tenants, a chat, and one 400."""
+    plain and streamed completions from two tenants (one in a session), a chat, and one 400."""
     with server.client() as c:
-        r = c.post("/v1/completions", json={"prompt": "w7 w8", "max_tokens": 3})
+        r = c.post("/v1/completions", json={"prompt": "w7 w8", "max_tokens": 3, "session_id": "s1"})
         assert r.status_code == 200, r.text
         r = c.post("/v1/completions", json={"prompt": "w7 w8 w9", "max_tokens": 3, "user": "alice",
                                              "stream": True})
@@ -86,6 +114,48 @@ def traffic(server: LiveServer) -> None:
         assert r.status_code == 200, r.text
         r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
+
+
+@pytest.fixture(scope="module")
+def single(live: LiveServer) -> tuple[dict[str, str], set[str]]:
+    """The default single-engine server's ``scrape`` after ``traffic``."""
+    traffic(live)
+    return scrape(live)
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str], set[str]]]:
+    """``scrape`` of a server with two replicas (fake runner) behind the default router,
+    after ``traffic``."""
+    s = start_server(tmp_path_factory.mktemp("replicated"),
+                     server_config(word_tokenizer, replicas={"count": 2}))
+    try:
+        traffic(s)
+        yield scrape(s)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+            try:
+                s.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+
+
+def check_kinds(names: set[str], families: dict[str, str]) -> None:
+    for name in names:
+        kind = families[series_family(name, families)]
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        if kind == "histogram":
+            assert name.endswith(_SUFFIXES), f"{name}: read a histogram through its _bucket series"
+
+
+def not_shown(families: dict[str, str], names: set[str]) -> list[str]:
+    def shown(family: str) -> bool:
+        return family + "_bucket" in names if families[family] == "histogram" else family in names
+
+    return sorted(f for f in families if not shown(f))
 
 
 def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
@@ -99,12 +169,16 @@ def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
     for p in panels:
         where = f"panel {p['id']} ({p.get('title')!r})"
         assert p["type"] and p["title"], where
-        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
         g = p["gridPos"]
         assert g["w"] >= 1 and g["h"] >= 1 and g["x"] >= 0 and g["y"] >= 0 and g["x"] + g["w"] <= 24, where
         mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not cells & mine, f"{where} overlaps another panel"
         cells |= mine
+        if p["type"] == "row":  # expanded: its panels follow it in the list, none nested
+            assert (g["x"], g["w"], g["h"]) == (0, 24, 1), where
+            assert p["collapsed"] is False and p["panels"] == [] and "targets" not in p, where
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
         targets = p["targets"]
         assert targets, where
         refs = [t["refId"] for t in targets]
@@ -124,6 +198,13 @@ def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
     model = variables["model_name"]
     assert model["type"] == "query" and model["datasource"]["uid"] == "${datasource}"
     assert model["query"]["query"] == model["definition"] == "label_values(schedkit:num_requests_running, model_name)"
+    rows = row_of(dashboard)
+    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW]
+    assert sum(r == REPLICA_ROW for r in rows.values()) >= 10
+    # the row's panels come after it in the list, the others before it
+    at = next(i for i, p in enumerate(panels) if p["type"] == "row")
+    assert all(rows[p["id"]] is None for p in panels[:at]), "a panel above the row is listed after it"
+    assert all(rows[p["id"]] == REPLICA_ROW for p in panels[at + 1:]), "a panel of the row is listed before it"
 
 
 def test_quantile_panels_read_rates_of_buckets(dashboard: dict[str, Any]) -> None:
@@ -137,26 +218,46 @@ def test_quantile_panels_read_rates_of_buckets(dashboard: dict[str, Any]) -> Non
                 assert re.search(rf"(rate|increase)\({re.escape(name)}\{{", e), e
 
 
-def test_every_referenced_series_exists_and_every_family_is_shown(live: LiveServer,
-                                                                  dashboard: dict[str, Any]) -> None:
-    traffic(live)
-    families, samples = scrape(live)
-    names = referenced(dashboard)
-    unknown = sorted(n for n in names if series_family(n, families) is None)
+def test_every_referenced_series_exists_and_every_family_is_shown(single, dashboard: dict[str, Any]) -> None:
+    """The single-engine server: every series outside the replica row exists and has samples,
+    the replica row's families are absent, and every family exposed is on a panel."""
+    families, samples = single
+    on_row, elsewhere = referenced_by_row(dashboard)
+    unknown = sorted(n for n in elsewhere if series_family(n, families) is None)
     assert not unknown, f"the dashboard reads series the server does not expose: {unknown}"
-    for name in names:
-        kind = families[series_family(name, families)]
-        if kind == "counter":
-            assert name.endswith("_total"), name
-        if kind == "histogram":
-            assert name.endswith(_SUFFIXES), f"{name}: read a histogram through its _bucket series"
+    check_kinds(elsewhere, families)
+    empty = {n for n in elsewhere if n not in samples}
+    assert empty <= NO_SAMPLES_ON_DEFAULT_SERVER, f"no samples after traffic: {sorted(empty)}"
+    assert not [f for f in families if f.startswith(REPLICA_ONLY)], families
+    present = sorted(n for n in on_row if series_family(n, families) is not None)
+    assert not present, f"the replica row reads series a single engine has: {present}"
+    missing = not_shown(families, elsewhere)
+    assert not missing, f"exposed on /metrics but on no panel outside the replica row: {missing}"
+
+
+def test_replicated_server_series_are_on_the_replica_row(single, replicated,
+                                                          dashboard: dict[str, Any]) -> None:
+    """With two replicas: every series the dashboard reads exists and has samples (the panels
+    above the row show the cluster's totals), and the families a single engine lacks are
+    exactly the per-replica and router ones, each read on the replica row and only there."""
+    single_families, _ = single
+    families, samples = replicated
+    on_row, elsewhere = referenced_by_row(dashboard)
+    names = on_row | elsewhere
+    unknown = sorted(n for n in names if series_family(n, families) is None)
+    assert not unknown, f"the dashboard reads series the replicated server does not expose: {unknown}"
+    check_kinds(names, families)
     empty = {n for n in names if n not in samples}
     assert empty <= NO_SAMPLES_ON_DEFAULT_SERVER, f"no samples after traffic: {sorted(empty)}"
-
-    def shown(family: str) -> bool:
-        return family + "_bucket" in names if families[family] == "histogram" else family in names
-
-    missing = sorted(f for f in families if not shown(f))
+    assert set(single_families) <= set(families)
+    replica_only = set(families) - set(single_families)
+    assert replica_only == {f for f in families if f.startswith(REPLICA_ONLY)}, sorted(replica_only)
+    assert {"schedkit:replica_healthy", "schedkit:router_info"} <= replica_only, sorted(replica_only)
+    missing = not_shown({f: families[f] for f in replica_only}, on_row)
+    assert not missing, f"exposed with replicas but on no panel of the replica row: {missing}"
+    misplaced = sorted(n for n in elsewhere if series_family(n, families) in replica_only)
+    assert not misplaced, f"replica-only series read outside the replica row: {misplaced}"
+    missing = not_shown(families, names)
     assert not missing, f"exposed on /metrics but on no panel: {missing}"
 
 

@@ -152,11 +152,7 @@ class EngineCore:
                 in [0, MAX_ARRIVAL_OFFSET_S].
         """
         check_arrival_offset(request.request_id, arrival_offset)
-        vocab = self._vocab_size
-        if vocab is not None and max(request.prompt_token_ids) >= vocab:
-            bad = next(t for t in request.prompt_token_ids if t >= vocab)
-            raise RequestError(f"request {request.request_id!r}: prompt token id {bad} is outside "
-                               f"the model's vocabulary of {vocab} tokens", request_id=request.request_id)
+        self._check_token_ids(request)
         if arrival_offset is None or self.start_time + arrival_offset <= self.now():
             # The engine owns the clock (virtual with the fake runner and the simulator):
             # a request arrives when the engine receives it.
@@ -168,6 +164,40 @@ class EngineCore:
             self.scheduler.add_request(request)  # raises the duplicate-id error
         request.arrival_time = self.start_time + arrival_offset
         heapq.heappush(self._future, (request.arrival_time, next(self._seq), request))
+
+    def add_request_at(self, request: Request, arrival_time: float) -> None:
+        """Add a request that arrives at ``arrival_time`` on this engine's clock (absolute,
+        not an offset). Ahead of the clock it is held until then, as :meth:`add_request`
+        with an offset holds it; at or behind the clock it is added now but keeps that
+        arrival time: a request that arrived while the current step ran joins the next
+        step, its wait counted from its true arrival. (The cluster simulation routes each
+        request at its arrival on a clock shared by every replica, so a busy replica's
+        clock may be past it.)
+
+        Raises:
+            RequestError: As :meth:`add_request`.
+        """
+        offset = arrival_time - self.start_time
+        if arrival_time > self.now():
+            self.add_request(request, offset)
+            return
+        check_arrival_offset(request.request_id, offset)
+        self._check_token_ids(request)
+        request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+
+    def _check_token_ids(self, request: Request) -> None:
+        vocab = self._vocab_size
+        if vocab is not None and max(request.prompt_token_ids) >= vocab:
+            bad = next(t for t in request.prompt_token_ids if t >= vocab)
+            raise RequestError(f"request {request.request_id!r}: prompt token id {bad} is outside "
+                               f"the model's vocabulary of {vocab} tokens", request_id=request.request_id)
+
+    @property
+    def last_step_empty(self) -> bool:
+        """True when the last step scheduled no token (a virtual clock then jumps to the
+        next held arrival rather than stepping at the same time again)."""
+        return self._last_step_empty
 
     def next_arrival_in(self) -> float | None:
         """Seconds until the next held request arrives (None if none is held)."""

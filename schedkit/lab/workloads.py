@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import itertools
 import json
 import math
@@ -217,7 +218,29 @@ def token_run(key: int, n: int, vocab_size: int) -> list[int]:
     m = vocab_size - 3
     base = (key * 2654435761) % m
     step = 7919 % m or 1
-    return [(base + step * i) % m + 3 for i in range(n)]
+    cycle = _token_cycle(m, step)
+    if cycle is None:
+        return [(base + step * i) % m + 3 for i in range(n)]
+    # The same ids as the formula above, sliced from the run's one cycle (a C-speed copy:
+    # long traces need hundreds of millions of prompt tokens).
+    ids, inverse = cycle
+    j = base * inverse % m  # (base + step * i) % m == step * (j + i) % m
+    if j + n <= m:
+        return ids[j:j + n]
+    out = ids[j:]
+    whole, rest = divmod(n - len(out), m)
+    out += ids * whole
+    out += ids[:rest]
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _token_cycle(m: int, step: int) -> tuple[list[int], int] | None:
+    """``[step * j % m + 3 for j in range(m)]`` and the inverse of ``step`` modulo ``m``
+    (None when there is none: ``token_run`` then uses its formula)."""
+    if m < 2 or math.gcd(step, m) != 1:
+        return None
+    return [step * j % m + 3 for j in range(m)], pow(step, -1, m)
 
 
 def _block_tokens(hash_id: int, seed: int, vocab_size: int) -> list[int]:
@@ -261,3 +284,44 @@ def _from_trace(cfg: WorkloadConfig, tc: TraceConfig, vocab_size: int,
         reqs.append(WorkloadRequest(f"req-{i}", (t - t0) * tc.time_scale, prompt, max(out, 1),
                                     tenant(), priority()))
     return reqs
+
+
+def repeat_workload(workload: Sequence[WorkloadRequest], num_requests: int, *,
+                    vocab_size: int = 32000, gap_s: float | None = None) -> list[WorkloadRequest]:
+    """The first ``num_requests`` requests of ``workload`` played over and over, for a
+    trace shorter than the run wanted (deterministic, like everything here).
+
+    Copy ``k`` (0, 1, ...) starts ``gap_s`` after copy ``k - 1``'s last arrival (default:
+    the workload's mean gap between arrivals); its requests are numbered on
+    (``req-<k * len(workload) + i>``) and its prompt tokens go through the ``k``-th
+    permutation ``t -> 3 + (t - 3) * a_k mod (vocab_size - 3)`` of the non-special ids
+    (``a_0 = 1``: copy 0 is the workload itself). A permutation keeps which prompts of a
+    copy share prefixes, and how long the shares are, exactly; for the prompts made here
+    (``token_run`` arithmetic runs, so also Mooncake's hash-id blocks) copies share no
+    block with each other: each copy is a new set of conversations over the same
+    arrival pattern, not a replay of the same ones.
+    """
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    base = list(workload)
+    if num_requests <= len(base) or not base:
+        return base[:num_requests]
+    span = base[-1].arrival_time - base[0].arrival_time
+    if gap_s is None:
+        gap_s = span / (len(base) - 1) if len(base) > 1 else 1.0
+    m = vocab_size - 3
+    multipliers = [a for a in range(1, max(m, 2)) if math.gcd(a, m) == 1]
+    out: list[WorkloadRequest] = []
+    for k in itertools.count():
+        if len(out) >= num_requests:
+            break
+        if k >= len(multipliers):
+            raise ValueError(f"cannot make {k + 1} distinct copies with a vocabulary of {vocab_size}")
+        a = multipliers[k]
+        table = list(range(3)) + [3 + (t * a) % m for t in range(m)] if k else None
+        shift = k * (span + gap_s)
+        for i, w in enumerate(base[: num_requests - len(out)]):
+            prompt = w.prompt_token_ids if table is None else [table[t] for t in w.prompt_token_ids]
+            out.append(WorkloadRequest(f"req-{k * len(base) + i}", w.arrival_time + shift, prompt,
+                                       w.max_tokens, w.tenant, w.priority))
+    return out

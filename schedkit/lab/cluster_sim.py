@@ -1,0 +1,414 @@
+"""Cluster simulation: N replicas behind the router, on one shared virtual clock.
+
+:func:`run_cluster_workload` replays a workload through ``replicas.count`` in-process
+:class:`~schedkit.engine.core.EngineCore` replicas (each built from
+:func:`~schedkit.cluster.router.replica_config`, the config's own runner: fake or
+simulated, so every replica's clock is virtual) and one
+:class:`~schedkit.cluster.router.Router` running the configured router plugins. Routing
+policies are then compared on traces the way engine policies are (docs/cluster-simulation.md).
+
+The event loop (a discrete-event simulation; every time is on the one shared clock):
+
+* Requests arrive in arrival order (ties: workload order). Each is routed *at its
+  arrival time*: first every replica report due by then is applied to the router, then
+  the router decides, then the request is added to the chosen replica with
+  :meth:`~schedkit.engine.core.EngineCore.add_request_at`, so its ``arrival_time`` is
+  the trace's. A replica whose clock is behind (idle) jumps to the arrival; a busy one
+  whose step in progress ends after the arrival takes it in its next step.
+* Replicas step in order of the time their next step starts (a heap of ``(time,
+  index)``; ties: arrivals first, then the lower index). A replica steps only when no
+  unrouted request arrives before or at that time, so no replica runs ahead of an
+  arrival that could be routed to it. A replica with nothing to run is not in the heap;
+  one whose last step ran nothing waits for the next arrival (the engine's own rule for
+  its virtual clock).
+* What a step ends with is reported to the router when the step ends, not before: the
+  replica's queue lengths and KV usage (``update_load``), its KV cache events
+  (``apply_kv_events``; the prefix-affinity view) and the requests that finished
+  (``finished``). A request that arrives while a step runs is routed on the state the
+  replicas had reported by then, as a real router would see it.
+
+Token times and metrics are recorded as :func:`~schedkit.lab.simulate.run_workload`
+records them, so :func:`~schedkit.lab.metrics.summarize` works on the union, and with one
+replica the result equals ``run_workload``'s request for request. Everything is
+deterministic: the same config and workload give identical metrics.
+:func:`summarize_cluster` adds the cluster's own figures: per replica, load imbalance,
+prefix hit rate, the router's counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schedkit.cluster.router import Router, replica_config
+from schedkit.config import Config
+from schedkit.core.request import Request, SamplingParams
+from schedkit.core.routing import RouteRequest
+from schedkit.engine.core import EngineCore
+from schedkit.errors import ConfigError, SchedkitError
+from schedkit.kv.hashing import BlockHasher
+from schedkit.lab.metrics import (
+    RequestMetrics,
+    percentile,
+    refused_metrics,
+    request_metrics,
+    summarize,
+)
+from schedkit.lab.simulate import RunResult
+from schedkit.lab.workloads import WorkloadRequest, generate
+
+__all__ = ["ClusterRunResult", "run_cluster_workload", "summarize_cluster"]
+
+_INF = math.inf
+GC_THRESHOLD = (100_000, 50, 100)
+"""``gc.set_threshold`` during a run (the default is (700, 10, 10))."""
+
+
+@dataclass(slots=True)
+class ClusterRunResult(RunResult):
+    """A :class:`~schedkit.lab.simulate.RunResult` (``metrics`` of every request, sorted
+    by arrival; ``failed``; ``num_steps``, the replicas' total; ``wall_s``) plus where
+    each request went and what each replica did."""
+
+    num_replicas: int = 1
+    replica_of: dict[str, int] = field(default_factory=dict)
+    """request_id -> the replica the router chose (every request, refused ones too)."""
+    replica_steps: list[int] = field(default_factory=list)
+    """Steps each replica ran."""
+    replica_busy_s: list[float] = field(default_factory=list)
+    """Engine-clock seconds each replica spent in steps (the sum of its step durations)."""
+    engine_prefix_cache: list[dict[str, int]] = field(default_factory=list)
+    """Each replica's own prefix-cache counters (``queries``, ``hits``: tokens looked up
+    and found at admission, re-admissions after preemption included)."""
+    router_stats: dict[str, Any] = field(default_factory=dict)
+    """:meth:`Router.stats` at the end of the run."""
+
+    def replica_metrics(self, index: int) -> list[RequestMetrics]:
+        """The metrics of the requests routed to replica ``index``."""
+        where = self.replica_of
+        return [m for m in self.metrics if where.get(m.request_id) == index]
+
+
+def _snapshot(hashes: list[bytes]) -> Callable[[Sequence[int]], list[bytes]]:
+    """A RouteRequest hash function answering the prompt's block hashes as they are now
+    (the request's list grows with its output blocks later)."""
+    n = len(hashes)
+    return lambda _tokens: hashes[:n]
+
+
+def _refused(req: Request, start: float, error: str) -> RequestMetrics:
+    return refused_metrics(req.request_id, req.arrival_time - start, req.num_prompt_tokens, error,
+                           tenant=req.tenant, priority=req.priority, max_tokens=req.max_tokens)
+
+
+class _Replica:
+    """One replica's engine and the loop's bookkeeping for it."""
+
+    __slots__ = ("index", "engine", "version", "key", "added", "busy_s")
+
+    def __init__(self, index: int, engine: EngineCore) -> None:
+        self.index = index
+        self.engine = engine
+        self.version = 0
+        """Bumped at every (re)scheduling; heap entries of older versions are stale."""
+        self.key: float | None = None
+        """When its next step starts (None: not in the heap)."""
+        self.added = False
+        """A request was added since its last step (so a last empty step says nothing)."""
+        self.busy_s = 0.0
+
+
+def run_cluster_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
+                         router_extra_plugins: Iterable[Any] = (),
+                         base_dir: str | Path | None = None) -> ClusterRunResult:
+    """Replay ``workload`` (default: the config's own) through ``replicas.count``
+    simulated replicas behind the configured router (module docstring).
+
+    Args:
+        config: The whole config: ``replicas.count``, ``router``, and the engine sections
+            every replica runs (the runner must have a virtual clock: ``fake`` or
+            ``simulated``).
+        workload: The requests (default: generated from ``config.workload``).
+        router_extra_plugins: Router plugin objects registered after the configured ones.
+        base_dir: Where relative trace paths are looked up first (the config's folder).
+
+    Raises:
+        ConfigError: The runner's clock is not virtual, or a router plugin cannot be built.
+        ValueError: Two requests of the workload have the same id (each must be routed
+            once).
+    """
+    if workload is None:
+        workload = generate(config.workload, config.runner.vocab_size, base_dir)
+    ids = [w.request_id for w in workload]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1} if len(ids) < 10_000 else set())
+        raise ValueError(f"the workload's request ids must be unique for the cluster "
+                         f"simulation{f': {dup[:5]} repeat' if dup else ''}")
+    with _fewer_collections():
+        return _run(config, workload, router_extra_plugins)
+
+
+@contextlib.contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """Run with the cyclic garbage collector relaxed: the objects alive before (the
+    workload: every prompt) are frozen out of its scans, and it runs far less often
+    (:data:`GC_THRESHOLD`). A long cluster run allocates many containers and frees nearly
+    all of them by reference counting, so the scans found little and took a quarter of
+    the run. Restored afterwards (the freeze is left alone when the caller froze objects
+    already)."""
+    threshold = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if freeze:
+            gc.unfreeze()
+
+
+def _run(config: Config, workload: list[WorkloadRequest],
+         router_extra_plugins: Iterable[Any]) -> ClusterRunResult:
+    wall0 = time.perf_counter()
+    n = config.replicas.count
+    rconfig = replica_config(config)
+    engines = [EngineCore(rconfig) for _ in range(n)]
+    if not all(e.is_virtual for e in engines):
+        raise ConfigError("the cluster simulation needs a virtual clock: runner.kind fake or "
+                          "simulated, with runner.clock virtual")
+    router = Router(config, n, extra_plugins=router_extra_plugins)
+    replicas = [_Replica(i, e) for i, e in enumerate(engines)]
+    start = engines[0].start_time
+    assert all(e.start_time == start for e in engines)
+
+    cache = rconfig.cache
+    block_size = cache.block_size
+    hasher = BlockHasher(block_size, cache.hash_algo) if cache.enable_prefix_caching else None
+    eos = config.runner.eos_token_id
+    slo = config.workload.slo
+    order = sorted(range(len(workload)), key=lambda k: workload[k].arrival_time)
+    arrivals = [start + workload[k].arrival_time for k in order]
+    num_arrivals = len(order)
+    next_arrival = 0  # index into order / arrivals of the next request to route
+
+    ready: list[tuple[float, int, int]] = []  # (step start, replica index, version)
+    updates: list[tuple[float, int, int, int, int, float, list[Any], list[tuple[str, bool]]]] = []
+    """Reports due to the router: (time, seq, replica, waiting, running, kv usage, KV
+    events, finished (request_id, failed))."""
+    update_seq = 0
+
+    live: dict[str, Request] = {}
+    token_times: dict[str, list[float]] = {}
+    failed: dict[str, str] = {}
+    metrics: list[RequestMetrics] = []
+    replica_of: dict[str, int] = {}
+
+    def next_step_time(rep: _Replica) -> float | None:
+        """When the replica's next step starts (None: it has nothing to do)."""
+        e = rep.engine
+        if not e.has_requests():
+            return None
+        now = e.now()
+        wait = e.next_arrival_in()
+        if wait is not None and (e.last_step_empty or not e.scheduler.has_requests()):
+            return now + wait  # idle until its next held arrival: the engine jumps there
+        if e.last_step_empty and not rep.added:
+            # Its last step ran nothing and nothing came since: like the engine's clock,
+            # which then jumps to its next held arrival, it waits for the next arrival
+            # (to anyone); with none left it steps on, as run_workload's engine would.
+            return max(now, arrivals[next_arrival]) if next_arrival < num_arrivals else now
+        return now
+
+    def schedule(rep: _Replica) -> None:
+        key = next_step_time(rep)
+        if key == rep.key:
+            return
+        rep.version += 1
+        rep.key = key
+        if key is not None:
+            heapq.heappush(ready, (key, rep.index, rep.version))
+
+    def apply_updates(upto: float) -> None:
+        while updates and updates[0][0] <= upto:
+            _, _, i, waiting, running, usage, events, finished = heapq.heappop(updates)
+            router.update_load(i, num_waiting=waiting, num_running=running, kv_cache_usage=usage)
+            if events:
+                router.apply_kv_events(i, events)
+            for rid, bad in finished:
+                router.finished(rid, failed=bad)
+
+    while True:
+        t_next = arrivals[next_arrival] if next_arrival < num_arrivals else _INF
+        # Drop stale heap entries.
+        while ready and ready[0][2] != replicas[ready[0][1]].version:
+            heapq.heappop(ready)
+        if ready and ready[0][0] < t_next:
+            key, i, _ = heapq.heappop(ready)
+            rep = replicas[i]
+            rep.key = None
+            e = rep.engine
+            e.advance_to(key)
+            before = e.now()
+            outputs = e.step()
+            now = e.now()
+            rep.busy_s += now - before
+            rep.added = False
+            finished: list[tuple[str, bool]] = []
+            for group in outputs.values():
+                for o in group.outputs:
+                    rid = o.request_id
+                    times = token_times.get(rid)
+                    if times is not None and o.new_token_ids:
+                        times.extend([now] * len(o.new_token_ids))
+                    if o.finish_reason is None:
+                        continue
+                    ended = live.pop(rid, None)
+                    if o.error is not None:
+                        failed[rid] = o.error
+                    if ended is not None:
+                        times = token_times.pop(rid)
+                        if not ended.is_finished:  # refused when it arrived
+                            metrics.append(_refused(ended, start, o.error or "refused"))
+                        else:
+                            metrics.append(request_metrics(ended, times, start, failed.get(rid)))
+                    finished.append((rid, o.error is not None))
+            sched = e.scheduler
+            kv = sched.kv_cache_manager
+            update_seq += 1
+            heapq.heappush(updates, (now, update_seq, i, len(sched.waiting), len(sched.running),
+                                     kv.usage, kv.take_events(), finished))
+            schedule(rep)
+            continue
+        if next_arrival >= num_arrivals:
+            break
+        # Route the next arrival, on what the replicas had reported by its arrival time.
+        w = workload[order[next_arrival]]
+        t = t_next
+        next_arrival += 1
+        apply_updates(t)
+        req = Request(w.request_id, w.prompt_token_ids,
+                      SamplingParams(max_tokens=w.max_tokens, eos_token_id=eos),
+                      arrival_time=t, priority=w.priority, tenant=w.tenant,
+                      ttft_slo_s=slo.class_target("ttft_s", w.tenant, w.priority))
+        if hasher is not None:
+            # Hash the prompt once, for the replica's prefix cache and the router both (the
+            # same hasher the schedulers build; a request that comes with its block hashes
+            # keeps them): on long-prompt traces hashing is a large share of the run.
+            req.set_block_hasher(hasher.extend, block_size)
+            route = RouteRequest(w.request_id, req.prompt_token_ids, tenant=w.tenant,
+                                 priority=w.priority, hash_fn=_snapshot(req.block_hashes))
+        else:
+            route = router.make_request(w.request_id, w.prompt_token_ids, tenant=w.tenant,
+                                        priority=w.priority)
+        j = router.route(route).index
+        replica_of[w.request_id] = j
+        rep = replicas[j]
+        try:
+            rep.engine.add_request_at(req, t)
+        except SchedkitError as err:
+            failed[w.request_id] = str(err)
+            metrics.append(_refused(req, start, str(err)))
+            router.finished(w.request_id, failed=True)
+            continue
+        live[w.request_id] = req
+        token_times[w.request_id] = []
+        rep.added = True
+        schedule(rep)
+    apply_updates(_INF)
+    metrics.sort(key=lambda m: (m.arrival_time, m.request_id))
+    prefix = []
+    for e in engines:
+        totals = e.scheduler.kv_cache_manager.prefix_cache_totals
+        prefix.append({"queries": totals.queries + totals.preempted_queries,
+                       "hits": totals.hits + totals.preempted_hits})
+    return ClusterRunResult(
+        metrics, failed, sum(e.num_steps for e in engines), time.perf_counter() - wall0, start,
+        num_replicas=n, replica_of=replica_of, replica_steps=[e.num_steps for e in engines],
+        replica_busy_s=[r.busy_s for r in replicas], engine_prefix_cache=prefix,
+        router_stats=router.stats())
+
+
+# -- the cluster summary -------------------------------------------------------------------
+
+def _imbalance(values: list[float]) -> float:
+    """max / mean (1.0 = perfectly even; 0 for no load at all)."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 0.0
+
+
+def _replica_summary(metrics: list[RequestMetrics], steps: int, busy_s: float,
+                     engine_prefix: dict[str, int]) -> dict[str, Any]:
+    served = [m for m in metrics if not m.rejected]
+    prompt = sum(m.num_prompt_tokens for m in served)
+    output = sum(m.num_output_tokens for m in metrics)
+    cached = sum(m.num_cached_tokens for m in served)
+    computed = (prompt - cached + output + sum(m.num_recomputed_tokens for m in served))
+    ttfts = [m.ttft if m.ttft is not None else _INF for m in metrics]
+    tpots = [v for m in metrics if (v := m.tpot) is not None]
+    return {
+        "requests": len(metrics),
+        "rejected": len(metrics) - len(served),
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "tokens": prompt + output,
+        "computed_tokens": computed,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "tpot_p50_s": percentile(tpots, 50),
+        "preemptions": sum(m.num_preemptions for m in metrics),
+        "steps": steps,
+        "busy_s": busy_s,
+        "engine_prefix_cache": dict(engine_prefix),
+    }
+
+
+def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
+    """The cluster's summary: JSON-serialisable and deterministic (no wall time in it).
+
+    Keys: ``overall`` (:func:`~schedkit.lab.metrics.summarize` of every request, under
+    the workload's SLO, fairness weights and tenant shares), ``replicas`` (one entry each:
+    requests, rejected, prompt / output / computed tokens, prefix hit rate, TTFT p50 and
+    p99, TPOT p50, preemptions, steps, busy seconds, the engine's own prefix-cache
+    counters), ``load_imbalance`` (max over replicas / mean of: ``requests``, ``tokens``
+    (prompt + output tokens served), ``computed_tokens`` (tokens the replica computed:
+    prompt minus prefix-cache hits, plus outputs and recomputed tokens) and ``busy_s``),
+    ``prefix_hit_rate`` (prefix-cache hit tokens / prompt tokens of the requests served,
+    from each request's ``num_cached_tokens``; the same as ``overall``'s),
+    ``router`` (policy, ``num_rerouted``, ``num_failed_by_death``, ``num_hook_errors``,
+    requests routed to each replica) and ``num_replicas``, ``num_steps``.
+    """
+    wl = config.workload
+    overall = summarize(run.metrics, wl.slo, fairness=wl.fairness, shares=wl.tenant_shares)
+    per: list[list[RequestMetrics]] = [[] for _ in range(run.num_replicas)]
+    where = run.replica_of
+    for m in run.metrics:
+        per[where[m.request_id]].append(m)
+    replicas = [_replica_summary(ms, run.replica_steps[i], run.replica_busy_s[i],
+                                 run.engine_prefix_cache[i]) for i, ms in enumerate(per)]
+    stats = run.router_stats
+    return {
+        "num_replicas": run.num_replicas,
+        "num_steps": run.num_steps,
+        "overall": overall,
+        "prefix_hit_rate": overall["prefix_hit_rate"],
+        "load_imbalance": {k: _imbalance([float(r[k]) for r in replicas])
+                           for k in ("requests", "tokens", "computed_tokens", "busy_s")},
+        "replicas": replicas,
+        "router": {
+            "policy": stats.get("policy"),
+            "num_rerouted": stats.get("num_rerouted", 0),
+            "num_failed_by_death": stats.get("num_failed_by_death", 0),
+            "num_hook_errors": stats.get("num_hook_errors", []),
+            "num_routed": [r["num_routed"] for r in stats.get("replicas", [])],
+        },
+    }

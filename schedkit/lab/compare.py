@@ -18,10 +18,11 @@ from typing import Any, Protocol
 
 from schedkit.config import Config, ProfileConfig, profile_scheduler
 from schedkit.errors import ConfigError, PluginError, SchedkitError
+from schedkit.lab.cluster_sim import run_cluster_workload, summarize_cluster
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.simulate import run_workload
 from schedkit.lab.workloads import WorkloadRequest, generate
-from schedkit.plugins.manager import get_plugin_manager
+from schedkit.plugins.manager import get_plugin_manager, get_router_plugin_manager
 
 SWEEP_KNOBS = ("rate", "time_scale")
 
@@ -32,6 +33,7 @@ def profile_config(config: Config, profile: ProfileConfig) -> Config:
     return config.model_copy(update={
         "scheduler": profile_scheduler(config.scheduler, profile),
         "plugins": [*config.plugins, *profile.plugins],
+        "router": profile.router if profile.router is not None else config.router,
     })
 
 
@@ -51,7 +53,10 @@ def check_profiles(config: Config) -> None:
     """
     for profile in profiles_of(config):
         try:
-            get_plugin_manager(profile_config(config, profile))
+            cfg = profile_config(config, profile)
+            get_plugin_manager(cfg)
+            if cfg.replicas.count > 1:
+                get_router_plugin_manager(cfg)
         except ConfigError as e:
             raise ConfigError(f"{e} (compare profile {profile.name!r})") from e
         except PluginError as e:
@@ -76,6 +81,12 @@ def run_point(config: Config, workload: list[WorkloadRequest]) -> PointResult:
     config, its ``workload`` section the point's). The one function the serial and the
     Ray runner both call; nothing in its result depends on wall time or on which process
     ran it."""
+    if config.replicas.count > 1:  # the replicas on one virtual clock, under the router
+        crun = run_cluster_workload(config, workload)
+        cluster = summarize_cluster(config, crun)
+        summary = cluster.pop("overall")
+        summary["cluster"] = cluster
+        return PointResult(summary, crun.metrics, crun.failed)
     run = run_workload(config, workload)
     return PointResult(summarize_run(config, run.metrics), run.metrics, run.failed)
 

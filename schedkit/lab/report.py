@@ -36,8 +36,13 @@ ROWS = (
     ("preemptions", "preemptions", "{:.0f}"),
     ("recomputed tokens", "recomputed_tokens", "{:.0f}"),
     ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+    ("replicas", ("cluster", "num_replicas"), "{:.0f}"),
+    ("imbalance, requests", ("cluster", "load_imbalance", "requests"), "{:.2f}"),
+    ("imbalance, computed", ("cluster", "load_imbalance", "computed_tokens"), "{:.2f}"),
+    ("re-routed", ("cluster", "router", "num_rerouted"), "{:.0f}"),
 )
-"""The main table's rows; the TTFT and E2E percentiles count requests never served as
+"""The main table's rows (the last ones only for cluster runs, ``replicas.count`` > 1:
+load imbalance is max over replicas / mean); the TTFT and E2E percentiles count requests never served as
 infinitely late (``inf``), their means are over the served requests."""
 FAIRNESS_ROWS = (
     ("max service gap", ("fairness", "max_service_gap"), "{:.0f}"),
@@ -69,9 +74,10 @@ ONE_TENANT = "tenant_service.png skipped: the workload has a single tenant"
 
 
 def _get(summary: Mapping[str, Any], key: Any) -> float:
-    if isinstance(key, tuple):
-        return summary[key[0]][key[1]]
-    return summary[key]
+    value: Any = summary
+    for part in key if isinstance(key, tuple) else (key,):
+        value = value[part]
+    return value  # type: ignore[no-any-return]
 
 
 def _fmt(value: float, fmt: str) -> str:
@@ -169,7 +175,12 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = Tr
 
 
 def _has(summary: Mapping[str, Any], key: Any) -> bool:
-    return (key[0] in summary and key[1] in summary[key[0]]) if isinstance(key, tuple) else key in summary
+    value: Any = summary
+    for part in key if isinstance(key, tuple) else (key,):
+        if not isinstance(value, Mapping) or part not in value:
+            return False
+        value = value[part]
+    return True
 
 
 def profile_colours(names: Sequence[str]) -> dict[str, str]:

@@ -33,12 +33,32 @@ compare:
     - {name: sjf, policy: sjf}
 """
 SWEEP = ["--sweep", "rate=50,200,800"]
+# Routers compared on three simulated replicas: each point is a cluster simulation.
+CLUSTER_YAML = """\
+runner: {kind: simulated}
+cache: {block_size: 16, num_blocks: 400, enable_prefix_caching: true}
+scheduler: {max_num_batched_tokens: 512, max_num_seqs: 8, max_model_len: 2048}
+replicas: {count: 3}
+workload:
+  kind: poisson
+  rate: 20
+  num_requests: 80
+  prompt_len: [32, 256]
+  output_len: {dist: lognormal, median: 32, sigma: 1.0, min: 4, max: 200}
+  shared_prefix: {count: 12, length: 256, fraction: 0.8}
+  seed: 2
+  slo: {ttft_s: 0.5}
+compare:
+  profiles:
+    - {name: fcfs, router: {policy: round-robin}}
+    - {name: sjf, router: {policy: prefix-affinity}}
+"""
 
 
-@pytest.fixture
-def sweep_yaml(tmp_path):
+@pytest.fixture(params=["engines", "cluster"])
+def sweep_yaml(tmp_path, request):
     path = tmp_path / "sweep.yaml"
-    path.write_text(SWEEP_YAML)
+    path.write_text(SWEEP_YAML if request.param == "engines" else CLUSTER_YAML)
     return path
 
 

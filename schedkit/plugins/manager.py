@@ -101,6 +101,24 @@ def _instantiate(name: str, obj: Any, settings: Mapping[str, Any], where: str | 
                       f"got {type(obj).__name__}", plugin=name)
 
 
+def _load_installed(installed: Mapping[str, EntryPoint], name: str, at: str, *,
+                    what: str = "plugin", builtins: str = "") -> Any:
+    """The object entry point ``name`` names, loaded.
+
+    Raises:
+        ConfigError: It is not installed.
+        PluginError: Loading it raised.
+    """
+    ep = installed.get(name)
+    if ep is None:
+        raise ConfigError(f"{at}{what} {name!r} is not installed (entry-point group "
+                          f"'{ENTRY_POINT_GROUP}'){builtins}; installed: {sorted(installed) or 'none'}")
+    try:
+        return ep.load()
+    except Exception as e:
+        raise PluginError(f"{at}{what} {name!r} failed to load from {ep.value}: {e}", plugin=name) from e
+
+
 def _at(where: str | None) -> str:
     """``"file:line: "`` to start a message with, or nothing for a config from code."""
     return f"{where}: " if where else ""
@@ -239,15 +257,7 @@ def get_plugin_manager(
             if name in BUILTIN_POLICIES:
                 raise ConfigError(f"{at}plugin {name!r} is a built-in policy; select it with "
                                   f"scheduler.policy instead of listing it under plugins")
-            ep = installed.get(name)
-            if ep is None:
-                raise ConfigError(f"{at}plugin {name!r} is not installed (entry-point group "
-                                  f"'{ENTRY_POINT_GROUP}'); installed: {sorted(installed) or 'none'}")
-            try:
-                obj = ep.load()
-            except Exception as e:
-                raise PluginError(f"{at}plugin {name!r} failed to load from {ep.value}: {e}",
-                                  plugin=name) from e
+            obj = _load_installed(installed, name, at)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
     for i, plugin in enumerate(extra_plugins):
@@ -309,15 +319,8 @@ def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = 
             obj = _load_object(BUILTIN_ROUTERS[name])
         else:
             installed = discover_plugins() if installed is None else installed
-            ep = installed.get(name)
-            if ep is None:
-                raise ConfigError(f"{at}router plugin {name!r} is not installed; the built-in routers are "
-                                  f"{', '.join(BUILTIN_ROUTERS)}; installed plugins: {sorted(installed) or 'none'}")
-            try:
-                obj = ep.load()
-            except Exception as e:
-                raise PluginError(f"{at}router plugin {name!r} failed to load from {ep.value}: {e}",
-                                  plugin=name) from e
+            obj = _load_installed(installed, name, at, what="router plugin",
+                                  builtins=f"; the built-in routers are {', '.join(BUILTIN_ROUTERS)}")
         plugin = _instantiate(name, obj, settings, where(name))
         _register(pm, plugin, name, where(name))
         if not any(h.name in hookspecs.ROUTER_HOOK_NAMES for h in pm.get_hookcallers(plugin) or ()):

@@ -146,6 +146,11 @@ def live(tmp_path_factory, word_tokenizer) -> Iterator[LiveServer]:
     """One server shared by a module's tests (they must leave it serving)."""
     s = start_server(tmp_path_factory.mktemp("live"), server_config(word_tokenizer))
     yield s
+    stop_server(s)
+
+
+def stop_server(s: LiveServer) -> None:
+    """SIGTERM (the server drains), then SIGKILL after 30 s."""
     if s.proc.poll() is None:
         s.proc.send_signal(signal.SIGTERM)
         try:

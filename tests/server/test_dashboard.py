@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.server.conftest import LiveServer, server_config, start_server
+from tests.server.conftest import LiveServer, server_config, start_server, stop_server
 
 httpx = pytest.importorskip("httpx")
 
@@ -133,13 +131,7 @@ def replicated(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str
         traffic(s)
         yield scrape(s)
     finally:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-            try:
-                s.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait()
+        stop_server(s)
 
 
 def check_kinds(names: set[str], families: dict[str, str]) -> None:

@@ -413,6 +413,16 @@ class ReplicasConfig(_Strict):
         bad = {k: v for k, v in self.resources.items() if not v >= 0}
         if bad:
             raise ValueError(f"replicas.resources must be non-negative amounts, got {bad}")
+        reserved = sorted({"CPU", "GPU"} & set(self.resources))
+        if reserved:
+            raise ValueError(f"replicas.resources: {reserved} are Ray's own resources; set them with "
+                             "replicas.num_cpus / replicas.num_gpus")
+        if self.backend == "local":
+            ray_only = [k for k, default in (("ray_address", None), ("num_cpus", 1.0), ("num_gpus", 0.0))
+                        if getattr(self, k) != default] + (["resources"] if self.resources else [])
+            if ray_only:
+                raise ValueError(f"replicas.{', replicas.'.join(ray_only)} only apply with backend: ray "
+                                 "(local replicas share this machine's devices)")
         return self
 
 

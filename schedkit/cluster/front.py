@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -42,6 +43,21 @@ from schedkit.errors import EngineDeadError, RequestError
 log = logging.getLogger("schedkit.cluster")
 
 _SUMMED_DICTS = ("voluntary_preemptions", "num_rejected_by_plugin")
+_COUNTERS = ("num_preemptions", "num_steps", "prefix_cache_queries", "prefix_cache_hits",
+             "voluntary_preemptions", "num_rejected_by_plugin", "num_hook_errors")
+"""Stats that only grow: a dead replica's last values stay in the cluster totals."""
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Two stats values of one key added (numbers, per-name counts, [plugin, hook, n] rows)."""
+    if isinstance(a, dict):
+        return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+    if isinstance(a, list):
+        merged: dict[tuple[str, str], int] = {}
+        for plugin, hook, n in [*a, *b]:
+            merged[(plugin, hook)] = merged.get((plugin, hook), 0) + n
+        return [[p, h, n] for (p, h), n in merged.items()]
+    return a + b
 DEAD_SHUTDOWN_S = 2.0
 """Grace a replica found dead (or silent) gets to stop before it is killed."""
 
@@ -74,6 +90,8 @@ class ClusterClient:
         self._closed = False
         self._shutdowns: list[asyncio.Future[None]] = []
         self.num_lost_load_reports = 0
+        self._last_stats: dict[int, dict[str, Any]] = {}
+        """Each replica's last stats answer (a dead one's counters stay in the totals)."""
 
     @classmethod
     async def start(cls, config: Config) -> ClusterClient:
@@ -88,7 +106,12 @@ class ClusterClient:
         router = Router(config)
         rcfg = replica_config(config)
         if config.replicas.backend == "ray":  # connecting to Ray blocks for seconds
-            replicas = await asyncio.to_thread(spawn_replicas, rcfg)
+            spawn = asyncio.ensure_future(asyncio.to_thread(spawn_replicas, rcfg))
+            try:
+                replicas = await asyncio.shield(spawn)
+            except asyncio.CancelledError:  # the thread goes on: stop what it starts
+                spawn.add_done_callback(_shutdown_when_spawned)
+                raise
         else:  # spawned from the loop's thread (the engines' parent-death signal)
             replicas = spawn_replicas(rcfg)
         try:
@@ -97,9 +120,13 @@ class ClusterClient:
         except BaseException:
             await asyncio.to_thread(replicas.shutdown)
             raise
+        connects = [asyncio.ensure_future(c.connect()) for c in client.conns]
         try:
-            await asyncio.gather(*(c.connect() for c in client.conns))
-        except BaseException:
+            await asyncio.gather(*connects)
+        except BaseException:  # the other connects are cancelled, not left to fail alone
+            for task in connects:
+                task.cancel()
+            await asyncio.gather(*connects, return_exceptions=True)
             await client.close()
             raise
         return client
@@ -255,14 +282,23 @@ class ClusterClient:
     def _stats(self, results: list[Any]) -> dict[str, Any]:
         per: list[dict[str, Any]] = []
         live: list[dict[str, Any]] = []
+        gone: list[dict[str, Any]] = []
         for i, (r, conn) in enumerate(zip(results, self.conns, strict=True)):
             if isinstance(r, dict) and conn.dead is None:
                 per.append({"index": i, "healthy": True, **r})
                 live.append(r)
+                self._last_stats[i] = r
             else:
                 per.append({"index": i, "healthy": False,
                             "error": str(conn.dead) if conn.dead is not None else "no answer"})
+                if i in self._last_stats:
+                    gone.append(self._last_stats[i])
         out = aggregate_stats(live)
+        # A dead replica's counters stay in the totals (a counter never goes down), at
+        # their last values; its load (running, waiting, KV) is gone with it.
+        for key, value in aggregate_stats(gone).items():
+            if key in _COUNTERS and key in out:
+                out[key] = _add(out[key], value)
         out["replicas"] = per
         out["router"] = self.router.stats() | {"num_lost_load_reports": self.num_lost_load_reports}
         return out
@@ -276,6 +312,13 @@ class ClusterClient:
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
         await asyncio.gather(*self._shutdowns, return_exceptions=True)
         await asyncio.to_thread(self.replicas.shutdown)
+
+
+def _shutdown_when_spawned(spawn: asyncio.Future[ReplicaSet]) -> None:
+    """Stop the replicas a start that was cancelled went on to spawn (off the loop)."""
+    if not spawn.cancelled() and spawn.exception() is None:
+        threading.Thread(target=spawn.result().shutdown, name="schedkit-replica-shutdown",
+                         daemon=True).start()
 
 
 def aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:

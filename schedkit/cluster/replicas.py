@@ -25,15 +25,13 @@ from typing import Any
 
 from schedkit.config import Config
 from schedkit.engine.client import EngineHandle
-from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
-from schedkit.errors import ConfigError, EngineDeadError, PluginError, SchedkitError
+from schedkit.engine.process import START_ERRORS, START_TIMEOUT_S, EngineProcess
+from schedkit.errors import ConfigError, EngineDeadError, SchedkitError
 
 log = logging.getLogger("schedkit.cluster")
 
 RAY_PLACEMENT_TIMEOUT_S = START_TIMEOUT_S + 60.0
 """How long a Ray replica may take to be placed and start its engine."""
-
-_TYPED_ERRORS: dict[str, type[SchedkitError]] = {"ConfigError": ConfigError, "PluginError": PluginError}
 
 
 def _check_config(config: Config) -> None:
@@ -174,7 +172,7 @@ class RayReplica:
                                   f"{str(e).splitlines()[0]}") from None
         if answer[0] != "ready":
             _, kind, message = answer
-            typed = _TYPED_ERRORS.get(kind)
+            typed = START_ERRORS.get(kind)
             if typed is not None:
                 raise typed(message)
             raise EngineDeadError(f"replica {self.index}: {message}")
@@ -259,18 +257,23 @@ class RayReplicas(ReplicaSet):
         ray = require_ray("replicas.backend: ray")
         rc = config.replicas
         started = init_ray(rc.ray_address)
+        handles: list[RayReplica] = []
         try:
             _check_fits(ray, config, started)
             actor_cls = ray.remote(EngineHost)
             driver_ip = ray.util.get_node_ip_address()
             config_json = config.model_dump(mode="json")
-            handles = []
             for i in range(rc.count):
                 actor = actor_cls.options(num_cpus=rc.num_cpus, num_gpus=rc.num_gpus,
                                           resources=dict(rc.resources) or None,
                                           max_concurrency=4, max_restarts=0).remote()
                 handles.append(RayReplica(ray, actor, i, actor.start.remote(config_json, driver_ip)))
         except BaseException:
+            for h in handles:  # on a cluster we joined, they would outlive us
+                try:
+                    ray.kill(h.actor)
+                except Exception:  # already gone
+                    pass
             if started:
                 ray.shutdown()
             raise

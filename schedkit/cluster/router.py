@@ -24,7 +24,7 @@ from typing import Any
 from schedkit.config import Config
 from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
 from schedkit.engine.logs import RateLimitedLog
-from schedkit.errors import EngineDeadError
+from schedkit.errors import ConfigError, EngineDeadError
 from schedkit.hookspecs import ROUTER_HOOK_NAMES
 from schedkit.kv.events import KVCacheEvent
 from schedkit.kv.hashing import BlockHasher
@@ -35,6 +35,15 @@ log = logging.getLogger("schedkit.router")
 ERROR_LOG_INTERVAL_S = 10.0
 
 _Impl = tuple[Any, tuple[str, ...], str]
+
+
+def _describe(answer: object) -> str:
+    """A plugin's answer for a log line; its own __repr__ may raise."""
+    try:
+        text = repr(answer)
+    except Exception:
+        return f"a {type(answer).__name__}"
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def replica_config(config: Config) -> Config:
@@ -66,6 +75,11 @@ class Router:
         for name in ROUTER_HOOK_NAMES:
             impls = getattr(self.plugin_manager.hook, name).get_hookimpls()
             self._impls[name] = tuple((i.function, tuple(i.argnames), i.plugin_name) for i in reversed(impls))
+        scorers = {plugin for _, _, plugin in self._impls["schedkit_router_score"]}
+        idle = sorted(set(self.weights) - scorers)
+        if idle:
+            raise ConfigError(f"router.weights: {idle} implement no scorer (schedkit_router_score); "
+                              f"the scoring plugins switched on are {sorted(scorers) or 'none'}")
         self.errors: Counter[tuple[str, str]] = Counter()
         """Router-hook errors so far by ``(plugin, hook)``: raises and bad answers."""
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
@@ -77,14 +91,18 @@ class Router:
     # -- requests ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
                      priority: int = 0, session_id: str | None = None,
-                     cache_salt: str | None = None) -> RouteRequest:
-        """A RouteRequest whose block hashes match the replicas' prefix caches."""
+                     cache_salt: str | None = None, block_hashes: list[bytes] | None = None) -> RouteRequest:
+        """A RouteRequest whose block hashes match the replicas' prefix caches
+        (``block_hashes``: the prompt's, already computed the same way, e.g. by the
+        engine's own Request in the cluster simulation)."""
         hasher = self._hasher
         if hasher is None:
             return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
                                 session_id=session_id)
 
         def hashes(tokens: Sequence[int]) -> list[bytes]:
+            if block_hashes is not None:
+                return block_hashes
             out: list[bytes] = []
             hasher.extend(tokens, out, cache_salt)
             return out
@@ -187,10 +205,11 @@ class Router:
             ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
             if not ok or answer is None:
                 continue
-            try:
+            try:  # a generator runs plugin code here
                 kept = list(answer)
-            except TypeError:
-                self._bad(plugin, hook, f"answered {answer!r}, not a list of replicas")
+            except Exception as e:
+                self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of replicas "
+                          f"({type(e).__name__}: {e})")
                 continue
             allowed = {id(r) for r in candidates}
             if any(id(r) not in allowed for r in kept):
@@ -212,10 +231,11 @@ class Router:
             ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
             if not ok or answer is None:
                 continue
-            try:
+            try:  # a generator, or an object's __float__, runs plugin code here
                 scores = [float(s) for s in answer]
-            except (TypeError, ValueError):
-                self._bad(plugin, hook, f"answered {answer!r}, not a list of numbers")
+            except Exception as e:
+                self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of numbers "
+                          f"({type(e).__name__}: {e})")
                 continue
             if len(scores) != len(candidates) or not all(math.isfinite(s) for s in scores):
                 self._bad(plugin, hook, f"answered {len(scores)} scores for {len(candidates)} "
@@ -235,7 +255,7 @@ class Router:
                 continue
             if id(answer) in allowed:
                 return answer  # type: ignore[no-any-return]
-            self._bad(plugin, hook, f"answered {answer!r}, which is not a candidate")
+            self._bad(plugin, hook, f"answered {_describe(answer)}, which is not a candidate")
         # Every picker failed, the built-in included (it cannot, but a plugin can block
         # it): the first candidate, so the request still goes somewhere.
         return candidates[0]

@@ -21,8 +21,9 @@ class RouteRequest:
         prompt_token_ids: Its prompt.
         tenant: ``Request.tenant`` (the OpenAI ``user``).
         priority: ``Request.priority``.
-        session_id: A conversation id when the client gave one (the trace's session,
-            a ``session_id`` extra of the HTTP request), else None.
+        session_id: A conversation id when the client gave one
+            (``AsyncLLM.generate(session_id=...)``, ``session_id`` in an HTTP body), else
+            None (the cluster simulation's traces carry none).
         num_prompt_tokens: ``len(prompt_token_ids)``.
         attempt: 0 when first routed; 1, 2... when re-routed after its replica died.
         block_size: Tokens per block of :attr:`block_hashes` (the replicas' KV block

@@ -457,7 +457,7 @@ class EngineProcess:
             self.shutdown()
             detail = line.removeprefix("error ") or f"no answer (exit code {self.proc.returncode})"
             kind, _, message = detail.partition(": ")
-            typed = _START_ERRORS.get(kind)
+            typed = START_ERRORS.get(kind)
             if typed is not None:  # the user's mistake, not a dead engine: keep its type
                 raise typed(message)
             raise EngineDeadError(f"the engine process failed to start: {detail}")
@@ -518,7 +518,8 @@ def _watch_parent_pid(parent_pid: int, addrs: tuple[str, ...]) -> None:
 
 PR_SET_PDEATHSIG = 1
 
-_START_ERRORS: dict[str, type[SchedkitError]] = {"ConfigError": ConfigError, "PluginError": PluginError}
+START_ERRORS: dict[str, type[SchedkitError]] = {"ConfigError": ConfigError, "PluginError": PluginError}
+"""Typed errors an engine reports when it fails to start, raised as the same type."""
 """Errors the engine process reports at start-up that the client raises as they are."""
 
 

@@ -42,7 +42,7 @@ import gc
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,6 @@ from typing import Any
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import Config
 from schedkit.core.request import Request, SamplingParams
-from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError, SchedkitError
 from schedkit.kv.hashing import BlockHasher
@@ -94,13 +93,6 @@ class ClusterRunResult(RunResult):
         """The metrics of the requests routed to replica ``index``."""
         where = self.replica_of
         return [m for m in self.metrics if where.get(m.request_id) == index]
-
-
-def _snapshot(hashes: list[bytes]) -> Callable[[Sequence[int]], list[bytes]]:
-    """A RouteRequest hash function answering the prompt's block hashes as they are now
-    (the request's list grows with its output blocks later)."""
-    n = len(hashes)
-    return lambda _tokens: hashes[:n]
 
 
 def _refused(req: Request, start: float, error: str) -> RequestMetrics:
@@ -304,8 +296,9 @@ def _run(config: Config, workload: list[WorkloadRequest],
             # same hasher the schedulers build; a request that comes with its block hashes
             # keeps them): on long-prompt traces hashing is a large share of the run.
             req.set_block_hasher(hasher.extend, block_size)
-            route = RouteRequest(w.request_id, req.prompt_token_ids, tenant=w.tenant,
-                                 priority=w.priority, hash_fn=_snapshot(req.block_hashes))
+            # The prompt's blocks as they are now (the list grows with output blocks later).
+            route = router.make_request(w.request_id, req.prompt_token_ids, tenant=w.tenant,
+                                        priority=w.priority, block_hashes=req.block_hashes[:])
         else:
             route = router.make_request(w.request_id, w.prompt_token_ids, tenant=w.tenant,
                                         priority=w.priority)

@@ -309,8 +309,20 @@ def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = 
     def where(name: str) -> str | None:
         return config.where_switched_on(name)
 
+    blocked = _blocked()
+    env = f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV, '')}"
+    for name in wanted:
+        if name in blocked:
+            key = "router.policy" if name == router.policy else "router.plugins"
+            raise ConfigError(f"{_at(where(name))}{key}: {name!r} is switched on here but disabled by "
+                              f"{env}: remove it from the config or unset the variable")
+    if ROUTER_DEFAULT[0] in blocked:
+        raise ConfigError(f"{env} disables the built-in router picker {ROUTER_DEFAULT[0]!r}, which "
+                          "every router needs")
     pm = SchedkitPluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    for name in blocked:  # what is left to block: plugin objects passed in code
+        pm.set_blocked(name)
     _register(pm, _load_object(ROUTER_DEFAULT[1])(), ROUTER_DEFAULT[0])
     installed: dict[str, EntryPoint] | None = None
     for name, settings in wanted.items():

@@ -13,7 +13,7 @@ from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import AsyncLLM
 from schedkit.errors import RequestError
-from tests.cluster.replica_runs import DEATH, fake_tokens, wait_gone
+from tests.cluster.replica_runs import DEATH, fake_tokens, sigkill, wait_gone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,5 +144,28 @@ def test_a_silent_replica_is_taken_out_and_its_requests_move(monkeypatch):
             m = DEATH.fullmatch(tail[-1].error)
             assert m and int(m[1]) == x and m[3] == "no message from the engine for 1 s", tail[-1].error
             assert wait_gone(silent.pid)  # shut down by the front end
+
+    asyncio.run(main())
+
+
+def test_cluster_counters_keep_a_dead_replicas_counts():
+    """The summed counters of ``stats`` (steps, prefix-cache queries...) never go down
+    when a replica dies: its last counts stay in the totals, its load leaves them."""
+    async def main():
+        async with await AsyncLLM.create(cfg("round-robin")) as llm:
+            for i in range(4):
+                await drain(llm.generate([1, 2, 3, i], SamplingParams(max_tokens=8)))
+            before = await llm.call_utility("stats")
+            dead = llm.core.replicas.handles[1]
+            sigkill(dead.pid)
+            for _ in range(200):
+                if not llm.core.router.replicas[1].healthy:
+                    break
+                await asyncio.sleep(0.02)
+            after = await llm.call_utility("stats")
+            assert [r["healthy"] for r in after["replicas"]] == [True, False]
+            for key in ("num_steps", "prefix_cache_queries"):
+                assert after[key] >= before[key] > 0, key
+            assert after["num_running"] == 0
 
     asyncio.run(main())

@@ -368,9 +368,33 @@ class WrongLength:
         return [object()]
 
 
+class BadRepr:
+    def __repr__(self):
+        raise RuntimeError("repr bug")
+
+    def __iter__(self):
+        raise RuntimeError("iter bug")
+
+
+class LazyBugs:
+    """Answers whose own code raises only when the router reads them."""
+
+    @hookimpl
+    def schedkit_router_filter(self, replicas):
+        return (r for r in replicas if r.no_such_attribute)
+
+    @hookimpl
+    def schedkit_router_score(self, replicas):
+        return (1 / 0 for r in replicas)
+
+    @hookimpl(tryfirst=True)
+    def schedkit_router_pick(self, replicas):
+        return BadRepr()
+
+
 @pytest.mark.parametrize("make_plugin", [lambda: RaisingEverywhere(), lambda: Nonsense(object()),
-                                         lambda: WrongLength()],
-                         ids=["raising", "nonsense", "wrong-shape"])
+                                         lambda: WrongLength(), lambda: LazyBugs()],
+                         ids=["raising", "nonsense", "wrong-shape", "lazy"])
 def test_a_misbehaving_router_plugin_never_loses_a_request(make_plugin, caplog):
     plugin = make_plugin()
     r = make_router("least-outstanding", 3, extra=[plugin])
@@ -443,3 +467,28 @@ def test_replicas_config_is_checked():
         config_from_dict({"replicas": {"count": 0}})
     with pytest.raises(ConfigError, match="non-negative"):
         config_from_dict({"replicas": {"resources": {"TPU": -1}}})
+
+
+def test_disabled_router_plugins_are_refused_not_skipped(monkeypatch):
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "weighted")
+    with pytest.raises(ConfigError, match="router.policy: 'weighted' is switched on here but disabled"):
+        make_router("weighted")
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "session-affinity")
+    with pytest.raises(ConfigError, match="router.plugins: 'session-affinity'"):
+        make_router("weighted", plugins=[{"name": "session-affinity"}])
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "RouteLog-0")
+    r = make_router("round-robin", extra=[RouteLog()])  # an object passed in code: blocked
+    assert r.plugin_manager.get_plugin("RouteLog-0") is None
+    route(r, "x")
+
+
+def test_mistyped_or_misplaced_cluster_keys_are_refused():
+    with pytest.raises(ConfigError, match="replicas.num_gpus only apply with backend: ray"):
+        config_from_dict({"replicas": {"count": 2, "num_gpus": 1}})
+    with pytest.raises(ConfigError, match="replicas.ray_address, replicas.resources only apply"):
+        config_from_dict({"replicas": {"count": 2, "ray_address": "auto", "resources": {"x": 1}}})
+    with pytest.raises(ConfigError, match=r"\['GPU'\] are Ray's own resources"):
+        config_from_dict({"replicas": {"count": 2, "backend": "ray", "resources": {"GPU": 1}}})
+    config_from_dict({"replicas": {"count": 2, "backend": "ray", "num_gpus": 1, "resources": {"x": 1}}})
+    with pytest.raises(ConfigError, match=r"router.weights: \['round-robin'\] implement no scorer"):
+        make_router("round-robin", weights={"round-robin": 5})

@@ -7,8 +7,10 @@ from collections import Counter
 
 import pytest
 
+from schedkit.cluster.router import Router
 from schedkit.config import Config, config_from_dict
 from schedkit.core.request import Request, SamplingParams
+from schedkit.core.routing import RouteEventKind
 from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError
 from schedkit.hookspecs import hookimpl
@@ -261,3 +263,26 @@ def test_repeat_workload_tiles_with_fresh_prefixes():
         before = {b for w in tiled[: 40 * k] for b in blocks(w)}
         assert not any(b in before for w in copy for b in blocks(w))
     assert repeat_workload(base, 10) == base[:10]
+
+
+def test_router_plugins_see_what_the_real_router_gives_them():
+    """The simulated router hands plugins the same RouteRequest as the real one: block
+    size and the prompt's block hashes as the engines compute them."""
+    seen = []
+
+    class Spy:
+        @hookimpl
+        def schedkit_on_route_event(self, event):
+            if event.kind is not RouteEventKind.ROUTED:
+                return
+            r = event.request
+            seen.append((r.block_size, len(r.block_hashes), r.num_prompt_tokens, list(r.block_hashes)))
+
+    config = shared_prefix_config("prefix-affinity", count=2, n=20)
+    workload = generate(config.workload, config.runner.vocab_size)
+    run_cluster_workload(config, workload, router_extra_plugins=[Spy()])
+    real = Router(config)
+    assert len(seen) == 20
+    for (block_size, n_hashes, n_tokens, hashes), w in zip(seen, workload, strict=True):
+        assert block_size == 16 and n_hashes == n_tokens // 16
+        assert hashes == real.make_request(w.request_id, w.prompt_token_ids).block_hashes

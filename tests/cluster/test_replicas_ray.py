@@ -141,8 +141,11 @@ def test_replica_resources_reach_ray(ray):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+@pytest.mark.timeout(1200)
 def test_paged_model_kill_mid_run_through_ray(ray):
-    n = 200
+    """As test_replicas_local's paged test (``SCHEDKIT_PAGED_KILL_REQUESTS`` too), the
+    replica's Ray actor killed."""
+    n = int(os.environ.get("SCHEDKIT_PAGED_KILL_REQUESTS", "2000"))
     expected = paged_reference(n)
     run = asyncio.run(kill_mid_run(paged_config("ray"), n, stop=lambda h: sigstop(h.engine_pid),
                                    kill=lambda h: ray.kill(h.actor), after_detect=killed_with_its_engine(ray),

@@ -17,6 +17,7 @@ for ``backend: ray`` (:func:`~schedkit.cluster.ray_util.require_ray`).
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import logging
 import os
@@ -43,7 +44,7 @@ def _check_config(config: Config) -> None:
     runner_class(config.runner.kind)
 
 
-class ReplicaSet:
+class ReplicaSet(abc.ABC):
     """The started replicas of one cluster, by index.
 
     Attributes:
@@ -59,6 +60,7 @@ class ReplicaSet:
     def __len__(self) -> int:
         return len(self.handles)
 
+    @abc.abstractmethod
     def wait_ready(self) -> None:
         """Block until every replica's engine answers ready (they start in parallel).
 
@@ -66,7 +68,6 @@ class ReplicaSet:
             ConfigError, PluginError: A replica's engine refused the config.
             EngineDeadError: A replica failed to start (then all are shut down).
         """
-        raise NotImplementedError
 
     def shutdown(self) -> None:
         """Stop every replica (those already dead too); never raises."""

@@ -260,15 +260,7 @@ def get_plugin_manager(
             obj = _load_installed(installed, name, at)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
-    for i, plugin in enumerate(extra_plugins):
-        name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
-        _register(pm, plugin, name)
-
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as e:
-        raise _unknown_hook_error(pm, e, where) from e
-    return pm
+    return _finish(pm, extra_plugins, where)
 
 
 BUILTIN_ROUTERS: Mapping[str, str] = {
@@ -339,6 +331,13 @@ def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = 
             raise PluginError(f"{at}plugin {name!r} implements no router hook "
                               f"({', '.join(hookspecs.ROUTER_HOOK_NAMES)}); is it an engine policy? "
                               "Engine policies go in scheduler.policy or plugins", plugin=name)
+    return _finish(pm, extra_plugins, where)
+
+
+def _finish(pm: pluggy.PluginManager, extra_plugins: Iterable[Any],
+            where: Callable[[str], str | None]) -> pluggy.PluginManager:
+    """Register the plugin objects passed in code (last, so they win), then check every
+    hook name (a misspelt one fails here, naming the plugin)."""
     for i, plugin in enumerate(extra_plugins):
         name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
         _register(pm, plugin, name)

@@ -21,7 +21,7 @@ from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import check_int, check_number
 
 __all__ = ["BestScore", "KVUsage", "LeastOutstanding", "PrefixAffinity", "RoundRobin",
-           "SessionAffinity", "Weighted", "least_outstanding_scores", "prefix_scores"]
+           "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "prefix_scores"]
 
 
 def _next_after(replicas: Sequence[ReplicaState], last: int) -> int:
@@ -51,6 +51,11 @@ def prefix_scores(request: RouteRequest, replicas: Sequence[ReplicaState]) -> li
         return [0.0] * len(replicas)
     n = len(hashes)
     return [r.cached_blocks.num_matched_blocks(hashes) / n for r in replicas]
+
+
+def free_kv_scores(replicas: Sequence[ReplicaState]) -> list[float]:
+    """``1 - kv_cache_usage`` of each candidate, as it last reported (clamped to 0..1)."""
+    return [1.0 - min(max(r.kv_cache_usage, 0.0), 1.0) for r in replicas]
 
 
 class BestScore:
@@ -109,7 +114,7 @@ class KVUsage:
 
     @hookimpl
     def schedkit_router_score(self, replicas: Sequence[ReplicaState]) -> list[float]:
-        return [1.0 - min(max(r.kv_cache_usage, 0.0), 1.0) for r in replicas]
+        return free_kv_scores(replicas)
 
 
 class PrefixAffinity:
@@ -206,7 +211,7 @@ class Weighted:
         total = [0.0] * len(replicas)
         parts = ((self.queue_weight, least_outstanding_scores),
                  (self.prefix_weight, lambda rs: prefix_scores(request, rs)),
-                 (self.kv_weight, lambda rs: KVUsage.schedkit_router_score(KVUsage(), rs)))
+                 (self.kv_weight, free_kv_scores))
         for weight, scorer in parts:
             if weight:
                 for i, s in enumerate(scorer(replicas)):

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,17 @@ def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampl
     return w
 
 
+def _close_zmq(ctx: zmq.Context[Any], sockets: tuple[zmq.Socket[Any], ...]) -> None:
+    """Close the sockets, then end their context. Run from :func:`weakref.finalize`, so
+    a client dropped without ``close()`` (even inside a reference cycle) still closes its
+    sockets first: left to the garbage collector, pyzmq may end a context before its
+    sockets are closed, and that waits forever."""
+    for sock in sockets:
+        with contextlib.suppress(RuntimeError):  # an asyncio socket whose loop is closed
+            sock.close(0)
+    ctx.term()
+
+
 class EngineClient:
     """A synchronous connection to an engine process (one identity, two sockets)."""
 
@@ -123,6 +135,7 @@ class EngineClient:
         identity = uuid.uuid4().bytes
         self.in_sock = self._connect(input_addr, identity)
         self.out_sock = self._connect(output_addr, identity)
+        self._close = weakref.finalize(self, _close_zmq, self.ctx, (self.in_sock, self.out_sock))
         self._call_ids = itertools.count()
         self._last_seen = time.monotonic()
         self._inbox: deque[Any] = deque()
@@ -232,9 +245,7 @@ class EngineClient:
         raise EngineDeadError(f"utility {method} got no answer in {timeout:.0f} s")
 
     def close(self) -> None:
-        self.in_sock.close(0)
-        self.out_sock.close(0)
-        self.ctx.term()
+        self._close()
 
 
 @dataclass(slots=True)
@@ -516,6 +527,7 @@ class AsyncEngineClient:
         for sock, addr in ((self.in_sock, engine.input_addr), (self.out_sock, engine.output_addr)):
             EngineClient._connect_opts(sock, identity)
             sock.connect(addr)
+        self._close = weakref.finalize(self, _close_zmq, self.ctx, (self.in_sock, self.out_sock))
         self._on_load = on_load
         self._on_dead = on_dead
         self._load_error_log = RateLimitedLog(log, 10.0)
@@ -665,9 +677,7 @@ class AsyncEngineClient:
                 pass
         if self._dead is None:
             self._fail_all(EngineDeadError("the client was closed"))
-        self.in_sock.close(0)
-        self.out_sock.close(0)
-        self.ctx.term()
+        self._close()
         if self.owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
 

@@ -180,9 +180,19 @@ def test_invalid_requests_fail_alone(small_config):
 
 
 def test_abort_frees_kv_blocks_and_shutdown_cleans_up():
+    # Steps sleep 2 ms: no request can reach its 8,136-token cap (and finish "length")
+    # before the abort, however slowly this process is scheduled.
     config = config_from_dict({"cache": {"num_blocks": 512, "block_size": 16},
-                               "scheduler": {"max_model_len": 100000}})
+                               "scheduler": {"max_model_len": 100000},
+                               "runner": {"clock": "wall", "step_time_ms": 2}})
     llm = LLM(config)
+    try:
+        _abort_all_and_close(llm)
+    finally:
+        llm.close()
+
+
+def _abort_all_and_close(llm: LLM) -> None:
     client = llm.client
     client.add_requests([wire_request(f"r{i}", [i + 3] * 40, SamplingParams(max_tokens=90000))
                          for i in range(8)])
@@ -193,15 +203,15 @@ def test_abort_frees_kv_blocks_and_shutdown_cleans_up():
             break
     assert stats["num_running"] + stats["num_waiting"] == 8 and stats["num_free_blocks"] < 511
     client.abort([f"r{i}" for i in range(8)])
-    aborted = set()
+    finished: dict[str, str] = {}
     deadline = time.monotonic() + 10
-    while len(aborted) < 8 and time.monotonic() < deadline:
+    while len(finished) < 8 and time.monotonic() < deadline:
         for batch in pending + [client.recv(timeout=1) or type(pending)()]:
             for o in getattr(batch, "outputs", ()):
-                if o.finish_reason == "abort":
-                    aborted.add(o.request_id)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
         pending = []
-    assert aborted == {f"r{i}" for i in range(8)}
+    assert finished == {f"r{i}": "abort" for i in range(8)}
     stats = client.call_utility("stats")
     assert stats["num_free_blocks"] == 511 and stats["num_running"] == 0
     pid = llm.engine.pid
@@ -292,3 +302,31 @@ def test_abort_with_a_bad_id_raises_in_the_client():
                 llm.client.abort(bad)
         llm.client.abort("a")  # one id as a string: fine (unknown ids are ignored)
         assert llm.call_utility("stats")["num_running"] == 0
+
+
+def test_a_client_dropped_unclosed_in_a_reference_cycle_is_collected_without_hanging():
+    # A failed test's traceback (or any user cycle) can keep a client alive until the
+    # cycle collector runs; pyzmq then clears the context's socket list before the
+    # sockets close, and a context ended with open sockets waits forever.
+    import gc
+    import weakref
+
+    engine = EngineProcess(config_from_dict({}))
+    try:
+        client = EngineClient(engine.input_addr, engine.output_addr, engine=engine)
+        cycle: dict = {"client": client}
+        cycle["self"] = cycle
+        client.cycle = cycle  # type: ignore[attr-defined]
+        ctx = weakref.ref(client.ctx)
+        del client, cycle
+        done = threading.Event()
+
+        def collect() -> None:
+            gc.collect()
+            done.set()
+
+        threading.Thread(target=collect, daemon=True).start()
+        assert done.wait(20), "the garbage collector hung ending the client's zmq context"
+        assert ctx() is None
+    finally:
+        engine.shutdown()

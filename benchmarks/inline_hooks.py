@@ -34,6 +34,9 @@ class InlineFCFSHooks:
     def create_kv_connector(self, *, role, config):
         return None
 
+    def create_structured_output_backend(self, *, config, tokenizer, vocab_size, eos_token_ids):
+        return None
+
     def on_step_end(self, *, scheduler_output, outputs, stats, now):
         return None
 

@@ -13,6 +13,7 @@ are imported on first use.
 import typing
 
 from schedkit.config import CacheConfig, Config, SchedulerConfig, load_config
+from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams
 from schedkit.core.hooks import AdmissionDecision, Preemption
 from schedkit.core.outputs import (
     CachedRequestData,
@@ -28,6 +29,7 @@ from schedkit.core.outputs import (
 from schedkit.core.queues import BaseRequestQueue, FCFSQueue, KeyedQueue, RequestQueue
 from schedkit.core.request import EventType, FinishReason, Request, RequestStatus, SamplingParams
 from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.core.structured_output import GrammarBitmask, StructuredOutputBackend
 from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
@@ -53,6 +55,7 @@ __all__ = [
     "FinishReason",
     "EventType",
     "SamplingParams",
+    "StructuredOutputsParams",
     # waiting queues
     "RequestQueue",
     "BaseRequestQueue",
@@ -63,6 +66,10 @@ __all__ = [
     "KVConnectorRole",
     "NoOpConnector",
     "KVCacheManager",
+    # structured-output backends
+    "StructuredOutputBackend",
+    "StructuredOutputGrammar",
+    "GrammarBitmask",
     # what hooks and connectors are handed each step
     "SchedulerOutput",
     "NewRequestData",

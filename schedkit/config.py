@@ -387,6 +387,26 @@ class WorkloadConfig(_Strict):
         return self
 
 
+class StructuredOutputsConfig(_Strict):
+    """Grammar-constrained decoding (requests with ``structured_outputs``)."""
+
+    backend: str = Field(default="auto", min_length=1)
+    """``auto`` (xgrammar, else the pure-Python backend), ``xgrammar``, ``python`` (regex
+    and choice only, no torch), or the name a plugin's
+    ``schedkit_create_structured_output_backend`` answers to."""
+    num_workers: int = Field(default=2, ge=1, le=64)
+    """Threads compiling grammars in the background."""
+    cache_size: int = Field(default=256, ge=1)
+    """Compiled grammars kept, by constraint (least recently used dropped first)."""
+    jump_forward: bool = False
+    """Jump-forward decoding: where the grammar allows exactly one continuation, append
+    its tokens in one step instead of one step per token."""
+    json_max_whitespace: int | None = Field(default=16, ge=0)
+    """Most whitespace characters a JSON output may put between two of its tokens
+    (xgrammar's ``max_whitespace_cnt``); None: no limit. Without one a small model can
+    spend its whole ``max_tokens`` on newlines inside an unfinished object."""
+
+
 class ReplicasConfig(_Strict):
     """Data-parallel replicas: ``count`` engines behind one router."""
 
@@ -528,6 +548,8 @@ class Config(_Strict):
     """Data-parallel replicas (one engine unless ``count`` is more)."""
     router: RouterConfig = Field(default_factory=RouterConfig)
     """The router in front of the replicas."""
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    """Grammar-constrained decoding: the backend, its compile threads and cache."""
 
     _origin: ConfigOrigin | None = PrivateAttr(default=None)
 

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from schedkit.config import SchedulerConfig
+    from schedkit.config import SchedulerConfig, StructuredOutputsConfig
     from schedkit.core.hooks import AdmissionDecision, Preemption
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
     from schedkit.core.routing import ReplicaState, RouteEvent, RouteRequest
+    from schedkit.core.structured_output import StructuredOutputBackend
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
     from schedkit.kv.kv_cache_manager import KVCacheManager
 
@@ -221,6 +222,38 @@ def schedkit_create_kv_connector(role: KVConnectorRole, config: Any) -> KVConnec
     Returns:
         A :class:`schedkit.kv.connector.KVConnectorBase`, or None; when every plugin
         returns None the scheduler uses a no-op connector.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_create_structured_output_backend(config: StructuredOutputsConfig, tokenizer: Any,
+                                              vocab_size: int,
+                                              eos_token_ids: Sequence[int]) -> StructuredOutputBackend | None:
+    """Create the backend that compiles structured-output constraints into grammars.
+
+    Stops at first non-None result. Called in the engine-core process, once, when the
+    first request with ``structured_outputs`` arrives (so engines that never see one
+    never import a grammar library).
+
+    Args:
+        config: The ``structured_outputs`` section; ``config.backend`` names the backend
+            wanted (a plugin answers for its own name and returns None for others).
+        tokenizer: The model's tokenizer (a transformers tokenizer), or None when the
+            engine has none (the fake runner without ``model.tokenizer``).
+        vocab_size: Width of the model's logits, which the bitmask covers (at least the
+            tokenizer's vocabulary).
+        eos_token_ids: The model's end-of-sequence ids (its config's ``eos_token_id``s,
+            the tokenizer's, ``runner.eos_token_id``): a grammar's stop tokens, allowed
+            once the output is complete.
+
+    Returns:
+        A :class:`schedkit.core.structured_output.StructuredOutputBackend`, or None. The
+        built-in ``structured-outputs`` plugin (trylast) answers ``auto``, ``xgrammar``
+        and ``python``. Raise :class:`schedkit.errors.RequestError` when the backend
+        cannot serve (its message goes back to the request); when every plugin returns
+        None, structured requests are refused naming ``config.backend``.
 
     .. versionadded:: 0.1
     """

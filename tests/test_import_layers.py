@@ -7,8 +7,9 @@ included).
     server/ ........................ cluster, engine and below (the HTTP front door)
     cluster/ ....................... engine and below (replicas and the router)
     engine/ ........................ plugins, runners and below
-    plugins/ ....................... hookspecs, policies, runners (the registry), core, kv
+    plugins/ ....................... hookspecs, policies, runners (the registry), structured, core, kv
     policies/, runners/ ............ hookspecs, core, kv, config, errors
+    structured/ .................... hookspecs, core, config, errors (torch and xgrammar lazily)
     core/ .......................... kv, config, errors (hooks only through core/hooks.py's Protocol)
     kv/ ............................ config, errors
     config, errors ................. stdlib, pydantic, yaml
@@ -25,14 +26,17 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "schedkit"
-_BELOW_ENGINE = {"hookspecs", "policies", "runners", "plugins", "core", "kv", "config", "errors"}
+_BELOW_ENGINE = {"hookspecs", "policies", "runners", "plugins", "structured", "core", "kv", "config",
+                 "errors"}
 ALLOWED = {
     "schedkit.cli": _BELOW_ENGINE | {"engine", "cluster", "lab", "server", "cli"},
     "schedkit.server": _BELOW_ENGINE | {"engine", "cluster", "server"},
     "schedkit.lab": _BELOW_ENGINE | {"engine", "cluster", "lab"},
     "schedkit.cluster": _BELOW_ENGINE | {"engine", "cluster"},
     "schedkit.engine": _BELOW_ENGINE | {"engine"},
-    "schedkit.plugins": {"hookspecs", "policies", "core", "kv", "config", "errors", "plugins", "runners"},
+    "schedkit.plugins": {"hookspecs", "policies", "core", "kv", "config", "errors", "plugins", "runners",
+                         "structured"},
+    "schedkit.structured": {"hookspecs", "core", "config", "errors", "structured"},
     "schedkit.policies": {"hookspecs", "core", "kv", "config", "errors", "policies"},
     "schedkit.runners": {"hookspecs", "core", "kv", "config", "errors", "runners"},
     "schedkit.core": {"kv", "config", "errors", "core"},

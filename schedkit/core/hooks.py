@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from schedkit.config import SchedulerConfig
+    from schedkit.config import SchedulerConfig, StructuredOutputsConfig
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
+    from schedkit.core.structured_output import StructuredOutputBackend
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
     from schedkit.kv.kv_cache_manager import KVCacheManager
 
@@ -75,6 +76,10 @@ class SchedulerHooks(Protocol):
                       now: float) -> AdmissionDecision: ...
 
     def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None: ...
+
+    def create_structured_output_backend(self, *, config: StructuredOutputsConfig, tokenizer: Any,
+                                         vocab_size: int,
+                                         eos_token_ids: Sequence[int]) -> StructuredOutputBackend | None: ...
 
     def on_step_end(self, *, scheduler_output: SchedulerOutput,
                     outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from schedkit.core.request import EventType, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from schedkit.core.structured_output import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -35,6 +38,9 @@ class CachedRequestData:
     num_output_tokens: list[int] = field(default_factory=list)
     resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Prompt plus outputs of each resumed request (the runner recomputes them)."""
+    appended_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Running requests' output tokens the runner did not sample: appended by jump-forward
+    decoding (``structured_outputs.jump_forward``); this step computes their KV."""
 
     @property
     def num_reqs(self) -> int:
@@ -55,6 +61,15 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     kv_connector_metadata: Any = None
     step: int = 0
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    """Structured requests that sample this step -> their first row in ``grammar_bitmask``
+    (one row per sampled position: the next token, then one after each scheduled draft)."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """The allowed tokens of those rows; set by the engine just before the step runs
+    (``Scheduler.fill_grammar_bitmask``), None when no structured request samples."""
+    pending_structured_output_tokens: bool = False
+    """A structured request of this step still has a token in flight (async scheduling):
+    its bitmask can be filled only once that earlier step's output is processed."""
 
     @property
     def is_empty(self) -> bool:

@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from schedkit.core.grammar import StructuredOutputRequest, StructuredOutputsParams
 from schedkit.errors import RequestError
 
 
@@ -20,13 +21,16 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle state; a request is finished iff its status is above PREEMPTED."""
 
     WAITING = 0
-    WAITING_FOR_REMOTE_KVS = 1
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    WAITING_FOR_FSM = 1
+    """Its structured-output grammar is compiling (vLLM's
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR): it waits in the queue, passed over."""
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:
@@ -112,6 +116,8 @@ class SamplingParams:
         top_p: Nucleus mass in (0, 1].
         top_k: Keep the k most likely tokens; -1 or 0 means all.
         seed: Per-request sampling seed.
+        structured_outputs: A constraint on the output (a JSON schema, any JSON object,
+            a regex, a choice, an EBNF grammar); a dict of its fields is accepted.
     """
 
     max_tokens: int = 16
@@ -123,10 +129,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> RequestError:
             return RequestError(f"invalid sampling value {name}={getattr(self, name)!r}: {why}")
+
+        so = self.structured_outputs
+        if isinstance(so, dict):  # its wire form (and a convenience)
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise RequestError(f"invalid structured_outputs: {e}") from None
+            object.__setattr__(self, "structured_outputs", so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams, a dict of its fields or None")
 
         if self.stop_token_ids is None:  # vLLM's default spelling of "none"
             object.__setattr__(self, "stop_token_ids", ())
@@ -209,6 +226,8 @@ class Request:
     rejected_by: str | None = None
     """The plugin whose ``schedkit_admit_request`` answered REJECT (set by the hook facade)."""
     spec_token_ids: list[int] = field(default_factory=list)
+    structured_output: StructuredOutputRequest | None = field(default=None, init=False)
+    """Its constraint and grammar state (None for an unconstrained request)."""
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
     num_tokens: int = field(init=False)
@@ -244,6 +263,8 @@ class Request:
         self.max_tokens = sp.max_tokens
         self.eos_token_id = None if sp.ignore_eos else sp.eos_token_id
         self.stop_token_ids = frozenset(sp.stop_token_ids)
+        if sp.structured_outputs is not None:
+            self.structured_output = StructuredOutputRequest(sp.structured_outputs)
 
     def _check_fields(self) -> None:
         rid = self.request_id

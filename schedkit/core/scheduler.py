@@ -35,6 +35,7 @@ from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestSta
 from schedkit.core.scheduler_output import build_scheduler_output
 from schedkit.core.step_state import UNDO_FIELDS, StepState, StepUndo
 from schedkit.core.stop import check_stop
+from schedkit.core.structured_output import StructuredOutputManager
 from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
@@ -45,6 +46,7 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
+_FSM = RequestStatus.WAITING_FOR_FSM
 _ADMIT = AdmissionDecision.ADMIT
 _SKIP = AdmissionDecision.SKIP
 
@@ -86,11 +88,14 @@ class Scheduler:
         hooks: The policy layer (usually a HookFacade over the plugin manager).
         clock: Time source for request events (the simulator passes a virtual clock).
         log_stats: Attach SchedulerStats to each step's outputs.
+        structured_output_manager: Compiles and follows the grammars of requests with
+            ``structured_outputs`` (None: such requests are refused).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  hooks: SchedulerHooks, *, clock: Callable[[], float] = time.monotonic,
-                 log_stats: bool = True) -> None:
+                 log_stats: bool = True,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.hooks = hooks
@@ -150,6 +155,13 @@ class Scheduler:
         self.voluntary_preemptions: Counter[str] = Counter()
         """Voluntary preemptions so far, by reason (``schedkit_select_voluntary_preemptions``)."""
         self._max_voluntary = scheduler_config.max_voluntary_preemptions if hooks.has_voluntary_preemptions else 0
+        self.structured_output_manager = structured_output_manager
+        self.jump_forward = structured_output_manager is not None and structured_output_manager.jump_forward
+        self.num_jump_forward_tokens = 0
+        """Output tokens appended by jump-forward decoding (not sampled by the runner)."""
+        self.grammar_compile_error_reqs: dict[str, Request] = {}
+        """Waiting requests whose grammar did not compile: the next update_from_output
+        finishes them with an error (vLLM's grammar_compile_error_reqs)."""
 
     # ------------------------------------------------------------------ entry points
     def add_request(self, request: Request) -> None:
@@ -177,6 +189,13 @@ class Scheduler:
         if request.status is not _WAITING or request.num_computed_tokens:
             raise RequestError(f"request {rid!r} was already used (status {request.status.name})",
                                request_id=rid)
+        if request.structured_output is not None:
+            if self.structured_output_manager is None:
+                raise RequestError(f"request {rid!r}: structured outputs are not available in this "
+                                   "scheduler (it was built without a structured-output manager)",
+                                   request_id=rid)
+            self.structured_output_manager.add_request(request)  # compiles in the background
+            request.status = _FSM
         if self._hasher is not None and not request.block_hashes:
             extend = self._hasher.extend
             if request.cache_salt is not None:
@@ -282,7 +301,13 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            req.spec_token_ids = [] if req.is_prefill_chunk else list(drafts)
+            if req.is_prefill_chunk or (req.structured_output is not None and req.structured_output.jump_forward):
+                req.spec_token_ids = []
+            elif req.structured_output is not None and self.structured_output_manager is not None \
+                    and not req.num_output_placeholders:  # the grammar has seen every token
+                req.spec_token_ids = self.structured_output_manager.validate_drafts(req, drafts)
+            else:
+                req.spec_token_ids = list(drafts)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -312,7 +337,39 @@ class Scheduler:
         kv.commit()
         self._finish_rejected(st.rejected)
         self._update_after_schedule(st)
+        if self.structured_output_manager is not None:
+            self._list_structured_requests(st, output)
         return output
+
+    def _list_structured_requests(self, st: StepState, output: SchedulerOutput) -> None:
+        """The step's structured requests that sample, each with its first bitmask row
+        (one row per sampled position: the next token, then one per scheduled draft)."""
+        rows = output.structured_output_request_ids
+        requests = self.requests
+        spec = st.spec_tokens
+        row = 0
+        pending = False
+        for rid in st.num_scheduled:
+            req = requests[rid]
+            so = req.structured_output
+            if so is None or so.grammar is None or req.is_prefill_chunk:
+                continue
+            rows[rid] = row
+            row += 1 + len(spec.get(rid, ()))
+            pending = pending or req.num_output_placeholders > 1
+        output.pending_structured_output_tokens = pending
+
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Set ``output.grammar_bitmask`` from the grammars' current states. Call it once
+        the tokens of every earlier step are processed (with async scheduling, after the
+        step in flight when ``output.pending_structured_output_tokens``)."""
+        rows = output.structured_output_request_ids
+        if not rows or self.structured_output_manager is None:
+            return
+        spec = output.scheduled_spec_decode_tokens
+        num_rows = sum(1 + len(spec.get(rid, ())) for rid in rows)
+        output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+            self.requests, rows, spec, num_rows)
 
     def _prefill_threshold(self) -> int:
         """This step's long-prefill cap: off for a request alone in the scheduler, and
@@ -563,9 +620,23 @@ class Scheduler:
             st.undo.save(req)
             st.undo.promoted.append((req.request_id, *self.kv_loads.promote(req)))
             return True
+        if req.status is _FSM:
+            return self._grammar_ready(req, st)
         if st.preempted_on_purpose and req.request_id in self._preempted_ids:
             return False
         return not (req.num_stale_output_tokens and not req.stale_drop)
+
+    def _grammar_ready(self, req: Request, st: StepState) -> bool:
+        """A request waiting for its grammar: promoted to WAITING once it compiled; one
+        whose grammar failed stays (the next update finishes it with an error)."""
+        assert self.structured_output_manager is not None and req.structured_output is not None
+        if self.structured_output_manager.check_ready(req):
+            st.undo.save(req)
+            req.status = _WAITING
+            return True
+        if req.structured_output.error is not None:
+            self.grammar_compile_error_reqs[req.request_id] = req
+        return False
 
     def _lookup(self, req: Request) -> tuple[list[int], int, int, bool] | None:
         """What a new (or preempted) request holding no blocks already has computed: its
@@ -745,6 +816,9 @@ class Scheduler:
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
             if placeholders and not req.is_prefill_chunk:
                 req.num_output_placeholders += 1  # the token this step samples
+            so = req.structured_output
+            if so is not None and so.jump_forward:
+                so.jump_forward = []  # the runner has them (appended or resumed tokens)
         self.finished_req_ids = set()
         self._preempted_ids = set()
 
@@ -779,6 +853,8 @@ class Scheduler:
         kv_out = runner_output.kv_connector_output
         bad_loads = self._apply_failed_loads(kv_out, scheduler_output)
         by_client: dict[int, list[EngineCoreOutput]] = {}
+        if self.grammar_compile_error_reqs:
+            self._fail_grammar_errors()
         for req, out in self._pending_outputs:
             by_client.setdefault(req.client_index, []).append(out)
         self._pending_outputs = []
@@ -811,6 +887,24 @@ class Scheduler:
             e.outputs = outputs  # the step itself succeeded
             raise
         return outputs
+
+    def _fail_grammar_errors(self) -> None:
+        """Finish the waiting requests whose grammar did not compile (error outputs)."""
+        reqs = [r for r in self.grammar_compile_error_reqs.values() if not r.is_finished]
+        self.grammar_compile_error_reqs = {}
+        if not reqs:
+            return
+        self._remove_queued(reqs)
+        now = self.clock()
+        for req in reqs:
+            assert req.structured_output is not None
+            req.status = RequestStatus.FINISHED_ERROR
+            req.stop_reason = "grammar_compile_failed"
+            self._free_request(req, now)
+            self._pending_finished.append(req)
+            self._pending_outputs.append((req, EngineCoreOutput(
+                req.request_id, [], FINISH_REASONS[req.status], None,
+                error=req.structured_output.error)))
 
     def _apply_failed_loads(self, kv_out: KVConnectorOutput | None,
                             scheduler_output: SchedulerOutput) -> list[Request]:
@@ -873,11 +967,20 @@ class Scheduler:
                 new_ids = gen
             else:
                 new_ids, is_stopped = self._append_tokens(req, gen)
+            error = None
+            if req.structured_output is not None and req.structured_output.grammar is not None:
+                error = self._advance_grammar(req, new_ids)
+                if error is not None or (not is_stopped and req.structured_output.grammar.is_terminated()):
+                    req.status = RequestStatus.FINISHED_STOPPED if error is None else RequestStatus.FINISHED_ERROR
+                    is_stopped = True
             if req.num_output_placeholders and not stale:
                 req.num_output_placeholders -= len(new_ids)
                 if cache_after_placeholders and status is _RUNNING and not is_stopped:
                     # Blocks filled by tokens that were placeholders at allocation.
                     kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
+            if (self.jump_forward and not is_stopped and status is _RUNNING and not stale
+                    and not req.num_output_placeholders):
+                new_ids, is_stopped = self._jump_forward(req, new_ids)
             if not had_outputs:
                 req.record_event(EventType.FIRST_TOKEN, self.clock())
             if is_stopped:
@@ -885,7 +988,7 @@ class Scheduler:
                 if status is _PREEMPTED:
                     stopped_waiting.append(req)
                 out = EngineCoreOutput(rid, new_ids, FINISH_REASONS[req.status], req.stop_reason,
-                                       req.num_cached_tokens)
+                                       req.num_cached_tokens, error=error)
             else:
                 out = EngineCoreOutput(rid, new_ids, None, None, req.num_cached_tokens)
             lst = by_client.get(req.client_index)
@@ -893,6 +996,43 @@ class Scheduler:
                 by_client[req.client_index] = lst = []
             lst.append(out)
         return stopped, stopped_waiting
+
+    def _jump_forward(self, req: Request, new_ids: list[int]) -> tuple[list[int], bool]:
+        """Append the tokens the request's grammar forces next, without sampling them:
+        they are output tokens whose KV the next step computes (the runner learns them
+        from ``CachedRequestData.appended_token_ids``). Returns the step's new tokens
+        and whether the request stopped."""
+        so = req.structured_output
+        if so is None or so.grammar is None:
+            return new_ids, False
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        forced = so.grammar.jump_forward_tokens()[:room] if room > 0 else []
+        if not forced or not so.grammar.accept_tokens(req.request_id, forced):
+            return new_ids, False
+        so.num_accepted += len(forced)
+        appended, stopped = self._append_tokens(req, forced)
+        if len(appended) < len(forced):  # a stop token inside the forced run
+            so.grammar.rollback(len(forced) - len(appended))
+        if not stopped and so.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            stopped = True
+        so.jump_forward.extend(appended)
+        self.num_jump_forward_tokens += len(appended)
+        return new_ids + appended, stopped
+
+    @staticmethod
+    def _advance_grammar(req: Request, new_ids: list[int]) -> str | None:
+        """Feed a step's kept tokens to the request's grammar; returns the error when the
+        grammar rejects one (the runner sampled outside the bitmask: a bug there)."""
+        so = req.structured_output
+        assert so is not None and so.grammar is not None
+        if so.grammar.accept_tokens(req.request_id, new_ids):
+            so.num_accepted += len(new_ids)
+            return None
+        req.stop_reason = "grammar_rejected"
+        log.error("request %r: its grammar rejected the sampled tokens %s", req.request_id, new_ids)
+        return (f"request {req.request_id!r}: the sampled tokens {new_ids} are not allowed by its "
+                f"{so.params.describe()}")
 
     def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
                            spec_stats: SpecDecodingStats | None) -> None:

@@ -27,7 +27,11 @@ def build_scheduler_output(st: StepState, kv: KVCacheManager, running: Sequence[
     cached = CachedRequestData()
     req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
     num_computed, num_output = cached.num_computed_tokens, cached.num_output_tokens
+    appended = cached.appended_token_ids
     for req, blocks in zip(st.running_reqs, st.running_new_blocks, strict=True):
+        so = req.structured_output
+        if so is not None and so.jump_forward:
+            appended[req.request_id] = list(so.jump_forward)
         req_ids.append(req.request_id)
         new_block_ids.append(blocks or None)
         num_computed.append(req.num_computed_tokens)

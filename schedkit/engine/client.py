@@ -59,6 +59,7 @@ from schedkit.engine.messages import (
     sampling_to_wire,
 )
 from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
+from schedkit.engine.tokenizer import load_tokenizer
 from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
 
 _T = TypeVar("_T")
@@ -282,29 +283,6 @@ def _prompt_ids(prompt: str | Sequence[int], owner: Any) -> Sequence[int]:
             raise RequestError("text prompts need a model with a tokenizer (runner.kind paged, "
                                "or model.tokenizer); pass token ids instead")
     return list(owner.tokenizer.encode(prompt))
-
-
-def load_tokenizer(config: Config) -> Any:
-    """The model's tokenizer (transformers), or None for runners without a real model.
-
-    Raises:
-        ConfigError: The tokenizer cannot be loaded.
-    """
-    if config.model.tokenizer is None and config.runner.kind != "paged":
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:
-        raise ConfigError("text needs the tokenizer library: pip install 'schedkit[demo]'") from e
-    path = config.model.tokenizer
-    if path is None:
-        from schedkit.runners.paged.loader import resolve_model_path
-
-        path = str(resolve_model_path(config.model.name, config.model.seed))
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
 def _resolve(config: Config | str | os.PathLike[str]) -> Config:

@@ -32,7 +32,9 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.request import FinishReason, Request, RequestStatus, check_arrival_offset
 from schedkit.core.scheduler import PauseState, Scheduler
+from schedkit.core.structured_output import StructuredOutputBackend, StructuredOutputManager
 from schedkit.engine.logs import RateLimitedLog
+from schedkit.engine.tokenizer import load_tokenizer, model_eos_ids
 from schedkit.errors import ConfigError, PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.plugins.facade import HookFacade
@@ -98,13 +100,20 @@ class EngineCore:
         self._seq = itertools.count()
         num_blocks = self.runner.initialize(config.cache.num_blocks, config.cache.block_size)
         cache_cfg = config.cache.model_copy(update={"num_blocks": num_blocks})
+        so_cfg = config.structured_outputs
+        self.structured_output_manager = StructuredOutputManager(
+            self._structured_output_backend, num_workers=so_cfg.num_workers,
+            cache_size=so_cfg.cache_size, max_rollback_tokens=config.scheduler.num_speculative_tokens,
+            jump_forward=so_cfg.jump_forward)
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
-                                   clock=self.now)
+                                   clock=self.now, structured_output_manager=self.structured_output_manager)
         if hasattr(self.runner, "set_kv_connector"):  # a runner with a worker side
             worker = self.scheduler.hooks.create_kv_connector(role=KVConnectorRole.WORKER, config=cache_cfg)
             if worker is not None:
                 self.runner.set_kv_connector(worker)
         self.num_steps = 0
+        self.num_busy_steps = 0
+        """Steps that scheduled at least one token."""
         self.last_step_s = 0.0
         """Engine-clock seconds the last executed step took, scheduling and output
         processing included (wall time with a real runner; what calibration fits). With
@@ -121,6 +130,36 @@ class EngineCore:
         self._vocab_size: int | None = getattr(self.runner, "vocab_size", None) if getattr(
             self.runner, "checks_token_ids", False) else None
         """Prompt token ids must be below it (runners that index embeddings with them)."""
+
+    def _structured_output_backend(self) -> StructuredOutputBackend:
+        """The structured-output backend, built when the first structured request arrives.
+
+        Raises:
+            RequestError: No tokenizer, the backend's library is missing, or no plugin
+                answers to ``structured_outputs.backend``.
+        """
+        name = self.config.structured_outputs.backend
+        try:
+            tokenizer = getattr(self.runner, "tokenizer", None) or load_tokenizer(self.config)
+        except ConfigError as e:
+            raise RequestError(f"structured outputs need the model's tokenizer: {e}") from None
+        vocab = max(int(getattr(self.runner, "vocab_size", 0) or 0), len(tokenizer) if tokenizer is not None else 0)
+        eos = [*model_eos_ids(self.config), getattr(tokenizer, "eos_token_id", None),
+               self.config.runner.eos_token_id]
+        eos_ids = list(dict.fromkeys(t for t in eos if type(t) is int and 0 <= t < vocab))
+        try:
+            backend = self.scheduler.hooks.create_structured_output_backend(
+                config=self.config.structured_outputs, tokenizer=tokenizer, vocab_size=vocab,
+                eos_token_ids=eos_ids)
+        except PluginError as e:
+            if isinstance(e.__cause__, RequestError):  # the backend's own refusal
+                raise RequestError(str(e.__cause__)) from None
+            raise RequestError(f"the structured-output backend {name!r} could not be created: {e}") from None
+        if backend is None:
+            raise RequestError(f"no structured-output backend answers to structured_outputs.backend = "
+                               f"{name!r} (built in: auto, xgrammar, python; others come from plugins)")
+        log.info("structured outputs: backend %s, vocabulary %d", backend.name, backend.vocab_size)
+        return backend
 
     @staticmethod
     def _build_runner(config: Config) -> Any:
@@ -276,6 +315,11 @@ class EngineCore:
             else:
                 self._consecutive_step_failures = 0
                 _merge(outputs, self._watch_progress(scheduler_output))
+                if scheduler_output.structured_output_request_ids:
+                    if scheduler_output.pending_structured_output_tokens and queue:
+                        # Its grammars must first see the tokens of the step in flight.
+                        _merge(outputs, self._collect_oldest())
+                    _merge(outputs, self._fill_grammar_bitmask(scheduler_output))
                 try:
                     handle = self._launch(scheduler_output)
                 except Exception as e:
@@ -285,11 +329,27 @@ class EngineCore:
                     return outputs  # keep the pipeline full: collect it next call
         if not queue:
             return outputs
-        scheduler_output, handle, t0 = queue.popleft()
+        return _merge(outputs, self._collect_oldest())
+
+    def _fill_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> dict[int, EngineCoreOutputs]:
+        """The step's grammar bitmask; a backend that fails fails the structured requests
+        of the step (the step runs without their bitmask; their tokens are dropped)."""
+        try:
+            self.scheduler.fill_grammar_bitmask(scheduler_output)
+            return {}
+        except Exception as e:
+            log.exception("the structured-output backend failed filling the bitmask")
+            return self.fail_requests(list(scheduler_output.structured_output_request_ids),
+                                      f"the structured-output backend failed: {type(e).__name__}: {e}")
+
+    def _collect_oldest(self) -> dict[int, EngineCoreOutputs]:
+        """Wait for the oldest step in flight and process its output."""
+        sched = self.scheduler
+        scheduler_output, handle, t0 = self._in_flight.popleft()
         try:
             runner_output = handle.result()
         except Exception as e:
-            return _merge(outputs, self._on_runner_error(scheduler_output, e))
+            return self._on_runner_error(scheduler_output, e)
         self._consecutive_step_failures = 0
         if self._virtual and runner_output.step_duration is not None:
             self._now += runner_output.step_duration
@@ -300,15 +360,17 @@ class EngineCore:
             step_outputs = e.outputs or {}
         except Exception as e:  # a bug; fail this step's requests rather than the engine
             log.exception("update_from_output failed")
-            return _merge(outputs, self.fail_requests(
-                list(scheduler_output.num_scheduled_tokens), f"output processing failed: {type(e).__name__}: {e}"))
+            return self.fail_requests(
+                list(scheduler_output.num_scheduled_tokens), f"output processing failed: {type(e).__name__}: {e}")
         if sched.num_spec_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
         self.num_steps += 1
+        if scheduler_output.total_num_scheduled_tokens:
+            self.num_busy_steps += 1
         done = self.now()
         self.last_step_s = done - max(t0, self._last_done)
         self._last_done = done
-        return _merge(outputs, step_outputs)
+        return step_outputs
 
     def _observer_log(self, e: PluginError) -> RateLimitedLog:
         """One rate-limited log per raising (plugin, hook): an observer that raises every
@@ -329,7 +391,8 @@ class EngineCore:
         if (scheduler_output.total_num_scheduled_tokens or self._in_flight
                 or (self._future and not self._virtual) or sched.pause_state is not PauseState.UNPAUSED
                 or not sched.get_num_unfinished_requests()
-                or any(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.kv_holding)):
+                or any(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in sched.kv_holding)
+                or self.waiting_for_grammars()):
             self._empty_steps = 0
             return {}
         if self._empty_steps == 0:
@@ -344,6 +407,12 @@ class EngineCore:
                    "request run)")
         log.error("%s; failing the waiting requests", message)
         return self.fail_requests(list(sched.requests), message)
+
+    def waiting_for_grammars(self) -> bool:
+        """Whether a waiting request's grammar is still compiling (the engine then waits
+        a little between empty steps instead of spinning)."""
+        fsm = RequestStatus.WAITING_FOR_FSM
+        return any(r.status is fsm for r in self.scheduler.waiting)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         if self._launch_async:
@@ -419,6 +488,10 @@ class EngineCore:
             "kv_cache_usage": kv.usage, "num_preemptions": sched.num_preemptions_total,
             "voluntary_preemptions": dict(sched.voluntary_preemptions),
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
+            "num_busy_steps": self.num_busy_steps,
+            "structured_outputs": {"num_compiled": self.structured_output_manager.num_compiled,
+                                   "num_cache_hits": self.structured_output_manager.num_cache_hits,
+                                   "num_jump_forward_tokens": sched.num_jump_forward_tokens},
             "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
             "pause_state": sched.pause_state.value, "now": self.now(),
             "prefix_cache_queries": totals.queries + totals.preempted_queries,

@@ -29,6 +29,7 @@ two also work when the parent forked children that inherited our stdin pipe.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -80,6 +81,8 @@ log = logging.getLogger("schedkit.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
 MALFORMED_LOG_INTERVAL_S = 10.0
+GRAMMAR_POLL_S = 0.002
+"""How long the idle loop waits for input while only grammars are compiling."""
 """At most one log line per this many seconds about malformed messages."""
 PARENT_CHECK_S = 0.25
 """How often the engine process checks that its parent is still its parent."""
@@ -256,7 +259,13 @@ class EngineCoreProc:
 
     def _wait_for_work(self) -> None:
         engine = self.engine
-        if engine.scheduler.has_requests() or engine.num_steps_in_flight:
+        if engine.num_steps_in_flight:
+            return
+        if engine.scheduler.has_requests():
+            if engine.last_step_empty and engine.waiting_for_grammars():
+                # Nothing runs until a grammar compiles: wait a little, but not for new work.
+                with contextlib.suppress(queue.Empty):
+                    self._handle(*self.input_queue.get(timeout=GRAMMAR_POLL_S))
             return
         delay = engine.next_arrival_in()
         if delay is not None and (delay == 0 or engine.is_virtual):

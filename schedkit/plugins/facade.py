@@ -17,11 +17,12 @@ from typing import Any
 
 import pluggy
 
-from schedkit.config import SchedulerConfig
+from schedkit.config import SchedulerConfig, StructuredOutputsConfig
 from schedkit.core.hooks import AdmissionDecision, Preemption
 from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from schedkit.core.queues import RequestQueue
 from schedkit.core.request import Request, RequestStatus
+from schedkit.core.structured_output import StructuredOutputBackend
 from schedkit.errors import PluginError
 from schedkit.hookspecs import HOOK_NAMES
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
@@ -202,6 +203,16 @@ class HookFacade:
         if connector is not None and not isinstance(connector, KVConnectorBase):
             raise self._bad_answer(name, plugin, connector, "must be a KVConnectorBase")
         return connector
+
+    def create_structured_output_backend(self, *, config: StructuredOutputsConfig, tokenizer: Any,
+                                         vocab_size: int,
+                                         eos_token_ids: Sequence[int]) -> StructuredOutputBackend | None:
+        name = "schedkit_create_structured_output_backend"
+        backend, plugin = self._call(name, {"config": config, "tokenizer": tokenizer, "vocab_size": vocab_size,
+                                            "eos_token_ids": eos_token_ids}, True)
+        if backend is not None and not isinstance(backend, StructuredOutputBackend):
+            raise self._bad_answer(name, plugin, backend, "must be a StructuredOutputBackend")
+        return backend
 
     def on_step_end(self, *, scheduler_output: SchedulerOutput,
                     outputs: dict[int, EngineCoreOutputs], stats: SchedulerStats | None,

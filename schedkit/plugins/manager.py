@@ -1,10 +1,10 @@
 """Build the PluginManager: in a function, in a fixed order, with no import-time effects.
 
-Order: hookspecs -> blocked names (``SCHEDKIT_DISABLE_PLUGINS``) -> built-in defaults and
-policies (``trylast``) -> the plugins the config switches on, loaded from the
-``schedkit`` entry-point group (installed is not enabled) -> plugin objects passed in
-code -> ``check_pending`` (a misspelt hook name fails here, naming the plugin, the
-closest hook name and the config line that switched the plugin on).
+Order: hookspecs -> blocked names (``SCHEDKIT_DISABLE_PLUGINS``) -> built-in defaults,
+policies and structured-output backends (``trylast``) -> the plugins the config switches
+on, loaded from the ``schedkit`` entry-point group (installed is not enabled) -> plugin
+objects passed in code -> ``check_pending`` (a misspelt hook name fails here, naming the
+plugin, the closest hook name and the config line that switched the plugin on).
 A blocked name that the config needs (its policy, a plugin it lists, the built-ins every
 scheduler needs) is a ConfigError, never a silent fallback to FCFS; blocking only ever
 applies to plugin objects passed in code.
@@ -31,6 +31,8 @@ from schedkit.errors import ConfigError, PluginError
 ENTRY_POINT_GROUP = "schedkit"
 DISABLE_ENV = "SCHEDKIT_DISABLE_PLUGINS"
 DEFAULTS_PLUGIN = ("defaults", "schedkit.policies.defaults")
+STRUCTURED_OUTPUTS_PLUGIN = ("structured-outputs", "schedkit.structured.plugin")
+"""The built-in structured-output backends (``auto``, ``xgrammar``, ``python``), ``trylast``."""
 BUILTIN_POLICIES: Mapping[str, str] = {
     "fcfs": "schedkit.policies.fcfs",
     "priority": "schedkit.policies.priority",
@@ -176,7 +178,7 @@ def _check_not_blocked(blocked: list[str], policy: str, wanted: Iterable[str],
         if name in blocked and name != policy:
             raise ConfigError(f"{_at(where(name))}plugins: {name!r} is switched on here but "
                               f"disabled by {env}: remove it from the config or unset the variable")
-    for name in (DEFAULTS_PLUGIN[0], "fcfs"):
+    for name in (DEFAULTS_PLUGIN[0], "fcfs", STRUCTURED_OUTPUTS_PLUGIN[0]):
         if name in blocked:
             raise ConfigError(f"{env} disables the built-in {name!r}, which every scheduler "
                               "needs (it answers what other plugins leave open)")
@@ -220,7 +222,8 @@ def get_plugin_manager(
 
     Raises:
         ConfigError: The policy or a listed plugin is not installed, or is blocked by
-            ``SCHEDKIT_DISABLE_PLUGINS`` (as are the built-ins ``defaults`` and ``fcfs``).
+            ``SCHEDKIT_DISABLE_PLUGINS`` (as are the built-ins ``defaults``, ``fcfs`` and
+            ``structured-outputs``).
         PluginError: A plugin fails to load, takes bad settings or implements an unknown
             hook (the message names the plugin).
     """
@@ -249,6 +252,7 @@ def get_plugin_manager(
     if policy in BUILTIN_POLICIES and policy != "fcfs":
         _register(pm, importlib.import_module(BUILTIN_POLICIES[policy]), policy)
     _register(pm, importlib.import_module(BUILTIN_POLICIES["fcfs"]), "fcfs")
+    _register(pm, importlib.import_module(STRUCTURED_OUTPUTS_PLUGIN[1]), STRUCTURED_OUTPUTS_PLUGIN[0])
 
     if wanted:
         installed = discover_plugins()
@@ -257,6 +261,10 @@ def get_plugin_manager(
             if name in BUILTIN_POLICIES:
                 raise ConfigError(f"{at}plugin {name!r} is a built-in policy; select it with "
                                   f"scheduler.policy instead of listing it under plugins")
+            if name == STRUCTURED_OUTPUTS_PLUGIN[0]:
+                raise ConfigError(f"{at}plugin {name!r} is built in and always on; choose its "
+                                  "backend with structured_outputs.backend instead of listing it "
+                                  "under plugins")
             obj = _load_installed(installed, name, at)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 

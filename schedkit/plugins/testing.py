@@ -16,6 +16,7 @@ from typing import Any, Literal
 import pytest
 
 from schedkit.config import CacheConfig, SchedulerConfig
+from schedkit.core.grammar import StructuredOutputsParams
 from schedkit.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -25,6 +26,7 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.request import Request, SamplingParams
 from schedkit.core.scheduler import Scheduler
+from schedkit.core.structured_output import StructuredOutputManager
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import get_plugin_manager
 
@@ -46,11 +48,13 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
                    scheduler_reserve_full_isl: bool = True, watermark: float = 0.0,
                    kv_load_failure_policy: Literal["recompute", "fail"] = "fail",
                    clock: Callable[[], float] = time.monotonic,
-                   log_stats: bool = True, max_voluntary_preemptions: int = 4) -> Scheduler:
+                   log_stats: bool = True, max_voluntary_preemptions: int = 4,
+                   structured_output_manager: StructuredOutputManager | None = None) -> Scheduler:
     """A Scheduler with vLLM's test-harness defaults and the real plugin manager.
 
     ``plugins`` are plugin objects registered after the built-ins (so they win);
-    ``plugin_settings`` switches on installed entry-point plugins by name.
+    ``plugin_settings`` switches on installed entry-point plugins by name;
+    ``structured_output_manager`` serves requests with ``structured_outputs``.
     """
     sched_cfg = SchedulerConfig(
         policy=policy, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -63,18 +67,21 @@ def make_scheduler(*, policy: str = "fcfs", block_size: int = 16, num_blocks: in
                             kv_load_failure_policy=kv_load_failure_policy)
     pm = get_plugin_manager(scheduler_config=sched_cfg, plugin_settings=plugin_settings,
                             extra_plugins=plugins)
-    return Scheduler(sched_cfg, cache_cfg, HookFacade(pm), clock=clock, log_stats=log_stats)
+    return Scheduler(sched_cfg, cache_cfg, HookFacade(pm), clock=clock, log_stats=log_stats,
+                     structured_output_manager=structured_output_manager)
 
 
 def make_request(request_id: str, prompt_token_ids: Sequence[int], *, max_tokens: int = 16,
                  priority: int = 0, arrival_time: float | None = None,
                  eos_token_id: int | None = 50256, stop_token_ids: Sequence[int] = (),
                  min_tokens: int = 0, ignore_eos: bool = False, client_index: int = 0,
-                 tenant: str = "default", cache_salt: str | None = None) -> Request:
+                 tenant: str = "default", cache_salt: str | None = None,
+                 structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None) -> Request:
     """One request; ``arrival_time=None`` takes a strictly increasing clock."""
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
                             stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                            eos_token_id=eos_token_id)
+                            eos_token_id=eos_token_id,
+                            structured_outputs=structured_outputs)  # type: ignore[arg-type]
     return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                    sampling_params=params, priority=priority,
                    arrival_time=_next_arrival_time() if arrival_time is None else arrival_time,
@@ -155,6 +162,7 @@ def step(sched: Scheduler, runner: Any = None, *,
     if runner is not None and sampled is not None:
         raise TypeError("step(): pass a runner or sampled tokens, not both")
     so = sched.schedule()
+    sched.fill_grammar_bitmask(so)
     if runner is not None:
         ro = runner.execute(so)
     elif isinstance(sampled, int):

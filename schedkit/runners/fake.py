@@ -3,7 +3,9 @@
 The "model" emits output token ``i`` of request ``r`` as a fixed function of ``r`` and
 ``i``; an optional per-request output length makes it emit EOS at that position. It
 verifies drafts against the same function, so speculative decoding accepts exactly the
-correct prefix of each draft list, as a real target model would.
+correct prefix of each draft list, as a real target model would. A structured request's
+token that its grammar bitmask forbids is replaced by an allowed one (a fixed function of
+the forbidden token), as masked logits would make a model choose.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.core.structured_output import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -97,7 +100,11 @@ class FakeRunner:
             st = states[rid]
             st.num_computed_tokens = computed
             del st.tokens[st.num_prompt_tokens + num_out:]  # tokens the scheduler dropped
+        for rid, tokens in cached.appended_token_ids.items():  # jump-forward decoding
+            states[rid].tokens.extend(tokens)
         spec = scheduler_output.scheduled_spec_decode_tokens
+        bitmask = scheduler_output.grammar_bitmask
+        rows = scheduler_output.structured_output_request_ids if bitmask is not None else {}
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -109,7 +116,8 @@ class FakeRunner:
             if end < len(st.tokens):
                 sampled.append([])  # a prefill chunk: no token yet
                 continue
-            out = self._verify(st, drafts)
+            row = rows.get(rid)
+            out = self._verify(st, drafts, None if row is None or bitmask is None else (bitmask, row))
             st.tokens.extend(out)
             st.num_computed_tokens -= len(drafts) - (len(out) - 1)
             sampled.append(out)
@@ -120,16 +128,29 @@ class FakeRunner:
                                  sampled_token_ids=sampled,
                                  step_duration=self.step_time_s if req_ids else 0.0)
 
-    def _verify(self, st: _ReqState, drafts: list[int] | tuple[()]) -> list[int]:
+    def _verify(self, st: _ReqState, drafts: list[int] | tuple[()],
+                mask: tuple[GrammarBitmask, int] | None = None) -> list[int]:
         base = len(st.tokens) - st.num_prompt_tokens
         out = []
         for j, d in enumerate(drafts):
-            tok = self.token_at(st, base + j)
+            tok = self._sample(st, base + j, mask, j)
             out.append(tok)
             if d != tok or tok == self.eos_token_id:
                 return out
-        out.append(self.token_at(st, base + len(drafts)))
+        out.append(self._sample(st, base + len(drafts), mask, len(drafts)))
         return out
+
+    def _sample(self, st: _ReqState, output_index: int, mask: tuple[GrammarBitmask, int] | None,
+                offset: int) -> int:
+        """The token at ``output_index``; under a grammar (bitmask, first row), an allowed one."""
+        tok = self.token_at(st, output_index)
+        if mask is None:
+            return tok
+        bitmask, row = mask[0], mask[1] + offset
+        if bitmask.allows(row, tok):
+            return tok
+        allowed = bitmask.allowed(row)
+        return allowed[tok % len(allowed)] if allowed else tok
 
     def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
         """Propose the true next tokens, wrong at every ``draft_error_every``-th position."""

@@ -10,7 +10,6 @@ exits 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -40,29 +39,10 @@ def resolve_api_key(config: Config, cli_key: str | None) -> str | None:
     return cli_key or os.environ.get(API_KEY_ENV) or config.server.api_key
 
 
-def model_eos_ids(config: Config) -> tuple[int, ...]:
-    """Every ``eos_token_id`` of the paged runner's model folder (config.json and
-    generation_config.json, an int or a list each); () for the other runners."""
-    if config.runner.kind != "paged":
-        return ()
-    from schedkit.runners.paged.loader import resolve_model_path
-
-    folder = resolve_model_path(config.model.name, config.model.seed)
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        try:
-            eos = json.loads((folder / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            continue
-        for t in eos if isinstance(eos, list) else [eos]:
-            if type(t) is int and t >= 0 and t not in ids:
-                ids.append(t)
-    return tuple(ids)
-
-
 async def start_server(config: Config) -> Server:
     """Start the engine process and everything the endpoints share."""
     from schedkit.engine.client import AsyncLLM, load_tokenizer
+    from schedkit.engine.tokenizer import model_eos_ids
     from schedkit.server.metrics import ServerMetrics
 
     if config.runner.kind == "simulated" or getattr(config.runner, "clock", "wall") == "virtual":

@@ -6,6 +6,12 @@ here. The ones schedkit implements are typed and range-checked; the ones it does
 that relies on them is answered 400 naming the field instead of being served wrongly.
 A field no API has is a 400 too. Types are strict: ``"5"`` is not a number and ``true``
 is not an integer.
+
+Structured outputs come as OpenAI's ``response_format`` (``json_object``, ``json_schema``)
+or as vLLM's ``structured_outputs`` object; :meth:`_Sampling.structured_outputs_params`
+turns either into the engine's :class:`StructuredOutputsParams` (``parse_body`` checks it,
+so a malformed constraint is a 400 naming its field). Whether a schema, pattern or grammar
+compiles is the engine's to say when it receives the request.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from schedkit.core.grammar import StructuredOutputsParams
+from schedkit.errors import RequestError
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
@@ -54,6 +63,44 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: a named JSON schema."""
+
+    name: StrictStr
+    schema_: dict[str, Any] = Field(alias="schema")
+    """The JSON schema the output must match (``schema`` on the wire)."""
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+    """Accepted and not needed: the schema is always enforced."""
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` extra field: :class:`StructuredOutputsParams`'
+    fields (exactly one constraint; ``null`` is unset)."""
+
+    json_: StrictStr | dict[str, Any] | None = Field(default=None, alias="json")
+    """A JSON schema, as an object or as JSON text (``json`` on the wire)."""
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    disable_any_whitespace: StrictBool | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The fields the client set, by :class:`StructuredOutputsParams`' names."""
+        values = {"json": self.json_, "json_object": self.json_object, "regex": self.regex,
+                  "choice": self.choice, "grammar": self.grammar,
+                  "disable_any_whitespace": self.disable_any_whitespace}
+        return {k: v for k, v in values.items() if v is not None}
+
+
 class _Sampling(_Body):
     """Fields the completions and chat APIs share."""
 
@@ -83,23 +130,80 @@ class _Sampling(_Body):
     session_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     """A conversation id: with replicas, ``session-affinity`` keeps a session on one
     replica (its history stays in that replica's prefix cache)."""
+    # structured outputs
+    response_format: ResponseFormat | None = None
+    """OpenAI's: ``text`` (no constraint), ``json_object``, or ``json_schema``."""
+    structured_outputs: StructuredOutputsBody | None = None
+    """vLLM's: a JSON schema, any JSON object, a regex, a choice or an EBNF grammar."""
     # accepted only at their neutral value
     frequency_penalty: FiniteFloat | None = None
     presence_penalty: FiniteFloat | None = None
     repetition_penalty: FiniteFloat | None = None
     min_p: FiniteFloat | None = None
     logit_bias: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def structured_outputs_field(self) -> str | None:
+        """The field this request's output constraint came from (``response_format`` or
+        ``structured_outputs``), None when it has none."""
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            return "response_format"
+        return "structured_outputs" if self.structured_outputs is not None else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint on the output, from ``response_format`` or ``structured_outputs``
+        (None without one; ``response_format: {"type": "text"}`` is none).
+
+        Raises:
+            APIError: 400 naming the field: both fields constrain the output, a
+                ``json_schema`` format without its schema, or a malformed constraint.
+        """
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None:
+            if rf.type == "json_schema" and rf.json_schema is None:
+                raise APIError(400, "response_format.json_schema is required when response_format.type "
+                               "is 'json_schema'", param="response_format.json_schema")
+            if rf.type != "json_schema" and rf.json_schema is not None:
+                raise APIError(400, f"response_format.json_schema is only read with response_format.type "
+                               f"'json_schema', not {rf.type!r}", param="response_format.json_schema")
+        if rf is not None and rf.type != "text":
+            if so is not None:
+                raise APIError(400, f"response_format (type {rf.type!r}) and structured_outputs both "
+                               "constrain the output; send one of them", param="response_format")
+            if rf.json_schema is None:  # json_object
+                return StructuredOutputsParams(json_object=True)
+            try:
+                return StructuredOutputsParams(json=rf.json_schema.schema_)
+            except RequestError as e:  # a schema with NaN or Infinity in it
+                where = "response_format.json_schema.schema"
+                raise APIError(400, str(e).replace("structured_outputs.json", where, 1), param=where) from None
+            except RecursionError:
+                raise APIError(400, "response_format.json_schema.schema is nested too deeply",
+                               param="response_format.json_schema.schema") from None
+        if so is None:
+            return None
+        try:
+            return StructuredOutputsParams(**so.fields())
+        except RequestError as e:
+            message = str(e)
+            head = "invalid structured_outputs."
+            i = message.find(head)
+            param = ("structured_outputs." + message[i + len(head):].split("=", 1)[0] if i >= 0
+                     else "structured_outputs")
+            raise APIError(400, message, param=param) from None
+        except RecursionError:
+            raise APIError(400, "structured_outputs.json is nested too deeply",
+                           param="structured_outputs.json") from None
+
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
-    "min_p": (0.0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+    "min_p": (0.0,), "logit_bias": ({},),
     "best_of": (1,), "suffix": ("",), "echo": (False,), "tools": ([],), "tool_choice": ("none",),
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
 }
@@ -204,6 +308,8 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
             allowed = " or ".join(repr(v) for v in neutral)
             raise APIError(400, f"{name}={_describe(value)} is not supported by schedkit "
                            f"(leave it unset, or send {allowed})", param=name)
+    if isinstance(req, _Sampling):
+        req.structured_outputs_params()  # a malformed constraint is a 400 before any work
     return req
 
 

@@ -222,6 +222,7 @@ class Server:
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer, and this model has none; "
                            "use stop_token_ids", param="stop")
+        structured = req.structured_outputs_params()  # shared by every choice (frozen)
         single = len(prompts) == 1 and req.n == 1
         choices = []
         for p, ids in enumerate(prompts):
@@ -240,7 +241,8 @@ class Server:
                         eos_token_id=self.eos_token_id,
                         temperature=1.0 if req.temperature is None else req.temperature,
                         top_p=1.0 if req.top_p is None else req.top_p,
-                        top_k=-1 if req.top_k is None else req.top_k, seed=seed)
+                        top_k=-1 if req.top_k is None else req.top_k, seed=seed,
+                        structured_outputs=structured)
                 except RequestError as e:
                     raise APIError(400, str(e), param=_param_of(str(e))) from None
                 text = TextStream(self.tokenizer, ids, stop=stop,
@@ -310,8 +312,11 @@ class Server:
                         told_end = ev.finish_reason is not None
                     if c.finish_reason is not None:
                         break  # a stop string: closing the generator aborts it in the engine
-        except RequestError as e:
-            c.error = APIError(400, str(e).removeprefix(f"request {c.request_id!r} failed: "))
+        except RequestError as e:  # refused when the engine received it
+            message = str(e).removeprefix(f"request {c.request_id!r} failed: ")
+            # a schema, pattern or grammar that does not compile: name the field it came from
+            param = req.structured_outputs_field() if "does not compile" in message else None
+            c.error = APIError(400, message, param=param)
         except EngineDeadError as e:
             c.error = APIError(503, f"the engine died: {e}")
         except asyncio.CancelledError:

@@ -258,7 +258,7 @@ def test_fake_installed_plugins_are_not_enabled(fake_installed):
     assert sorted(third_party) == ["broken", "budget", "finish-log", "tracer", "typo"]
     fake_installed.calls.clear()
     pm = get_plugin_manager(config_from_dict({}))
-    assert [name for name, _ in pm.list_name_plugin()] == ["defaults", "fcfs"]
+    assert [name for name, _ in pm.list_name_plugin()] == ["defaults", "fcfs", "structured-outputs"]
     assert Tracer.made == [] and fake_installed.calls == []  # not even looked up
 
 
@@ -331,7 +331,7 @@ def test_blocked_plugin_is_not_called(fake_installed, monkeypatch):
     monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGINS", "quiet")
     pm = get_plugin_manager(config_from_dict({}), extra_plugins=[quiet])
     assert pm.get_plugin("quiet") is None
-    assert [name for name, p in pm.list_name_plugin() if p is not None] == ["defaults", "fcfs"]
+    assert [name for name, p in pm.list_name_plugin() if p is not None] == ["defaults", "fcfs", "structured-outputs"]
 
 
 def test_blocked_plugin_the_config_switches_on_is_refused(fake_installed, monkeypatch, tmp_path):

@@ -19,7 +19,8 @@ from schedkit.plugins.facade import HookFacade
 
 PREFIX = "schedkit_"
 # Hooks whose resolved answer may still be None (no cap; no connector).
-OPTIONAL = {"prefill_chunk_limit", "create_kv_connector", "on_step_end", "on_request_finished"}
+OPTIONAL = {"prefill_chunk_limit", "create_kv_connector", "create_structured_output_backend",
+            "on_step_end", "on_request_finished"}
 
 
 def _methods(cls: type) -> dict[str, inspect.Signature]:

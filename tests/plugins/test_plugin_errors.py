@@ -115,6 +115,10 @@ class Exploding:
         self._maybe_raise("schedkit_create_kv_connector")
 
     @hookimpl
+    def schedkit_create_structured_output_backend(self):
+        self._maybe_raise("schedkit_create_structured_output_backend")
+
+    @hookimpl
     def schedkit_on_step_end(self):
         self._maybe_raise("schedkit_on_step_end")
 
@@ -124,11 +128,13 @@ class Exploding:
 
 
 BUILD_HOOKS = ["schedkit_create_waiting_queue", "schedkit_create_kv_connector"]
-STEP_HOOKS = [h for h in HOOK_NAMES if h not in BUILD_HOOKS]
+FIRST_USE_HOOKS = ["schedkit_create_structured_output_backend"]
+"""Called when the first request that needs them arrives."""
+STEP_HOOKS = [h for h in HOOK_NAMES if h not in BUILD_HOOKS + FIRST_USE_HOOKS]
 
 
 def test_exploding_covers_every_hook():
-    assert sorted(BUILD_HOOKS + STEP_HOOKS) == sorted(HOOK_NAMES)
+    assert sorted(BUILD_HOOKS + FIRST_USE_HOOKS + STEP_HOOKS) == sorted(HOOK_NAMES)
     assert all(hasattr(Exploding, h) for h in HOOK_NAMES)
 
 
@@ -186,6 +192,32 @@ def test_raising_build_hook_fails_the_build(hook):
         sched.add_request(req)
     assert len(serve(sched, FakeRunner())) == len(reqs)
     assert_scheduler_consistent(sched, reqs)
+
+
+def test_a_raising_backend_hook_refuses_the_structured_request_and_the_engine_goes_on(tmp_path):
+    from schedkit.config import config_from_dict
+    from schedkit.core.request import Request, SamplingParams
+    from schedkit.engine.core import EngineCore
+    from schedkit.errors import RequestError
+
+    hook = "schedkit_create_structured_output_backend"
+    plugin = Exploding(hook)
+    engine = EngineCore(config_from_dict({}), extra_plugins=[plugin])
+
+    def structured(rid):
+        return Request(rid, [1, 2], SamplingParams(max_tokens=2, structured_outputs={"choice": ["a"]}), 0.0)
+
+    with pytest.raises(RequestError, match=f"'Exploding-0' raised in hook {hook}: RuntimeError: boom"):
+        engine.add_request(structured("s1"))
+    engine.add_request(Request("plain", [1, 2], SamplingParams(max_tokens=2), 0.0))
+    outs = []
+    while engine.has_requests():
+        outs += [o for g in engine.step().values() for o in g.outputs if o.finish_reason]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("plain", "length")]
+    plugin.armed = False  # the next structured request tries the hook again
+    with pytest.raises(RequestError, match="tokenizer"):  # now the built-in answers: no tokenizer here
+        engine.add_request(structured("s2"))
+    assert not engine.scheduler.requests
 
 
 class FailOnSecondAdmission:

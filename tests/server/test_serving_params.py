@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 
 from schedkit.config import config_from_dict  # noqa: E402
-from schedkit.server.launch import model_eos_ids  # noqa: E402
+from schedkit.engine.tokenizer import model_eos_ids  # noqa: E402
 from schedkit.server.metrics import ServerMetrics  # noqa: E402
 from schedkit.server.protocol import APIError, CompletionRequest, parse_body  # noqa: E402
 from schedkit.server.serving import Server  # noqa: E402

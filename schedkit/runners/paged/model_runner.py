@@ -10,6 +10,17 @@ sampled ids to the host once.
 is launched. The next step may then be launched before this one's tokens reach the
 host: each token sampled by a step still in flight is a placeholder in the host token
 rows, and the next step's inputs take it from the device tensor the sampler wrote.
+
+Structured outputs: when the step carries a ``grammar_bitmask``, the logits rows of
+the structured requests' sampled positions (row ``structured_output_request_ids[rid] + j``
+of the bitmask for the ``j``-th row of ``rid``'s sample slice: its next token, then the
+position after each draft) get their disallowed tokens set to -inf right after
+``compute_logits`` and before the sampler, on every path (eager, CUDA graphs: the
+logits are computed outside the graph; async scheduling; drafts, which are then
+verified against masked targets). The words go to the device in one copy (through a
+pinned staging buffer on CUDA, viewed without a copy on the CPU) with the row indices;
+:func:`~schedkit.runners.paged.sampler.apply_grammar_bitmask` does the rest on the
+device without a host sync. Other rows are untouched.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from schedkit.runners.paged.kv_cache import (
 )
 from schedkit.runners.paged.loader import load_model, read_model_args, resolve_model_path
 from schedkit.runners.paged.models import CausalLM, ModelArgs
-from schedkit.runners.paged.sampler import Sampler, SamplingBatch
+from schedkit.runners.paged.sampler import Sampler, SamplingBatch, apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +140,15 @@ class PagedModelRunner:
         self._num_uncollected = 0
         self.kv_connector: Any = None
         """The worker side of the KV connector, if one is configured."""
+        self._grammar_staging: list[torch.Tensor | None] = [None, None]
+        """Pinned host buffers (CUDA) for the bitmask words and row indices, used in
+        turn: with two steps in flight one may still be copying."""
+        self._grammar_turn = 0
+        self._bit_shifts: torch.Tensor | None = None
+
+    check_grammar_bitmask = False
+    """Debug: raise AssertionError when a structured row allows no token (costs a host
+    sync per step). Off, such a row samples its unmasked argmax."""
 
     checks_token_ids = True
     """Prompt token ids index the embedding: the engine rejects those >= vocab_size."""
@@ -223,6 +243,9 @@ class PagedModelRunner:
         hidden = self.model(input_ids, positions, caches, meta)
         num_rows = min(opts.max_num_seqs, n)
         logits = self.model.compute_logits(hidden[:num_rows])
+        rows = torch.arange(num_rows, dtype=torch.int32, device=self.device)
+        apply_grammar_bitmask(logits, torch.full((num_rows, (self.args.vocab_size + 31) // 32), -1,
+                                                 dtype=torch.int32, device=self.device), rows, rows)
         self.sampler(logits, SamplingBatch.build([SamplingParams(top_k=5, top_p=0.9)] * num_rows,
                                                  [0] * num_rows, self.args.vocab_size, self.device))
         torch.cuda.synchronize()
@@ -263,6 +286,7 @@ class PagedModelRunner:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
             connector.start_load_kv(None)
         inputs = ib.prepare(scheduler_output.num_scheduled_tokens, drafts)
+        grammar = self._grammar_inputs(scheduler_output, req_ids, inputs.sample_slices)
         fill = None
         if inputs.fill_rows:  # tokens the step in flight is sampling
             prev = self._in_flight
@@ -277,6 +301,8 @@ class PagedModelRunner:
         if len(inputs.logits_indices):
             idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[idx])
+            if grammar is not None:  # before any temperature, top-k/top-p or argmax
+                self._apply_grammar(logits, grammar, req_ids, inputs.sample_slices)
             batch = SamplingBatch.build(inputs.sample_params, inputs.sample_positions,
                                         self.args.vocab_size, self.device)
             step.tokens = self.sampler(logits, batch)
@@ -289,6 +315,49 @@ class PagedModelRunner:
         self._in_flight = step
         self._num_uncollected += 1
         return step
+
+    def _grammar_inputs(self, so: SchedulerOutput, req_ids: list[str],
+                        slices: list[tuple[int, int]]) -> _GrammarInputs | None:
+        """The step's bitmask words and row indices, on their way to the device (queued
+        before the forward pass, so the copy overlaps it); None without structured rows.
+
+        Raises:
+            ValueError: A malformed bitmask (a bug upstream).
+        """
+        bitmask = so.grammar_bitmask
+        if bitmask is None or not so.structured_output_request_ids:
+            return None
+        logit_rows, mask_rows = grammar_rows(so.structured_output_request_ids, bitmask.num_rows,
+                                             req_ids, slices)
+        if not logit_rows:
+            return None
+        num_rows, num_words = bitmask.num_rows, bitmask.num_words
+        if bitmask.words.itemsize != 4 or len(bitmask.words) != num_rows * num_words:
+            raise ValueError(f"grammar bitmask: expected {num_rows} x {num_words} 32-bit words, got "
+                             f"{len(bitmask.words)} of {bitmask.words.itemsize} bytes")
+        if num_words == 0:  # nothing allowed: no buffer to view
+            words = torch.zeros(0, dtype=torch.int32)
+        else:
+            words = torch.frombuffer(bitmask.words, dtype=torch.int32)  # a view, no copy
+        if self.device.type == "cuda":
+            dev = _stage_grammar(self, words, logit_rows, mask_rows, num_rows, num_words)
+        else:  # the view itself: only the rows used are gathered, on the device
+            idx = torch.tensor((logit_rows, mask_rows), dtype=torch.int32)
+            dev = words.view(num_rows, num_words), idx[0], idx[1]
+        return _GrammarInputs(*dev, logit_rows, mask_rows)
+
+    def _apply_grammar(self, logits: torch.Tensor, g: _GrammarInputs, req_ids: list[str],
+                       slices: list[tuple[int, int]]) -> None:
+        """Mask the logits rows of the step's structured requests (before sampling)."""
+        if self._bit_shifts is None:
+            self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+        none_allowed = apply_grammar_bitmask(logits, g.words, g.dev_logit_rows, g.dev_mask_rows,
+                                             self._bit_shifts)
+        if self.check_grammar_bitmask and bool(none_allowed.any()):  # debug only: a host sync
+            owner = {r: rid for rid, (a, b) in zip(req_ids, slices, strict=True) for r in range(a, b)}
+            bad = [(owner[g.logit_rows[j]], g.mask_rows[j]) for j in none_allowed.nonzero()[:, 0].tolist()]
+            raise AssertionError(f"grammar bitmask rows allow no token below the vocabulary size "
+                                 f"{logits.shape[1]}: (request, bitmask row) {bad}")
 
     def _collect(self, step: _InFlightStep) -> ModelRunnerOutput:
         """The step's tokens on the host: placeholders filled, drafts verified."""
@@ -356,6 +425,9 @@ class PagedModelRunner:
             if blocks:
                 ib.append_blocks(rid, blocks)
             st.num_computed_tokens = cached.num_computed_tokens[i]
+            appended = cached.appended_token_ids.get(rid)
+            if appended:  # tokens jump-forward decoding appended: this step computes them
+                ib.append_tokens(rid, appended)
             known = st.num_prompt_tokens + cached.num_output_tokens[i]
             assert known <= st.num_tokens, f"{rid}: scheduler knows tokens the runner never sampled"
             st.num_tokens = known
@@ -402,6 +474,72 @@ class PagedModelRunner:
             if proposal:
                 drafts[rid] = proposal
         return drafts
+
+
+def grammar_rows(first_rows: dict[str, int], num_rows: int, req_ids: list[str],
+                 slices: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(logits rows, bitmask rows) of the structured requests' sampled positions.
+
+    ``first_rows``: request -> its first bitmask row; ``slices[i]``: the sampled rows of
+    ``req_ids[i]`` in the logits (its next token, then one after each draft), matched
+    in order with bitmask rows ``first, first + 1, ...``. A structured request that
+    samples nothing this step (a prompt chunk) or is not scheduled is skipped.
+
+    Raises:
+        ValueError: A request's rows run past the bitmask (a bug upstream).
+    """
+    index = {rid: i for i, rid in enumerate(req_ids)}
+    logit_rows: list[int] = []
+    mask_rows: list[int] = []
+    for rid, first in first_rows.items():
+        i = index.get(rid)
+        if i is None:
+            continue
+        a, b = slices[i]
+        if a == b:
+            continue
+        if first < 0 or first + (b - a) > num_rows:
+            raise ValueError(f"grammar bitmask: request {rid!r} samples {b - a} positions from row "
+                             f"{first}, but the bitmask has {num_rows} rows")
+        logit_rows.extend(range(a, b))
+        mask_rows.extend(range(first, first + b - a))
+    return logit_rows, mask_rows
+
+
+@dataclass(slots=True)
+class _GrammarInputs:
+    """One step's bitmask on the device, and which logits rows it constrains."""
+
+    words: torch.Tensor
+    """[bitmask rows, words] int32."""
+    dev_logit_rows: torch.Tensor
+    dev_mask_rows: torch.Tensor
+    logit_rows: list[int]
+    mask_rows: list[int]
+
+
+def _stage_grammar(runner: PagedModelRunner, words: torch.Tensor, logit_rows: list[int],
+                   mask_rows: list[int], num_rows: int, num_words: int,
+                   pin: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Indices and words through the runner's pinned staging buffer of this turn, then
+    one non-blocking copy to the device. The buffer of a turn is reused two staged steps
+    later: with at most two steps in flight, the older has been collected by then (its
+    token copy, queued after this copy, completed)."""
+    m = len(logit_rows)
+    total = 2 * m + num_rows * num_words
+    turn = runner._grammar_turn
+    buf = runner._grammar_staging[turn]
+    if buf is None or len(buf) < total:
+        size = max(total, 2 * len(buf) if buf is not None else 0, 1024)
+        buf = torch.empty(size, dtype=torch.int32, pin_memory=pin)
+        runner._grammar_staging[turn] = buf
+    runner._grammar_turn = turn ^ 1
+    host = buf.numpy()
+    host[:m] = logit_rows
+    host[m:2 * m] = mask_rows
+    buf[2 * m:total].copy_(words)
+    dev = buf[:total].to(runner.device, non_blocking=True)
+    return dev[2 * m:].view(num_rows, num_words), dev[:m], dev[m:2 * m]
 
 
 def _accept(targets: list[int], drafts: Any) -> list[int]:

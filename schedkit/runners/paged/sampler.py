@@ -6,6 +6,11 @@ from a generator seeded by ``(seed, position of the sampled token)``: the same r
 samples the same tokens whatever else is in the batch, and after preemption and
 recomputation too. Tokens stay on the device; the runner copies them to the host once
 per step.
+
+Structured outputs: :func:`apply_grammar_bitmask` runs on the logits before the sampler
+(the runner calls it), so greedy, temperature, top-k and top-p all see the disallowed
+tokens at -inf; rows of unconstrained requests are not touched. Sampling is all torch
+ops (no Triton kernel), so the mask holds on CUDA as on the CPU.
 """
 
 from __future__ import annotations
@@ -72,6 +77,44 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, words: torch.Tensor, logit_rows: torch.Tensor,
+                          mask_rows: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """Set to -inf, in place, the tokens ``words[mask_rows[i]]`` disallows in row
+    ``logit_rows[i]`` of ``logits`` (bit ``t % 32`` of word ``t // 32`` set: token ``t``
+    allowed). Other rows are untouched.
+
+    Tokens at or above ``32 * words.shape[1]`` are disallowed (logits wider than the
+    bitmask); words beyond the logits' width are ignored. A row that allows no token
+    (a bug upstream) keeps only its argmax, so it still samples a real token.
+
+    Args:
+        logits: [N, vocab] float logits on the device.
+        words: [R, W] int32 bitmask words on the same device.
+        logit_rows: [M] int32/int64 rows of ``logits`` to constrain (distinct).
+        mask_rows: [M] their rows in ``words``.
+        shifts: ``arange(32)`` int32 on the device (cached by the caller; made if None).
+
+    Returns:
+        [M] bool on the device: True where a row allowed no token (no host sync).
+    """
+    vocab = logits.shape[1]
+    need = (vocab + 31) // 32
+    w = words.index_select(0, mask_rows)
+    if w.shape[1] > need:
+        w = w[:, :need]
+    elif w.shape[1] < need:
+        w = torch.nn.functional.pad(w, (0, need - w.shape[1]))  # zero words: disallowed
+    if shifts is None:
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    blocked = (w[:, :, None] >> shifts).bitwise_and_(1).eq(0).view(len(w), need * 32)[:, :vocab]
+    none_allowed = blocked.all(dim=1)
+    rows = logits.index_select(0, logit_rows)
+    top = rows.argmax(dim=1, keepdim=True)
+    blocked.scatter_(1, top, blocked.gather(1, top) & ~none_allowed[:, None])
+    logits.index_put_((logit_rows,), rows.masked_fill_(blocked, float("-inf")))
+    return none_allowed
 
 
 class Sampler:

@@ -106,10 +106,11 @@ predictions, unlike random weights, for bf16 agreement checks."""
 
 
 def held_out_text_sequences(count: int, length: int) -> list[list[int]]:
-    """``count`` byte sequences of ``length`` from docs/*.md (text the byte model did
-    not train on), taken at evenly spaced offsets."""
-    data = b"".join(p.read_bytes() for p in sorted((REPO_ROOT / "docs").glob("*.md")))
-    assert len(data) >= count * length, "not enough held-out text in docs/"
+    """``count`` byte sequences of ``length`` from ``held-out.txt`` beside the byte
+    model (excerpts of this repository's docs, text the model did not train on, frozen
+    so that editing the docs cannot move the test's inputs), at evenly spaced offsets."""
+    data = (BYTE_LM / "held-out.txt").read_bytes()
+    assert len(data) >= count * length, "not enough held-out text in held-out.txt"
     stride = len(data) // count
     return [list(data[i * stride: i * stride + length]) for i in range(count)]
 

@@ -1,0 +1,408 @@
+"""Structured outputs over the OpenAI API, without a real engine: OpenAI's
+``response_format`` and vLLM's ``structured_outputs`` become
+``SamplingParams.structured_outputs``; every malformed constraint is a 400 naming its
+field; a constraint the engine refuses when it receives the request (it does not
+compile) is a 400 too, before anything is streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from schedkit.config import config_from_dict  # noqa: E402
+from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams  # noqa: E402
+from schedkit.core.request import Request, SamplingParams  # noqa: E402
+from schedkit.core.structured_output import StructuredOutputBackend, StructuredOutputManager  # noqa: E402
+from schedkit.engine.client import RequestOutput  # noqa: E402
+from schedkit.errors import RequestError  # noqa: E402
+from schedkit.server.metrics import ServerMetrics  # noqa: E402
+from schedkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body  # noqa: E402
+from schedkit.server.serving import Choice, Generation, Server  # noqa: E402
+
+PROMPT = [5, 6, 7]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+CANONICAL = json.dumps(SCHEMA, sort_keys=True, separators=(",", ":"))
+
+
+def server(llm: Any = None) -> Server:
+    cfg = config_from_dict({"runner": {"kind": "fake", "vocab_size": 64, "eos_token_id": 2},
+                            "scheduler": {"max_model_len": 32}})
+    return Server(cfg, llm, None, ServerMetrics("m", "fcfs", []), "m")
+
+
+def parse(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
+    if kind == "chat":
+        return parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body})
+    return parse_body(CompletionRequest, {"prompt": PROMPT, **body})
+
+
+def choices(s: Server, kind: str, **body: Any) -> list[Choice]:
+    req = parse(kind, body)
+    return s.make_choices(req, "r", [list(PROMPT)], req.max_tokens, "max_tokens")
+
+
+def constraint(kind: str, **body: Any) -> StructuredOutputsParams | None:
+    (c,) = choices(server(), kind, **body)
+    return c.params.structured_outputs
+
+
+@pytest.fixture(params=["completion", "chat"])
+def kind(request) -> str:
+    return request.param
+
+
+def _json_schema(**extra: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, **extra}}
+
+
+# -- 1. the body's constraint becomes SamplingParams.structured_outputs ------------------------
+MAPPING: list[tuple[str, dict[str, Any], StructuredOutputsParams]] = [
+    ("response_format-json_object", {"response_format": {"type": "json_object"}},
+     StructuredOutputsParams(json_object=True)),
+    ("response_format-json_schema", {"response_format": _json_schema()}, StructuredOutputsParams(json=SCHEMA)),
+    ("response_format-json_schema-strict-description",
+     {"response_format": _json_schema(strict=True, description="a person")}, StructuredOutputsParams(json=SCHEMA)),
+    ("response_format-json_schema-not-strict", {"response_format": _json_schema(strict=False)},
+     StructuredOutputsParams(json=SCHEMA)),
+    ("structured_outputs-json-object", {"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=SCHEMA)),
+    ("structured_outputs-json-text", {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ("structured_outputs-json_object", {"structured_outputs": {"json_object": True}},
+     StructuredOutputsParams(json_object=True)),
+    ("structured_outputs-regex", {"structured_outputs": {"regex": "[0-9]{3}"}},
+     StructuredOutputsParams(regex="[0-9]{3}")),
+    ("structured_outputs-choice", {"structured_outputs": {"choice": ["yes", "no"]}},
+     StructuredOutputsParams(choice=("yes", "no"))),
+    ("structured_outputs-grammar", {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
+     StructuredOutputsParams(grammar='root ::= "a" | "b"')),
+    ("structured_outputs-disable_any_whitespace",
+     {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+    ("structured_outputs-nulls-are-unset",
+     {"structured_outputs": {"json": None, "json_object": None, "regex": "a+", "choice": None, "grammar": None,
+                             "disable_any_whitespace": None}}, StructuredOutputsParams(regex="a+")),
+    ("text-with-structured_outputs", {"response_format": {"type": "text"}, "structured_outputs": {"regex": "a+"}},
+     StructuredOutputsParams(regex="a+")),
+]
+
+
+@pytest.mark.parametrize(("body", "expected"), [m[1:] for m in MAPPING], ids=[m[0] for m in MAPPING])
+def test_the_constraint_reaches_the_sampling_params(kind, body, expected):
+    got = constraint(kind, **body)
+    assert got == expected
+    if expected.json is not None:
+        assert got is not None and got.json == CANONICAL  # the schema travels as canonical JSON text
+
+
+@pytest.mark.parametrize("body", [{}, {"response_format": None}, {"structured_outputs": None},
+                                  {"response_format": {"type": "text"}},
+                                  {"response_format": {"type": "text", "json_schema": None}}],
+                         ids=["unset", "response_format-null", "structured_outputs-null", "text", "text-null-schema"])
+def test_no_constraint(kind, body):
+    s = server()
+    (c,) = choices(s, kind, **body)
+    (plain,) = choices(s, kind)
+    assert c.params.structured_outputs is None
+    assert c.params == plain.params  # response_format text asks nothing at all
+
+
+def test_every_choice_and_prompt_gets_the_constraint():
+    s = server()
+    req = parse_body(CompletionRequest, {"prompt": [[5, 6], [7, 8]], "n": 2, "seed": 1,
+                                         "structured_outputs": {"choice": ["yes", "no"]}})
+    cs = s.make_choices(req, "r", [list(p) for p in req.prompts()], req.max_tokens, "max_tokens")
+    assert len(cs) == 4
+    assert {c.params.structured_outputs for c in cs} == {StructuredOutputsParams(choice=("yes", "no"))}
+    assert [c.params.seed for c in cs] == [1, 2, 1, 2]  # the rest of the sampling is untouched
+
+
+def test_the_constraint_keeps_the_other_sampling_fields(kind):
+    (c,) = choices(server(), kind, temperature=0.0, max_tokens=5, stop_token_ids=[9],
+                   response_format={"type": "json_object"})
+    p = c.params
+    assert (p.temperature, p.max_tokens, p.stop_token_ids) == (0.0, 5, (9,))
+    assert p.structured_outputs == StructuredOutputsParams(json_object=True)
+
+
+# -- 2. every malformed constraint is a 400 naming its field --------------------------------------
+BOTH = "structured_outputs both constrain the output; send one of them"
+BAD: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
+    # (id, body fields, param, the message: exactly it when one string, else parts of it)
+    ("response_format-unknown-type", {"response_format": {"type": "xml"}}, "response_format.type",
+     ("response_format.type: Input should be 'text', 'json_object' or 'json_schema' (got 'xml')",)),
+    ("response_format-structural_tag", {"response_format": {"type": "structural_tag", "format": {}}},
+     "response_format.type", ("response_format.type", "'text', 'json_object' or 'json_schema'", "structural_tag")),
+    ("response_format-no-type", {"response_format": {}}, "response_format.type",
+     ("response_format.type is required",)),
+    ("response_format-type-int", {"response_format": {"type": 1}}, "response_format.type",
+     ("response_format.type", "'text', 'json_object' or 'json_schema'")),
+    ("response_format-str", {"response_format": "json_object"}, "response_format",
+     ("response_format:", "'json_object'")),
+    ("response_format-unknown-key", {"response_format": {"type": "json_object", "schema": SCHEMA}},
+     "response_format.schema", ("unknown field 'response_format.schema'",)),
+    ("json_schema-missing", {"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     ("response_format.json_schema is required when response_format.type is 'json_schema'",)),
+    ("json_schema-null", {"response_format": {"type": "json_schema", "json_schema": None}},
+     "response_format.json_schema",
+     ("response_format.json_schema is required when response_format.type is 'json_schema'",)),
+    ("json_schema-schema-missing", {"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+     "response_format.json_schema.schema", ("response_format.json_schema.schema is required",)),
+    ("json_schema-schema-null",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": None}}},
+     "response_format.json_schema.schema", ("response_format.json_schema.schema:", "None")),
+    ("json_schema-schema-list",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": [SCHEMA]}}},
+     "response_format.json_schema.schema", ("response_format.json_schema.schema:", "dictionary")),
+    ("json_schema-schema-text",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": json.dumps(SCHEMA)}}},
+     "response_format.json_schema.schema", ("response_format.json_schema.schema:", "dictionary")),
+    ("json_schema-schema-nan",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"maximum": float("nan")}}}},
+     "response_format.json_schema.schema",
+     ("invalid response_format.json_schema.schema={'maximum': nan}: not serializable as JSON (", "float")),
+    ("json_schema-name-missing", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+     "response_format.json_schema.name", ("response_format.json_schema.name is required",)),
+    ("json_schema-name-int",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": SCHEMA}}},
+     "response_format.json_schema.name", ("response_format.json_schema.name:", "string")),
+    ("json_schema-strict-str", {"response_format": _json_schema(strict="yes")},
+     "response_format.json_schema.strict", ("response_format.json_schema.strict:", "boolean")),
+    ("json_schema-unknown-key", {"response_format": _json_schema(schema_name="x")},
+     "response_format.json_schema.schema_name", ("unknown field 'response_format.json_schema.schema_name'",)),
+    ("json_schema-with-json_object",
+     {"response_format": {"type": "json_object", "json_schema": {"name": "p", "schema": SCHEMA}}},
+     "response_format.json_schema",
+     ("response_format.json_schema is only read with response_format.type 'json_schema', not 'json_object'",)),
+    ("json_schema-with-text", {"response_format": {"type": "text", "json_schema": {"name": "p", "schema": SCHEMA}}},
+     "response_format.json_schema",
+     ("response_format.json_schema is only read with response_format.type 'json_schema', not 'text'",)),
+    ("structured_outputs-str", {"structured_outputs": "a+"}, "structured_outputs", ("structured_outputs:", "'a+'")),
+    ("structured_outputs-empty", {"structured_outputs": {}}, "structured_outputs",
+     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got none",)),
+    ("structured_outputs-json_object-false", {"structured_outputs": {"json_object": False}}, "structured_outputs",
+     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got none",)),
+    ("structured_outputs-only-options", {"structured_outputs": {"disable_any_whitespace": True}},
+     "structured_outputs",
+     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got none",)),
+    ("structured_outputs-two", {"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
+     ("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got regex, choice",)),
+    ("structured_outputs-unknown-key", {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern", ("unknown field 'structured_outputs.whitespace_pattern'",)),
+    ("structured_outputs-structural_tag", {"structured_outputs": {"structural_tag": "{}"}},
+     "structured_outputs.structural_tag", ("unknown field 'structured_outputs.structural_tag'",)),
+    ("json-int", {"structured_outputs": {"json": 5}}, "structured_outputs.json", ("structured_outputs.json:", "5")),
+    ("json-list", {"structured_outputs": {"json": [SCHEMA]}}, "structured_outputs.json",
+     ("structured_outputs.json:", "(got [{")),
+    ("json-bad-text", {"structured_outputs": {"json": "{bad"}}, "structured_outputs.json",
+     ("invalid structured_outputs.json='{bad': not JSON text (", "line 1")),
+    ("json-text-not-a-schema", {"structured_outputs": {"json": "[1, 2]"}}, "structured_outputs.json",
+     ("invalid structured_outputs.json='[1, 2]': must be a JSON schema: an object (dict) or a boolean",)),
+    ("json-nan", {"structured_outputs": {"json": {"maximum": float("inf")}}}, "structured_outputs.json",
+     ("invalid structured_outputs.json={'maximum': inf}: not serializable as JSON (", "float")),
+    ("json-nested-too-deeply", {"structured_outputs": {"json": '{"a":' * 100_000 + "1" + "}" * 100_000}},
+     "structured_outputs.json", ("structured_outputs.json is nested too deeply",)),
+    ("json_object-int", {"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object",
+     ("structured_outputs.json_object:", "boolean")),
+    ("regex-empty", {"structured_outputs": {"regex": ""}}, "structured_outputs.regex",
+     ("invalid structured_outputs.regex='': must be a non-empty string",)),
+    ("regex-int", {"structured_outputs": {"regex": 5}}, "structured_outputs.regex",
+     ("structured_outputs.regex:", "string")),
+    ("choice-empty", {"structured_outputs": {"choice": []}}, "structured_outputs.choice",
+     ("invalid structured_outputs.choice=[]: must be a non-empty list of non-empty strings",)),
+    ("choice-str", {"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice",
+     ("structured_outputs.choice:", "list")),
+    ("choice-int-item", {"structured_outputs": {"choice": ["yes", 1]}}, "structured_outputs.choice.1",
+     ("structured_outputs.choice.1:", "string")),
+    ("choice-empty-item", {"structured_outputs": {"choice": ["yes", ""]}}, "structured_outputs.choice",
+     ("invalid structured_outputs.choice=['yes', '']: must be a non-empty list of non-empty strings",)),
+    ("grammar-empty", {"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar",
+     ("invalid structured_outputs.grammar='': must be a non-empty string",)),
+    ("grammar-list", {"structured_outputs": {"grammar": ["root ::= x"]}}, "structured_outputs.grammar",
+     ("structured_outputs.grammar:", "string")),
+    ("disable_any_whitespace-str", {"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace", ("structured_outputs.disable_any_whitespace:", "boolean")),
+    ("both-json_object", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}},
+     "response_format", (f"response_format (type 'json_object') and {BOTH}",)),
+    ("both-json_schema", {"response_format": _json_schema(), "structured_outputs": {"json": SCHEMA}},
+     "response_format", (f"response_format (type 'json_schema') and {BOTH}",)),
+    ("both-options-only", {"response_format": _json_schema(), "structured_outputs": {"disable_any_whitespace": True}},
+     "response_format", (f"response_format (type 'json_schema') and {BOTH}",)),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_a_malformed_constraint_is_a_400_naming_its_field(kind, body, param, says):
+    with pytest.raises(APIError) as e:
+        parse(kind, body)  # refused while the body is parsed, before any tokenizing
+    err = e.value
+    assert err.status == 400 and err.param == param, (err.param, err.message)
+    if len(says) == 1:
+        assert err.message == says[0]
+    else:
+        assert all(s in err.message for s in says), err.message
+    assert param.split(".")[0] in err.message
+    assert err.body() == {"error": {"message": err.message, "type": "BadRequestError", "param": param,
+                                    "code": 400}}
+
+
+def test_unsupported_fields_still_refused_next_to_a_constraint(kind):
+    with pytest.raises(APIError, match="not supported") as e:
+        parse(kind, {"response_format": {"type": "json_object"}, "logit_bias": {"7": 1}})
+    assert e.value.param == "logit_bias"
+
+
+# -- 3. the engine's add-time refusal ------------------------------------------------------------
+class _Grammar(StructuredOutputGrammar):
+    def accept_tokens(self, request_id, tokens):
+        return True
+
+    def validate_tokens(self, tokens):
+        return list(tokens)
+
+    def rollback(self, num_tokens):
+        pass
+
+    def fill_bitmask(self, bitmask, row):
+        pass
+
+    def is_terminated(self):
+        return False
+
+
+class PickyBackend(StructuredOutputBackend):
+    """Refuses every regex with an unbalanced parenthesis, when its request arrives."""
+
+    name = "picky"
+    vocab_size = 64
+
+    def validate(self, params):
+        if params.regex is not None and params.regex.count("(") != params.regex.count(")"):
+            raise ValueError("unbalanced parenthesis")
+
+    def compile(self, params):
+        return params
+
+    def new_grammar(self, compiled, max_rollback_tokens):
+        return _Grammar()
+
+
+class StubLLM:
+    """An AsyncLLM stand-in: adds each request the way the engine does (structured requests
+    go through a real StructuredOutputManager) and reports a refusal as AsyncLLM does; an
+    accepted request produces ``tokens`` and finishes with ``finish_reason``."""
+
+    def __init__(self, tokens: list[int], finish_reason: str = "stop") -> None:
+        self.manager = StructuredOutputManager(PickyBackend)
+        self.tokens = tokens
+        self.finish_reason = finish_reason
+        self.seen: list[SamplingParams] = []
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def generate(self, prompt: list[int], params: SamplingParams, *, request_id: str,
+                       **_: Any) -> AsyncIterator[RequestOutput]:
+        self.seen.append(params)
+        request = Request(request_id, list(prompt), params, arrival_time=0.0)
+        if request.structured_output is not None:
+            try:
+                self.manager.add_request(request)
+            except RequestError as e:  # the engine answers the error; AsyncLLM raises it
+                raise RequestError(f"request {request_id!r} failed: {e}", request_id=request_id) from None
+        await asyncio.sleep(0)
+        yield RequestOutput(request_id, list(prompt), list(self.tokens), self.finish_reason)
+
+    async def close(self) -> None:
+        self.manager.shutdown()
+
+
+def generate(llm: StubLLM, kind: str, body: dict[str, Any], *, stream: bool = False) -> Any:
+    """Run one request through the server's choices and Generation, as the endpoint does:
+    the whole answer, or the first sign of life of a stream."""
+    async def go() -> Any:
+        s = server(llm)
+        try:
+            req = parse(kind, {**body, "stream": stream, "return_token_ids": True})
+            cs = s.make_choices(req, "r", [list(PROMPT)], req.max_tokens, "max_tokens")
+            gen = Generation(s, kind, "r", req, [list(PROMPT)], cs)
+            if stream:
+                await gen.first()
+                return b"".join([chunk async for chunk in gen.stream()])
+            return await gen.collect()
+        finally:
+            s.close()
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("body", "param"), [
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+], ids=["structured_outputs", "text-and-structured_outputs"])
+def test_a_constraint_that_does_not_compile_is_a_400(kind, stream, body, param):
+    llm = StubLLM([9])
+    with pytest.raises(APIError) as e:
+        generate(llm, kind, body, stream=stream)  # a stream is refused before its first byte
+    err = e.value
+    assert err.status == 400 and err.param == param
+    assert "does not compile (picky): unbalanced parenthesis" in err.message
+    assert "regex '(ab'" in err.message
+    assert "failed:" not in err.message  # the client's wrapping is taken off
+    assert len(llm.seen) == 1 and llm.seen[0].structured_outputs == StructuredOutputsParams(regex="(ab")
+
+
+@pytest.mark.parametrize("body", [{"response_format": {"type": "json_object"}},
+                                  {"response_format": _json_schema()},
+                                  {"structured_outputs": {"regex": "(ab)"}}],
+                         ids=["json_object", "json_schema", "regex"])
+def test_a_structured_request_finishes_as_the_engine_says(kind, body):
+    for reason in ("stop", "length"):
+        answer = generate(StubLLM([9, 10], finish_reason=reason), kind, body)
+        (choice,) = answer["choices"]
+        assert choice["finish_reason"] == reason and choice["token_ids"] == [9, 10]
+    chunks = generate(StubLLM([9, 10]), kind, body, stream=True).decode()
+    events = [json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: {")]
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
+    assert chunks.endswith("data: [DONE]\n\n")
+
+
+def test_structured_requests_over_http():
+    """The same through the FastAPI app (completions: the stub server has no tokenizer
+    for chat): OpenAI's error objects, and a served constrained request."""
+    from starlette.testclient import TestClient
+
+    from schedkit.server.app import build_app
+
+    llm = StubLLM([9, 10])
+
+    async def factory() -> Server:
+        return server(llm)
+
+    app: Any = build_app(factory, max_body_bytes=1 << 20, api_key=None)[0]
+    path = "/v1/completions"
+    base: dict[str, Any] = {"prompt": PROMPT}
+    with TestClient(app) as client:
+        for stream in (False, True):
+            r = client.post(path, json={**base, "stream": stream, "structured_outputs": {"regex": "(ab"}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "BadRequestError" and err["code"] == 400
+            assert err["param"] == "structured_outputs" and "does not compile" in err["message"]
+        r = client.post(path, json={**base, "response_format": {"type": "json_schema", "json_schema": {"name": "p"}}})
+        assert r.status_code == 400
+        assert r.json()["error"] == {"message": "response_format.json_schema.schema is required",
+                                     "type": "BadRequestError", "param": "response_format.json_schema.schema",
+                                     "code": 400}
+        r = client.post(path, json={**base, "response_format": {"type": "json_object"}, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert [p.structured_outputs for p in llm.seen] == [StructuredOutputsParams(regex="(ab")] * 2 + [
+        StructuredOutputsParams(json_object=True)]
+

@@ -12,7 +12,8 @@
 # results). $OUT gets summary.txt (the key lines), logs.tgz (every section's log and
 # JSON, refreshed after each section: at most 8 files come back) and the fitted
 # profile. ONLY=name1,name2 runs a subset (to rerun what failed).
-#   tests     tests/gpu: kernel vs reference, fp32 greedy = transformers, bf16 top-1
+#   tests     tests/gpu: kernel vs reference, fp32 greedy = transformers, bf16 top-1,
+#             grammar bitmask on the graph, eager, async and n-gram paths
 #   bench     schedkit (sync, then async scheduling) then the peer on the peer's workload
 #             (qwen0.5b shape, bf16, 256 requests)
 #   calib     fit the simulator's profile to measured steps, then replay the Azure trace

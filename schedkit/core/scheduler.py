@@ -159,6 +159,7 @@ class Scheduler:
         self.jump_forward = structured_output_manager is not None and structured_output_manager.jump_forward
         self.num_jump_forward_tokens = 0
         """Output tokens appended by jump-forward decoding (not sampled by the runner)."""
+        self._num_compile_failures_seen = 0
         self.grammar_compile_error_reqs: dict[str, Request] = {}
         """Waiting requests whose grammar did not compile: the next update_from_output
         finishes them with an error (vLLM's grammar_compile_error_reqs)."""
@@ -208,6 +209,7 @@ class Scheduler:
         except BaseException:  # the queue's own error (a PluginError), nothing registered
             del self.requests[rid]
             request.events.clear()
+            request.status = _WAITING
             raise
         try:
             self._connector_call("on_new_request", request)
@@ -215,6 +217,7 @@ class Scheduler:
             del self.requests[rid]
             request.events.clear()
             self._remove_queued([request])
+            request.status = _WAITING
             raise
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
@@ -305,7 +308,11 @@ class Scheduler:
                 req.spec_token_ids = []
             elif req.structured_output is not None and self.structured_output_manager is not None \
                     and not req.num_output_placeholders:  # the grammar has seen every token
-                req.spec_token_ids = self.structured_output_manager.validate_drafts(req, drafts)
+                try:
+                    req.spec_token_ids = self.structured_output_manager.validate_drafts(req, drafts)
+                except Exception:  # the backend's bug: no drafts this step
+                    log.exception("request %r: its grammar failed validating drafts", rid)
+                    req.spec_token_ids = []
             else:
                 req.spec_token_ids = list(drafts)
 
@@ -359,17 +366,23 @@ class Scheduler:
             pending = pending or req.num_output_placeholders > 1
         output.pending_structured_output_tokens = pending
 
-    def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> list[str]:
         """Set ``output.grammar_bitmask`` from the grammars' current states. Call it once
         the tokens of every earlier step are processed (with async scheduling, after the
-        step in flight when ``output.pending_structured_output_tokens``)."""
+        step in flight when ``output.pending_structured_output_tokens``).
+
+        Returns:
+            The requests whose grammar raised filling its rows (their rows allow every
+            token; the caller fails them).
+        """
         rows = output.structured_output_request_ids
         if not rows or self.structured_output_manager is None:
-            return
+            return []
         spec = output.scheduled_spec_decode_tokens
         num_rows = sum(1 + len(spec.get(rid, ())) for rid in rows)
         output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
             self.requests, rows, spec, num_rows)
+        return self.structured_output_manager.failed_request_ids
 
     def _prefill_threshold(self) -> int:
         """This step's long-prefill cap: off for a request alone in the scheduler, and
@@ -853,6 +866,9 @@ class Scheduler:
         kv_out = runner_output.kv_connector_output
         bad_loads = self._apply_failed_loads(kv_out, scheduler_output)
         by_client: dict[int, list[EngineCoreOutput]] = {}
+        mgr = self.structured_output_manager
+        if mgr is not None and mgr.num_failed != self._num_compile_failures_seen:
+            self._find_compile_failures(mgr)
         if self.grammar_compile_error_reqs:
             self._fail_grammar_errors()
         for req, out in self._pending_outputs:
@@ -887,6 +903,15 @@ class Scheduler:
             e.outputs = outputs  # the step itself succeeded
             raise
         return outputs
+
+    def _find_compile_failures(self, mgr: StructuredOutputManager) -> None:
+        """A compilation failed since the last update: find its requests wherever they
+        wait in the queue (not only those a schedule() reached)."""
+        self._num_compile_failures_seen = mgr.num_failed
+        for req in self.waiting:
+            so = req.structured_output
+            if req.status is _FSM and so is not None and not mgr.check_ready(req) and so.error:
+                self.grammar_compile_error_reqs[req.request_id] = req
 
     def _fail_grammar_errors(self) -> None:
         """Finish the waiting requests whose grammar did not compile (error outputs)."""
@@ -961,18 +986,22 @@ class Scheduler:
                 if drafts:
                     self._apply_spec_result(req, drafts, len(gen), spec_stats)
             had_outputs = bool(req.output_token_ids)
+            error = None
+            if req.structured_output is not None and req.structured_output.grammar is not None:
+                gen, error = self._advance_grammar(req, gen)
             if len(gen) == 1:
                 req.append_output_token_ids(gen[0])
                 is_stopped = check_stop(req, max_model_len)
                 new_ids = gen
             else:
                 new_ids, is_stopped = self._append_tokens(req, gen)
-            error = None
             if req.structured_output is not None and req.structured_output.grammar is not None:
-                error = self._advance_grammar(req, new_ids)
-                if error is not None or (not is_stopped and req.structured_output.grammar.is_terminated()):
-                    req.status = RequestStatus.FINISHED_STOPPED if error is None else RequestStatus.FINISHED_ERROR
-                    is_stopped = True
+                if error is not None and len(new_ids) == len(gen):  # the rejected token was kept
+                    req.status, req.stop_reason, is_stopped = RequestStatus.FINISHED_ERROR, "grammar_rejected", True
+                elif not is_stopped and req.structured_output.grammar.is_terminated():
+                    req.status, is_stopped = RequestStatus.FINISHED_STOPPED, True
+                else:
+                    error = None
             if req.num_output_placeholders and not stale:
                 req.num_output_placeholders -= len(new_ids)
                 if cache_after_placeholders and status is _RUNNING and not is_stopped:
@@ -1006,13 +1035,17 @@ class Scheduler:
         if so is None or so.grammar is None:
             return new_ids, False
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-        forced = so.grammar.jump_forward_tokens()[:room] if room > 0 else []
-        if not forced or not so.grammar.accept_tokens(req.request_id, forced):
+        if room <= 0 or so.grammar.is_terminated():
+            return new_ids, False
+        try:
+            forced = so.grammar.validate_tokens(so.grammar.jump_forward_tokens()[:room])
+            if not forced or not so.grammar.accept_tokens(req.request_id, forced):
+                return new_ids, False
+        except Exception:  # the backend's bug: no jump this time
+            log.exception("request %r: jump-forward failed in its grammar", req.request_id)
             return new_ids, False
         so.num_accepted += len(forced)
-        appended, stopped = self._append_tokens(req, forced)
-        if len(appended) < len(forced):  # a stop token inside the forced run
-            so.grammar.rollback(len(forced) - len(appended))
+        appended, stopped = self._append_tokens(req, forced)  # a stop ends the request: no rollback
         if not stopped and so.grammar.is_terminated():
             req.status = RequestStatus.FINISHED_STOPPED
             stopped = True
@@ -1021,18 +1054,32 @@ class Scheduler:
         return new_ids + appended, stopped
 
     @staticmethod
-    def _advance_grammar(req: Request, new_ids: list[int]) -> str | None:
-        """Feed a step's kept tokens to the request's grammar; returns the error when the
-        grammar rejects one (the runner sampled outside the bitmask: a bug there)."""
+    def _advance_grammar(req: Request, gen: list[int]) -> tuple[list[int], str | None]:
+        """Feed a step's tokens to the request's grammar one by one, before they are
+        appended. Returns the tokens to keep, cut after the one that ends the grammar (a
+        verified draft may end it before the step's last token), or after the first
+        one it rejects (a bug in the runner or the backend: then the error, and the
+        request fails keeping that token). A grammar that raises fails the request too."""
         so = req.structured_output
         assert so is not None and so.grammar is not None
-        if so.grammar.accept_tokens(req.request_id, new_ids):
-            so.num_accepted += len(new_ids)
-            return None
-        req.stop_reason = "grammar_rejected"
-        log.error("request %r: its grammar rejected the sampled tokens %s", req.request_id, new_ids)
-        return (f"request {req.request_id!r}: the sampled tokens {new_ids} are not allowed by its "
-                f"{so.params.describe()}")
+        rid = req.request_id
+        for j, tok in enumerate(gen):
+            try:
+                if so.grammar.is_terminated():
+                    return gen[:j], None
+                ok = so.grammar.accept_tokens(rid, (tok,))
+            except Exception as e:  # the backend's bug: this request fails, not the step
+                log.exception("request %r: its grammar raised accepting token %d", rid, tok)
+                why = f"the structured-output backend raised accepting token {tok}: {type(e).__name__}: {e}"
+                return gen[: j + 1], f"request {rid!r}: {why}"
+            if not ok:
+                log.error("request %r: its grammar rejected the sampled token %d (position %d of the "
+                          "step's %s)", rid, tok, j, gen)
+                return gen[: j + 1], (f"request {rid!r}: the sampled token {tok} (position "
+                                      f"{req.num_output_tokens + j} of its output) is not allowed by its "
+                                      f"{so.params.describe()}")
+            so.num_accepted += 1
+        return gen, None
 
     def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
                            spec_stats: SpecDecodingStats | None) -> None:

@@ -124,12 +124,17 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple[str, str, bool], Future[Any]] = OrderedDict()
         self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a compile that already failed calls back under it
         self.max_rollback_tokens = max_rollback_tokens
         self.jump_forward = jump_forward
         """Append the tokens a grammar forces without sampling them (jump-forward decoding)."""
         self.num_compiled = 0
         """Grammars compiled (cache misses)."""
+        self.num_failed = 0
+        """Compilations that failed (counted from the worker threads)."""
+        self.failed_request_ids: list[str] = []
+        """Requests of the last :meth:`grammar_bitmask` whose grammar raised (the engine
+        fails them)."""
         self.num_cache_hits = 0
 
     @property
@@ -161,6 +166,11 @@ class StructuredOutputManager:
         except (ValueError, TypeError) as e:
             raise RequestError(f"request {request.request_id!r}: the {params.describe()} does not "
                                f"compile ({backend.name}): {e}", request_id=request.request_id) from None
+        except Exception as e:  # the backend's bug: refuse this request, keep serving
+            log.exception("structured-output backend %s raised in validate", backend.name)
+            raise RequestError(f"request {request.request_id!r}: the structured-output backend "
+                               f"{backend.name} raised checking the {params.describe()}: "
+                               f"{type(e).__name__}: {e}", request_id=request.request_id) from None
         so.compiled = self._compiled(params)
 
     def _compiled(self, params: StructuredOutputsParams) -> Future[Any]:
@@ -174,11 +184,17 @@ class StructuredOutputManager:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="schedkit-grammar")
             fut = self._pool.submit(self.backend.compile, params)
+            fut.add_done_callback(self._count_failure)
             self.num_compiled += 1
             self._cache[key] = fut
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return fut
+
+    def _count_failure(self, fut: Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            with self._lock:
+                self.num_failed += 1
 
     def check_ready(self, request: Request) -> bool:
         """Whether the request's grammar is compiled; builds its matcher the first time.
@@ -189,13 +205,25 @@ class StructuredOutputManager:
             return True
         if so.error is not None or not so.compiled.done():
             return False
-        err = so.compiled.exception()
-        if err is not None:
-            so.error = (f"request {request.request_id!r}: the {so.params.describe()} does not "
-                        f"compile ({self.backend.name}): {type(err).__name__}: {err}")
-            return False
-        so.grammar = self.backend.new_grammar(so.compiled.result(), self.max_rollback_tokens)
-        return True
+        err = None if not so.compiled.cancelled() else "compilation cancelled (the engine is shutting down)"
+        if err is None and so.compiled.exception() is not None:
+            e = so.compiled.exception()
+            err = f"{type(e).__name__}: {e}"
+        if err is None:
+            try:
+                so.grammar = self.backend.new_grammar(so.compiled.result(), self.max_rollback_tokens)
+                return True
+            except Exception as e:  # the backend's bug: this request fails, not the step
+                log.exception("structured-output backend %s raised in new_grammar", self.backend.name)
+                err = f"new_grammar raised {type(e).__name__}: {e}"
+        so.error = (f"request {request.request_id!r}: the {so.params.describe()} does not "
+                    f"compile ({self.backend.name}): {err}")
+        return False
+
+    def compiling(self, request: Request) -> bool:
+        """Whether the request's grammar is still being compiled."""
+        so = request.structured_output
+        return so is not None and so.grammar is None and so.error is None and not so.compiled.done()
 
     def grammar_bitmask(self, requests: dict[str, Request], rows: dict[str, int],
                         spec_tokens: dict[str, list[int]], num_rows: int) -> GrammarBitmask:
@@ -207,15 +235,26 @@ class StructuredOutputManager:
         backend = self.backend
         bitmask = GrammarBitmask.allocate(num_rows, backend.vocab_size)
         view = backend.bitmask_view(bitmask)
+        self.failed_request_ids = []
         for rid, row in rows.items():
-            req = requests.get(rid)
-            so = req.structured_output if req is not None else None
-            grammar = so.grammar if so is not None else None
-            if grammar is None or grammar.is_terminated():
-                continue  # finished while the step was planned: any token (it is dropped)
-            grammar.fill_bitmask(view, row)
-            advanced = 0
-            for draft in spec_tokens.get(rid, ()):
+            try:
+                self._fill_rows(requests.get(rid), rid, row, spec_tokens.get(rid, ()), view)
+            except Exception:  # the backend's bug: this request fails, not the step
+                log.exception("request %r: its grammar raised filling the bitmask", rid)
+                self.failed_request_ids.append(rid)
+        return bitmask
+
+    @staticmethod
+    def _fill_rows(req: Request | None, rid: str, row: int, drafts: Iterable[int], view: Any) -> None:
+        """One request's rows: its next token, then one after each draft it accepts."""
+        so = req.structured_output if req is not None else None
+        grammar = so.grammar if so is not None else None
+        if grammar is None or grammar.is_terminated():
+            return  # finished while the step was planned: any token (it is dropped)
+        grammar.fill_bitmask(view, row)
+        advanced = 0
+        try:
+            for draft in drafts:
                 if draft < 0 or not grammar.accept_tokens(rid, (draft,)):
                     break
                 advanced += 1
@@ -223,9 +262,9 @@ class StructuredOutputManager:
                 if grammar.is_terminated():
                     break
                 grammar.fill_bitmask(view, row)
+        finally:
             if advanced:
                 grammar.rollback(advanced)
-        return bitmask
 
     def validate_drafts(self, request: Request, drafts: Iterable[int]) -> list[int]:
         """The drafts up to the first one the request's grammar rejects."""

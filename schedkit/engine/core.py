@@ -107,6 +107,10 @@ class EngineCore:
             jump_forward=so_cfg.jump_forward)
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
                                    clock=self.now, structured_output_manager=self.structured_output_manager)
+        if so_cfg.jump_forward and config.scheduler.async_scheduling:
+            log.warning("structured_outputs.jump_forward has no effect with scheduler.async_scheduling: "
+                        "a request decoding steadily always has a token in flight, and a request "
+                        "never jumps then")
         if hasattr(self.runner, "set_kv_connector"):  # a runner with a worker side
             worker = self.scheduler.hooks.create_kv_connector(role=KVConnectorRole.WORKER, config=cache_cfg)
             if worker is not None:
@@ -139,10 +143,11 @@ class EngineCore:
                 answers to ``structured_outputs.backend``.
         """
         name = self.config.structured_outputs.backend
+        why_none = ""
         try:
             tokenizer = getattr(self.runner, "tokenizer", None) or load_tokenizer(self.config)
-        except ConfigError as e:
-            raise RequestError(f"structured outputs need the model's tokenizer: {e}") from None
+        except ConfigError as e:  # a plugin's backend may not need one: let the hook decide
+            tokenizer, why_none = None, f" ({e})"
         vocab = max(int(getattr(self.runner, "vocab_size", 0) or 0), len(tokenizer) if tokenizer is not None else 0)
         eos = [*model_eos_ids(self.config), getattr(tokenizer, "eos_token_id", None),
                self.config.runner.eos_token_id]
@@ -153,7 +158,7 @@ class EngineCore:
                 eos_token_ids=eos_ids)
         except PluginError as e:
             if isinstance(e.__cause__, RequestError):  # the backend's own refusal
-                raise RequestError(str(e.__cause__)) from None
+                raise RequestError(f"{e.__cause__}{why_none}") from None
             raise RequestError(f"the structured-output backend {name!r} could not be created: {e}") from None
         if backend is None:
             raise RequestError(f"no structured-output backend answers to structured_outputs.backend = "
@@ -335,8 +340,9 @@ class EngineCore:
         """The step's grammar bitmask; a backend that fails fails the structured requests
         of the step (the step runs without their bitmask; their tokens are dropped)."""
         try:
-            self.scheduler.fill_grammar_bitmask(scheduler_output)
-            return {}
+            failed = self.scheduler.fill_grammar_bitmask(scheduler_output)
+            return self.fail_requests(failed, "the structured-output backend raised filling its "
+                                      "grammar's bitmask (logged)") if failed else {}
         except Exception as e:
             log.exception("the structured-output backend failed filling the bitmask")
             return self.fail_requests(list(scheduler_output.structured_output_request_ids),
@@ -412,7 +418,13 @@ class EngineCore:
         """Whether a waiting request's grammar is still compiling (the engine then waits
         a little between empty steps instead of spinning)."""
         fsm = RequestStatus.WAITING_FOR_FSM
-        return any(r.status is fsm for r in self.scheduler.waiting)
+        compiling = self.structured_output_manager.compiling
+        return any(r.status is fsm and compiling(r) for r in self.scheduler.waiting)
+
+    def close(self) -> None:
+        """Release what the engine holds besides the runner: the grammar compile threads
+        and the structured-output backend."""
+        self.structured_output_manager.shutdown()
 
     def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         if self._launch_async:

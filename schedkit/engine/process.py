@@ -81,9 +81,9 @@ log = logging.getLogger("schedkit.engine")
 
 HEARTBEAT_INTERVAL_S = 0.5
 MALFORMED_LOG_INTERVAL_S = 10.0
+"""At most one log line per this many seconds about malformed messages."""
 GRAMMAR_POLL_S = 0.002
 """How long the idle loop waits for input while only grammars are compiling."""
-"""At most one log line per this many seconds about malformed messages."""
 PARENT_CHECK_S = 0.25
 """How often the engine process checks that its parent is still its parent."""
 LOAD_REPORT_INTERVAL_S = 0.05
@@ -236,6 +236,7 @@ class EngineCoreProc:
             for t in self._threads:
                 t.join(timeout=2)
             self.ctx.term()
+            engine.close()
 
     def _report_load(self) -> None:
         """Queue a LoadReport for the subscribed clients if one is due and something

@@ -42,8 +42,9 @@ class XGrammarBackend(StructuredOutputBackend):
         tokenizer: The model's transformers tokenizer.
         vocab_size: Width of the model's logits (the bitmask), at least the tokenizer's.
         max_threads: Threads xgrammar uses to compile one grammar.
-        cache_limit_bytes: Memory xgrammar's own compiled-grammar cache may use (-1: no
-            limit; the manager keeps its own cache of compiled grammars as well).
+        cache_limit_bytes: Memory xgrammar's own compiled-grammar cache may use (0, the
+            default: no such cache, since the manager keeps the compiled grammars in a
+            bounded LRU; -1: no limit).
         stop_token_ids: The tokens that end the output (default: xgrammar's reading of
             the tokenizer, its EOS).
 
@@ -55,7 +56,7 @@ class XGrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, max_threads: int = 8,
-                 cache_limit_bytes: int = -1, stop_token_ids: Sequence[int] | None = None,
+                 cache_limit_bytes: int = 0, stop_token_ids: Sequence[int] | None = None,
                  json_max_whitespace: int | None = None) -> None:
         self.json_max_whitespace = json_max_whitespace
         """Most whitespace characters between two JSON tokens (None: no limit)."""
@@ -65,8 +66,11 @@ class XGrammarBackend(StructuredOutputBackend):
         if stop_token_ids is not None:
             kwargs["stop_token_ids"] = list(stop_token_ids)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, **kwargs)
+        # The manager keeps the compiled grammars (an LRU of structured_outputs.cache_size);
+        # xgrammar's own cache would keep every schema ever seen unless it is bounded.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
-                                            cache_enabled=True, cache_limit_bytes=cache_limit_bytes)
+                                            cache_enabled=cache_limit_bytes != 0,
+                                            cache_limit_bytes=cache_limit_bytes)
         stops = set(self.tokenizer_info.stop_token_ids)
         special = getattr(tokenizer, "all_special_ids", None) or ()
         self.never_token_ids = frozenset(t for t in special if t not in stops and 0 <= t < vocab_size)

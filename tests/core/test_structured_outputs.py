@@ -467,3 +467,113 @@ def test_jump_forward_survives_preemption_and_matches_decoding_without_it():
     assert jumped["r0"] == plain["r0"] and jumped["r1"] == plain["r1"] and jumped["p"] == plain["p"]
     assert len(jumped["r0"]) == 15 and len(jumped["r1"]) == 13
     assert jumped_steps < plain_steps and preemptions > 0
+
+
+def test_a_verified_draft_that_ends_the_grammar_ends_the_step_there():
+    mgr, _ = manager(max_rollback_tokens=2)
+    sched = make_scheduler(structured_output_manager=mgr, num_speculative_tokens=2)
+    req = structured("r", [1, 2], "seq:4,5,9", max_tokens=20, eos_token_id=None, ignore_eos=True)
+    sched.add_request(req)
+    wait_compiled(mgr, req)
+    step(sched, sampled={"r": [4]})
+    sched.update_draft_token_ids({"r": [5, 9]})
+    res = step(sched, sampled={"r": [5, 9, 3]})  # both drafts verified, then a bonus token
+    (out,) = res.outputs
+    assert out.new_token_ids == [5, 9] and out.finish_reason == "stop"
+    assert req.output_token_ids == [4, 5, 9] and "r" not in sched.requests
+
+
+class FailingGrammar(SequenceGrammar):
+    def __init__(self, tokens, where):
+        super().__init__(tokens)
+        self.where = where
+
+    def accept_tokens(self, request_id, tokens):
+        if self.where == "accept":
+            raise RuntimeError("accept exploded")
+        return super().accept_tokens(request_id, tokens)
+
+    def fill_bitmask(self, bitmask, row):
+        if self.where == "fill":
+            raise RuntimeError("fill exploded")
+        super().fill_bitmask(bitmask, row)
+
+
+class FailingBackend(SequenceBackend):
+    """``regex="boom:<where>:seq..."``: the matcher raises in ``where`` (accept, fill,
+    new) or ``validate`` raises a RuntimeError."""
+
+    def validate(self, params):
+        if params.regex == "boom:validate":
+            raise RuntimeError("validate exploded")
+
+    def compile(self, params):
+        where, _, seq = params.regex[5:].partition(":")
+        return where, parse("seq:" + seq) if seq else None
+
+    def new_grammar(self, compiled, max_rollback_tokens):
+        where, tokens = compiled
+        if where == "new":
+            raise RuntimeError("new_grammar exploded")
+        return FailingGrammar(tokens, where)
+
+
+class FailingPlugin:
+    @hookimpl
+    def schedkit_create_structured_output_backend(self, config):
+        return FailingBackend() if config.backend == "failing" else None
+
+
+@pytest.mark.parametrize("where", ["accept", "fill", "new"])
+def test_a_backend_that_raises_fails_only_its_request(where):
+    engine = EngineCore(config_from_dict({"runner": {"vocab_size": VOCAB},
+                                          "structured_outputs": {"backend": "failing"}}),
+                        extra_plugins=[FailingPlugin()])
+    engine.add_request(Request("bad", [1, 2], SamplingParams(
+        max_tokens=5, structured_outputs={"regex": f"boom:{where}:1,1,1"}), 0.0))
+    engine.add_request(Request("plain", [3, 4], SamplingParams(max_tokens=5), 0.0))
+    finished = {}
+    while engine.has_requests():
+        for group in engine.step().values():
+            for o in group.outputs:
+                if o.finish_reason:
+                    finished[o.request_id] = (o.finish_reason, o.error or "")
+        assert_scheduler_consistent(engine.scheduler)
+    assert finished["plain"] == ("length", "")
+    reason, error = finished["bad"]
+    assert reason == "error" and ("exploded" in error or "logged" in error), error
+    engine.close()
+
+
+def test_a_backend_whose_validate_raises_refuses_the_request_with_a_request_error():
+    mgr, _ = manager(FailingBackend())
+    sched = make_scheduler(structured_output_manager=mgr)
+    with pytest.raises(RequestError, match="raised checking the regex.*RuntimeError: validate exploded"):
+        sched.add_request(structured("x", [1], "boom:validate"))
+    assert not sched.requests
+
+
+def test_a_failed_compilation_is_reported_even_when_no_schedule_reaches_its_request():
+    mgr, _ = manager()
+    sched = make_scheduler(structured_output_manager=mgr, max_num_seqs=1)
+    sched.add_request(make_request("busy", [1, 2], max_tokens=50))
+    step(sched, sampled=7)  # "busy" takes the only running slot
+    bad = structured("bad", [3], "fail")
+    sched.add_request(bad)
+    with pytest.raises(ValueError):
+        bad.structured_output.compiled.result(timeout=10)
+    res = step(sched, sampled=7)
+    assert [(o.request_id, o.finish_reason) for o in res.outputs if o.finish_reason] == [("bad", "error")]
+    assert "busy" in sched.requests and "bad" not in sched.requests
+
+
+def test_closing_the_engine_stops_the_compile_threads():
+    engine = EngineCore(config_from_dict({"runner": {"vocab_size": VOCAB},
+                                          "structured_outputs": {"backend": "sequence"}}),
+                        extra_plugins=[BackendPlugin()])
+    engine.add_request(Request("s", [1], SamplingParams(max_tokens=2, structured_outputs={"regex": "seq:1,2"}), 0.0))
+    pool = engine.structured_output_manager._pool
+    assert pool is not None
+    engine.close()
+    with pytest.raises(RuntimeError):
+        pool.submit(print)

@@ -28,7 +28,7 @@ from schedkit.server.serving import Choice, Generation, Server  # noqa: E402
 
 PROMPT = [5, 6, 7]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-CANONICAL = json.dumps(SCHEMA, sort_keys=True, separators=(",", ":"))
+CANONICAL = json.dumps(SCHEMA, separators=(",", ":"))  # compact, key order kept
 
 
 def server(llm: Any = None) -> Server:

@@ -257,3 +257,4 @@ def compile_kernels_for_cuda(arch: int = 90) -> dict[str, int]:
              "segm_sum_ptr": "*fp32"},
             dict(NUM_HEADS=14, HEAD_DIM=64, HEAD_DIM_P=64, NUM_SEGMENTS=ta.NUM_SPLITS))
     return shared
+

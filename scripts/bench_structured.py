@@ -6,8 +6,9 @@ Three measurements, SmolLM2-135M-Instruct on the paged runner, xgrammar backend:
    run goes first (a JSON schema); the unconstrained run then gives each request
    exactly the number of tokens its constrained twin produced (``max_tokens`` that
    many, ``ignore_eos``), so both runs have the same batch shape at every step and
-   differ only by the grammar work (bitmask fill, mask op, token acceptance). Runs
-   alternate ``--repeats`` times; medians are reported.
+   differ only by the grammar work (bitmask fill, mask op, token acceptance). A first
+   constrained run warms up (model, backend start, compilation); then ``--repeats``
+   pairs run in alternating order; medians are reported.
 2. The time a request waits in WAITING_FOR_FSM: a schema never seen (compiled on the
    manager's threads) vs the same schema again (cached), measured in-process from
    ``add_request`` to the step that admits it. The backend's one-time start (xgrammar's
@@ -88,17 +89,18 @@ def throughput(args) -> dict[str, Any]:
                for i in range(args.batch)]
     so = {"json": SCHEMA}
     rates: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    constrained = [SamplingParams(max_tokens=128, eos_token_id=EOS, temperature=0, structured_outputs=so)
+                   for _ in prompts]
     with LLM(cfg, tokenizer=tok) as llm:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        for _ in range(args.repeats):
-            dt, outs = timed(llm, prompts, [SamplingParams(max_tokens=128, eos_token_id=EOS, temperature=0,
-                                                           structured_outputs=so)] * len(prompts))
-            lengths = [len(o.output_token_ids) for o in outs]
-            rates["constrained"].append(sum(lengths) / dt)
-            dt, outs = timed(llm, prompts, [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
-                                            for n in lengths])
-            assert [len(o.output_token_ids) for o in outs] == lengths
-            rates["unconstrained"].append(sum(lengths) / dt)
+        # Warm-up: the model, the backend's start and the schema's compilation.
+        outs = llm.generate(prompts, constrained, use_tqdm=False)
+        lengths = [len(o.output_token_ids) for o in outs]
+        plain = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+        for i in range(args.repeats):  # pairs, in alternating order
+            for kind in (("constrained", "unconstrained") if i % 2 == 0 else ("unconstrained", "constrained")):
+                dt, outs = timed(llm, prompts, constrained if kind == "constrained" else plain)
+                assert [len(o.output_token_ids) for o in outs] == lengths
+                rates[kind].append(sum(lengths) / dt)
     c, u = statistics.median(rates["constrained"]), statistics.median(rates["unconstrained"])
     return {"batch": args.batch, "output_tokens": sum(lengths), "constrained_tok_s": c,
             "unconstrained_tok_s": u, "drop": 1 - c / u, "runs": rates}

@@ -1,5 +1,6 @@
-"""Test helpers for structured outputs on models without a tokenizer (the random-weight
-test models): a synthetic vocabulary and a plugin serving the python backend over it."""
+"""Test helpers for structured outputs: a small byte-level tokenizer trained on the spot,
+and, for models without a tokenizer (the random-weight test models), a synthetic
+vocabulary with a plugin serving the python backend over it."""
 
 from __future__ import annotations
 
@@ -37,3 +38,33 @@ def structured_text(token_ids: Sequence[int], vocab_size: int) -> str:
     """The text of tokens of the synthetic vocabulary (the stop token dropped)."""
     strings = synthetic_token_strings(vocab_size)
     return "".join(strings[t] or "" for t in token_ids)
+
+
+TOKENIZER_CORPUS = [
+    '{"name": "Ada", "age": 36, "tags": ["x", "y"]}',
+    '{"items": [1, 2, 3], "ok": true, "ratio": 0.5}',
+    '{"a": null, "b": false, "c": -12}',
+    'yes no maybe 0123456789 abc def',
+    "root ::= expr; (a|b)* [0-9]+",
+]
+
+
+def byte_level_tokenizer(vocab_size: int = 320, chat_template: str | None = None) -> Any:
+    """A byte-level BPE tokenizer (GPT-2 style) trained on a few JSON strings, wrapped in
+    transformers' PreTrainedTokenizerFast; ids 0 and 1 are ``<eos>`` and ``<pad>``.
+    Needs ``tokenizers`` and ``transformers``; no download."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TOKENIZER_CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast

@@ -1,15 +1,16 @@
-"""Structured outputs over the OpenAI API, without a real engine: OpenAI's
-``response_format`` and vLLM's ``structured_outputs`` become
-``SamplingParams.structured_outputs``; every malformed constraint is a 400 naming its
-field; a constraint the engine refuses when it receives the request (it does not
-compile) is a 400 too, before anything is streamed.
+"""Structured outputs over the OpenAI API: OpenAI's ``response_format`` and vLLM's
+``structured_outputs`` become ``SamplingParams.structured_outputs``; every malformed
+constraint is a 400 naming its field. Then through a live ``schedkit serve`` (the fake
+runner over a small byte-level tokenizer, xgrammar): constrained outputs parse and
+match, streamed or not; a constraint the engine refuses when it receives the request
+(it does not compile) is a 400 naming the field, before anything is streamed, and the
+server goes on serving.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
+import re
 from typing import Any
 
 import pytest
@@ -17,14 +18,10 @@ import pytest
 pytest.importorskip("prometheus_client")
 
 from schedkit.config import config_from_dict  # noqa: E402
-from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams  # noqa: E402
-from schedkit.core.request import Request, SamplingParams  # noqa: E402
-from schedkit.core.structured_output import StructuredOutputBackend, StructuredOutputManager  # noqa: E402
-from schedkit.engine.client import RequestOutput  # noqa: E402
-from schedkit.errors import RequestError  # noqa: E402
+from schedkit.core.grammar import StructuredOutputsParams  # noqa: E402
 from schedkit.server.metrics import ServerMetrics  # noqa: E402
 from schedkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body  # noqa: E402
-from schedkit.server.serving import Choice, Generation, Server  # noqa: E402
+from schedkit.server.serving import Choice, Server  # noqa: E402
 
 PROMPT = [5, 6, 7]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -258,151 +255,76 @@ def test_unsupported_fields_still_refused_next_to_a_constraint(kind):
     assert e.value.param == "logit_bias"
 
 
-# -- 3. the engine's add-time refusal ------------------------------------------------------------
-class _Grammar(StructuredOutputGrammar):
-    def accept_tokens(self, request_id, tokens):
-        return True
-
-    def validate_tokens(self, tokens):
-        return list(tokens)
-
-    def rollback(self, num_tokens):
-        pass
-
-    def fill_bitmask(self, bitmask, row):
-        pass
-
-    def is_terminated(self):
-        return False
+# -- 3. through a live server ---------------------------------------------------------------------
+BOUNDED = {"type": "object", "properties": {"name": {"enum": ["Ada", "Bob"]},
+                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+           "required": ["name", "age"], "additionalProperties": False}
 
 
-class PickyBackend(StructuredOutputBackend):
-    """Refuses every regex with an unbalanced parenthesis, when its request arrives."""
+@pytest.fixture(scope="module")
+def structured_server(tmp_path_factory):
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("transformers")
+    from schedkit.structured.testing import byte_level_tokenizer
+    from tests.server.conftest import CHAT_TEMPLATE, server_config, start_server, stop_server
 
-    name = "picky"
-    vocab_size = 64
-
-    def validate(self, params):
-        if params.regex is not None and params.regex.count("(") != params.regex.count(")"):
-            raise ValueError("unbalanced parenthesis")
-
-    def compile(self, params):
-        return params
-
-    def new_grammar(self, compiled, max_rollback_tokens):
-        return _Grammar()
-
-
-class StubLLM:
-    """An AsyncLLM stand-in: adds each request the way the engine does (structured requests
-    go through a real StructuredOutputManager) and reports a refusal as AsyncLLM does; an
-    accepted request produces ``tokens`` and finishes with ``finish_reason``."""
-
-    def __init__(self, tokens: list[int], finish_reason: str = "stop") -> None:
-        self.manager = StructuredOutputManager(PickyBackend)
-        self.tokens = tokens
-        self.finish_reason = finish_reason
-        self.seen: list[SamplingParams] = []
-
-    def is_alive(self) -> bool:
-        return True
-
-    async def generate(self, prompt: list[int], params: SamplingParams, *, request_id: str,
-                       **_: Any) -> AsyncIterator[RequestOutput]:
-        self.seen.append(params)
-        request = Request(request_id, list(prompt), params, arrival_time=0.0)
-        if request.structured_output is not None:
-            try:
-                self.manager.add_request(request)
-            except RequestError as e:  # the engine answers the error; AsyncLLM raises it
-                raise RequestError(f"request {request_id!r} failed: {e}", request_id=request_id) from None
-        await asyncio.sleep(0)
-        yield RequestOutput(request_id, list(prompt), list(self.tokens), self.finish_reason)
-
-    async def close(self) -> None:
-        self.manager.shutdown()
+    path = tmp_path_factory.mktemp("bpe")
+    byte_level_tokenizer(chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    cfg = server_config(path, runner={"vocab_size": 320, "eos_token_id": 0},
+                        structured_outputs={"backend": "xgrammar", "json_max_whitespace": 2})
+    s = start_server(tmp_path_factory.mktemp("serve"), cfg)
+    yield s
+    stop_server(s)
 
 
-def generate(llm: StubLLM, kind: str, body: dict[str, Any], *, stream: bool = False) -> Any:
-    """Run one request through the server's choices and Generation, as the endpoint does:
-    the whole answer, or the first sign of life of a stream."""
-    async def go() -> Any:
-        s = server(llm)
-        try:
-            req = parse(kind, {**body, "stream": stream, "return_token_ids": True})
-            cs = s.make_choices(req, "r", [list(PROMPT)], req.max_tokens, "max_tokens")
-            gen = Generation(s, kind, "r", req, [list(PROMPT)], cs)
-            if stream:
-                await gen.first()
-                return b"".join([chunk async for chunk in gen.stream()])
-            return await gen.collect()
-        finally:
-            s.close()
-    return asyncio.run(go())
+def _text_of(s, path: str, body: dict[str, Any]) -> tuple[str, str]:
+    with s.client() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return text, choice["finish_reason"]
+
+
+def test_constrained_requests_over_http_parse_and_match(structured_server):
+    jsonschema = pytest.importorskip("jsonschema")
+    chat = {"messages": [{"role": "user", "content": "a person"}], "max_tokens": 200}
+    text, reason = _text_of(structured_server, "/v1/chat/completions", {
+        **chat, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": BOUNDED}}})
+    jsonschema.validate(json.loads(text), BOUNDED)
+    assert reason == "stop"
+    text, reason = _text_of(structured_server, "/v1/completions", {
+        "prompt": "abc", "max_tokens": 50, "structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", text) and reason == "stop"
+    text, reason = _text_of(structured_server, "/v1/chat/completions", {
+        **chat, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert text in ("yes", "no") and reason == "stop"
+
+
+def test_a_streamed_constrained_request_matches(structured_server):
+    body = {"prompt": "abc", "max_tokens": 50, "stream": True, "structured_outputs": {"regex": "(ab|c){2,4}!"}}
+    with structured_server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line[6:])["choices"][0] for line in lines]
+    assert re.fullmatch("(ab|c){2,4}!", "".join(ch["text"] for ch in chunks))
+    assert chunks[-1]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize(("body", "param"), [
-    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
-    ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
-], ids=["structured_outputs", "text-and-structured_outputs"])
-def test_a_constraint_that_does_not_compile_is_a_400(kind, stream, body, param):
-    llm = StubLLM([9])
-    with pytest.raises(APIError) as e:
-        generate(llm, kind, body, stream=stream)  # a stream is refused before its first byte
-    err = e.value
-    assert err.status == 400 and err.param == param
-    assert "does not compile (picky): unbalanced parenthesis" in err.message
-    assert "regex '(ab'" in err.message
-    assert "failed:" not in err.message  # the client's wrapping is taken off
-    assert len(llm.seen) == 1 and llm.seen[0].structured_outputs == StructuredOutputsParams(regex="(ab")
-
-
-@pytest.mark.parametrize("body", [{"response_format": {"type": "json_object"}},
-                                  {"response_format": _json_schema()},
-                                  {"structured_outputs": {"regex": "(ab)"}}],
-                         ids=["json_object", "json_schema", "regex"])
-def test_a_structured_request_finishes_as_the_engine_says(kind, body):
-    for reason in ("stop", "length"):
-        answer = generate(StubLLM([9, 10], finish_reason=reason), kind, body)
-        (choice,) = answer["choices"]
-        assert choice["finish_reason"] == reason and choice["token_ids"] == [9, 10]
-    chunks = generate(StubLLM([9, 10]), kind, body, stream=True).decode()
-    events = [json.loads(line[6:]) for line in chunks.split("\n\n") if line.startswith("data: {")]
-    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
-    assert chunks.endswith("data: [DONE]\n\n")
-
-
-def test_structured_requests_over_http():
-    """The same through the FastAPI app (completions: the stub server has no tokenizer
-    for chat): OpenAI's error objects, and a served constrained request."""
-    from starlette.testclient import TestClient
-
-    from schedkit.server.app import build_app
-
-    llm = StubLLM([9, 10])
-
-    async def factory() -> Server:
-        return server(llm)
-
-    app: Any = build_app(factory, max_body_bytes=1 << 20, api_key=None)[0]
-    path = "/v1/completions"
-    base: dict[str, Any] = {"prompt": PROMPT}
-    with TestClient(app) as client:
-        for stream in (False, True):
-            r = client.post(path, json={**base, "stream": stream, "structured_outputs": {"regex": "(ab"}})
-            assert r.status_code == 400, r.text
-            err = r.json()["error"]
-            assert err["type"] == "BadRequestError" and err["code"] == 400
-            assert err["param"] == "structured_outputs" and "does not compile" in err["message"]
-        r = client.post(path, json={**base, "response_format": {"type": "json_schema", "json_schema": {"name": "p"}}})
-        assert r.status_code == 400
-        assert r.json()["error"] == {"message": "response_format.json_schema.schema is required",
-                                     "type": "BadRequestError", "param": "response_format.json_schema.schema",
-                                     "code": 400}
-        r = client.post(path, json={**base, "response_format": {"type": "json_object"}, "return_token_ids": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["finish_reason"] == "stop"
-    assert [p.structured_outputs for p in llm.seen] == [StructuredOutputsParams(regex="(ab")] * 2 + [
-        StructuredOutputsParams(json_object=True)]
-
+@pytest.mark.parametrize(("body", "param", "needle"), [
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "regex '(ab' does not compile (xgrammar)"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}}},
+     "response_format", "does not compile (xgrammar)"),
+    ({"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs", 'Rule "foo" is not defined'),
+], ids=["regex", "json_schema", "grammar"])
+def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(structured_server, stream,
+                                                                           body, param, needle):
+    with structured_server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 8, "stream": stream, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and needle in err["message"] and "failed:" not in err["message"]
+    text, reason = _text_of(structured_server, "/v1/completions",
+                            {"prompt": "abc", "max_tokens": 8, "structured_outputs": {"choice": ["ok"]}})
+    assert (text, reason) == ("ok", "stop")

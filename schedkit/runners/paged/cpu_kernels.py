@@ -111,6 +111,7 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             "schedkit_kernel_features": ([], ctypes.c_int),
             "schedkit_add_rms_norm": ([p, p, p, p, i64, i64, f32, i32], None),
             "schedkit_silu_and_mul": ([p, p, i64, i64, i32], None),
+            "schedkit_apply_grammar_bitmask": ([p, i64, p, i64, p, p, i64, i64, p, i32], None),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
@@ -176,3 +177,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def build_error() -> str | None:
     """Why :func:`load_cpu_attention` returned None (None if it has not failed)."""
     return _error
+
+
+def apply_grammar_bitmask_cpu(logits: torch.Tensor, words: torch.Tensor, logit_rows: torch.Tensor,
+                              mask_rows: torch.Tensor) -> torch.Tensor:
+    """:func:`schedkit.runners.paged.sampler.apply_grammar_bitmask` in one pass over the
+    constrained rows (float32 CPU logits, contiguous int32 words and row indices)."""
+    check_cpu_tensors(logits)
+    for t in (words, logit_rows, mask_rows):
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu", t
+    m = len(logit_rows)
+    none_allowed = torch.zeros(m, dtype=torch.uint8)
+    num_words = words.shape[1] if words.dim() == 2 else 0
+    cpu_kernels().schedkit_apply_grammar_bitmask(
+        logits.data_ptr(), logits.stride(0), words.data_ptr(), num_words, logit_rows.data_ptr(),
+        mask_rows.data_ptr(), m, logits.shape[1], none_allowed.data_ptr(), torch.get_num_threads())
+    return none_allowed.bool()

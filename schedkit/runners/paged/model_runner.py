@@ -145,6 +145,8 @@ class PagedModelRunner:
         turn: with two steps in flight one may still be copying."""
         self._grammar_turn = 0
         self._bit_shifts: torch.Tensor | None = None
+        self._grammar_kernel: bool | None = None
+        """Whether the bitmask is applied by the compiled CPU kernel (decided at first use)."""
 
     check_grammar_bitmask = False
     """Debug: raise AssertionError when a structured row allows no token (costs a host
@@ -348,11 +350,22 @@ class PagedModelRunner:
 
     def _apply_grammar(self, logits: torch.Tensor, g: _GrammarInputs, req_ids: list[str],
                        slices: list[tuple[int, int]]) -> None:
-        """Mask the logits rows of the step's structured requests (before sampling)."""
-        if self._bit_shifts is None:
-            self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
-        none_allowed = apply_grammar_bitmask(logits, g.words, g.dev_logit_rows, g.dev_mask_rows,
-                                             self._bit_shifts)
+        """Mask the logits rows of the step's structured requests (before sampling): on
+        the CPU in one pass of the compiled kernel, elsewhere with torch ops."""
+        if self._grammar_kernel is None:
+            from schedkit.runners.paged.cpu_kernels import load_cpu_attention
+
+            self._grammar_kernel = self.device.type == "cpu" and load_cpu_attention() is not None
+        if self._grammar_kernel and logits.dtype == torch.float32 and logits.is_contiguous():
+            from schedkit.runners.paged.cpu_kernels import apply_grammar_bitmask_cpu
+
+            none_allowed = apply_grammar_bitmask_cpu(logits, g.words.contiguous(), g.dev_logit_rows,
+                                                     g.dev_mask_rows)
+        else:
+            if self._bit_shifts is None:
+                self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+            none_allowed = apply_grammar_bitmask(logits, g.words, g.dev_logit_rows, g.dev_mask_rows,
+                                                 self._bit_shifts)
         if self.check_grammar_bitmask and bool(none_allowed.any()):  # debug only: a host sync
             owner = {r: rid for rid, (a, b) in zip(req_ids, slices, strict=True) for r in range(a, b)}
             bad = [(owner[g.logit_rows[j]], g.mask_rows[j]) for j in none_allowed.nonzero()[:, 0].tolist()]

@@ -409,3 +409,32 @@ def test_a_row_allowing_nothing(debug: bool, model_dir: Any) -> None:
     engine.runner.model.compute_logits = spy
     out = engine.runner.execute(so)
     assert out.sampled_token_ids == [[int(raw["x"][0].argmax())]]
+
+
+@pytest.mark.parametrize("num_words", [16, 13, 20])  # as wide as the 500-token vocabulary, narrower, wider
+def test_the_compiled_cpu_kernel_masks_exactly_as_the_torch_ops(num_words):
+    from schedkit.runners.paged.cpu_kernels import apply_grammar_bitmask_cpu, load_cpu_attention
+    from schedkit.runners.paged.sampler import apply_grammar_bitmask
+
+    if load_cpu_attention() is None:
+        pytest.skip("no C++ compiler: the runner uses the torch ops")
+    g = torch.Generator().manual_seed(num_words)
+    vocab = 500
+    logits = torch.randn(12, vocab, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (9, num_words), dtype=torch.int32, generator=g)
+    words[1] = 0  # allows nothing: keeps its argmax only
+    words[2] = -1  # allows everything
+    words[3, :] = 0
+    if num_words > 15:
+        words[3, 15] = 1 << 20  # only a token past the vocabulary (15 * 32 + 20 = 500): nothing
+    words[4] = 0
+    words[4, 2] = 0b101  # tokens 64 and 66
+    logit_rows = torch.tensor([0, 3, 5, 6, 7, 11], dtype=torch.int32)
+    mask_rows = torch.tensor([1, 2, 3, 4, 0, 8], dtype=torch.int32)
+    expected, got = logits.clone(), logits.clone()
+    none_ref = apply_grammar_bitmask(expected, words, logit_rows, mask_rows)
+    none_got = apply_grammar_bitmask_cpu(got, words, logit_rows, mask_rows)
+    assert torch.equal(got, expected) and torch.equal(none_got, none_ref)
+    assert none_got.tolist() == [True, False, True, False, False, False]
+    assert torch.isfinite(got[6]).nonzero().flatten().tolist() == [64, 66]
+    assert torch.isfinite(got[0]).sum() == 1 and torch.equal(got[1], logits[1])  # untouched row

@@ -401,7 +401,7 @@ class StructuredOutputsConfig(_Strict):
     jump_forward: bool = False
     """Jump-forward decoding: where the grammar allows exactly one continuation, append
     its tokens in one step instead of one step per token."""
-    json_max_whitespace: int | None = Field(default=16, ge=0)
+    json_max_whitespace: int | None = Field(default=4, ge=0)
     """Most whitespace characters a JSON output may put between two of its tokens
     (xgrammar's ``max_whitespace_cnt``); None: no limit. Without one a small model can
     spend its whole ``max_tokens`` on newlines inside an unfinished object."""

@@ -66,17 +66,17 @@ class StructuredOutputsParams:
         for name in ("json_object", "disable_any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise bad(name, "must be a non-empty string")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise bad("regex", "must be a string")  # "" is a pattern: the empty output
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise bad("grammar", "must be a non-empty string")
         if self.choice is not None:
             choice = self.choice
             if (isinstance(choice, str | bytes) or not isinstance(choice, Sequence) or not choice
                     or not all(isinstance(c, str) and c for c in choice)):
                 raise bad("choice", "must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(choice))
-        chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        chosen = [k for k in KINDS if _is_set(getattr(self, k))]
         if len(chosen) != 1:
             raise RequestError("structured_outputs must set exactly one of "
                                f"{', '.join(KINDS)}; got {', '.join(chosen) or 'none'}")
@@ -84,7 +84,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: one of :data:`KINDS`."""
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if _is_set(getattr(self, k)))
 
     @property
     def spec(self) -> str:
@@ -108,6 +108,10 @@ class StructuredOutputsParams:
         """``kind`` and the start of its text, for error messages."""
         spec = self.spec
         return f"{self.kind.replace('_', ' ')} {_short(spec)}" if spec else self.kind.replace("_", " ")
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value is not False
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -928,7 +928,7 @@ class Scheduler:
             self._free_request(req, now)
             self._pending_finished.append(req)
             self._pending_outputs.append((req, EngineCoreOutput(
-                req.request_id, [], FINISH_REASONS[req.status], None,
+                req.request_id, [], FINISH_REASONS[req.status], req.stop_reason,
                 error=req.structured_output.error)))
 
     def _apply_failed_loads(self, kv_out: KVConnectorOutput | None,

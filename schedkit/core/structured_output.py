@@ -211,14 +211,26 @@ class StructuredOutputManager:
             err = f"{type(e).__name__}: {e}"
         if err is None:
             try:
-                so.grammar = self.backend.new_grammar(so.compiled.result(), self.max_rollback_tokens)
-                return True
+                grammar = self.backend.new_grammar(so.compiled.result(), self.max_rollback_tokens)
+                if self._allows_nothing(grammar):
+                    err = "no output satisfies it (no token can start it)"
+                else:
+                    so.grammar = grammar
+                    return True
             except Exception as e:  # the backend's bug: this request fails, not the step
                 log.exception("structured-output backend %s raised in new_grammar", self.backend.name)
                 err = f"new_grammar raised {type(e).__name__}: {e}"
         so.error = (f"request {request.request_id!r}: the {so.params.describe()} does not "
                     f"compile ({self.backend.name}): {err}")
         return False
+
+    def _allows_nothing(self, grammar: StructuredOutputGrammar) -> bool:
+        """Whether a fresh matcher allows no first token (a pattern that matches nothing)."""
+        if grammar.is_terminated():
+            return False
+        probe = GrammarBitmask.allocate(1, self.backend.vocab_size)
+        grammar.fill_bitmask(self.backend.bitmask_view(probe), 0)
+        return not any(probe.words)
 
     def compiling(self, request: Request) -> bool:
         """Whether the request's grammar is still being compiled."""

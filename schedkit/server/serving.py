@@ -79,6 +79,8 @@ class Choice:
     error: APIError | None = None
     started: bool = False
     """Its task began running (a task cancelled before that never runs its own cleanup)."""
+    constraint_field: str | None = None
+    """The body field its structured-output constraint came from (for 400s)."""
 
 
 @dataclass(slots=True)
@@ -252,7 +254,8 @@ class Server:
                 # reuse its X-Request-Id while the engine still winds the old one down.
                 suffix = uuid.uuid4().hex[:8]
                 rid = f"{request_id}-{suffix}" if single else f"{request_id}-{index}-{suffix}"
-                choices.append(Choice(index, rid, ids, params, text))
+                choices.append(Choice(index, rid, ids, params, text,
+                                      constraint_field=req.structured_outputs_field()))
         return choices
 
     def start(self, choices: list[Choice], req: _Sampling, arrival: float | None = None,
@@ -354,7 +357,12 @@ class Server:
             c.finish_reason, c.stop_reason = "stop", c.text.stop_reason
         elif out.finished:
             text += c.text.finish()
-            if out.finish_reason == "error":
+            if out.finish_reason == "error" and out.stop_reason == "grammar_compile_failed" and not n_before:
+                # its constraint failed to compile (or matches nothing) before any token: the
+                # client's mistake, found after the request was accepted
+                c.error = APIError(400, out.error or "the constraint does not compile",
+                                   param=c.constraint_field)
+            elif out.finish_reason == "error":
                 c.error = APIError(500, f"the request failed in the engine: {out.error}")
             elif out.finish_reason == "abort" and out.stop_reason == "rejected":
                 c.error = self._rejected(out.rejected_by)

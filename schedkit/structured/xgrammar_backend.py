@@ -89,6 +89,10 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def validate(self, params: StructuredOutputsParams) -> None:
         kind = params.kind
+        if kind == "json":
+            problem = unenforced_json_schema_feature(json.loads(params.spec))
+            if problem is not None:
+                raise ValueError(problem)
         try:
             if kind == "json":
                 xgr.Grammar.from_json_schema(params.spec, any_whitespace=not params.disable_any_whitespace)
@@ -136,6 +140,56 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def shutdown(self) -> None:
         self.compiler.clear_cache()
+
+
+UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "not", "dependentRequired",
+                       "dependentSchemas")
+"""JSON-schema keywords xgrammar 0.2.9 accepts but does not enforce (output that breaks
+them would be served as "stop"): such schemas are refused."""
+
+
+def unenforced_json_schema_feature(schema: Any, where: str = "schema") -> str | None:
+    """What in ``schema`` xgrammar would silently not enforce, or None: the keywords of
+    :data:`UNENFORCED_KEYWORDS`, ``uniqueItems: true``, an ``allOf`` of branches of
+    different types, and a ``required`` property that ``properties`` does not define
+    (xgrammar never generates it)."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            found = unenforced_json_schema_feature(item, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED_KEYWORDS:
+        if key in schema:
+            return f"{where}.{key} is not enforced by the xgrammar backend"
+    if schema.get("uniqueItems") is True:
+        return f"{where}.uniqueItems is not enforced by the xgrammar backend"
+    branches = schema.get("allOf")
+    if isinstance(branches, list):
+        types = {json.dumps(b.get("type"), sort_keys=True) for b in branches if isinstance(b, dict) and "type" in b}
+        if len(types) > 1:
+            return f"{where}.allOf combines branches of different types, which the xgrammar backend does not enforce"
+    props = schema.get("properties")
+    required = schema.get("required")
+    if isinstance(required, list) and (isinstance(props, dict) or schema.get("type") == "object"):
+        missing = [r for r in required if not isinstance(props, dict) or r not in props]
+        if missing:
+            return (f"{where}.required names {missing[0]!r}, which {where}.properties does not define: "
+                    "the xgrammar backend cannot generate it")
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            subs = [(f"{where}.{key}.{name}", sub) for name, sub in value.items()]  # names are no keywords
+        elif key in ("enum", "const", "default", "examples", "required") or not isinstance(value, dict | list):
+            continue
+        else:
+            subs = [(f"{where}.{key}", value)]
+        for path, sub in subs:
+            found = unenforced_json_schema_feature(sub, path)
+            if found:
+                return found
+    return None
 
 
 class XGrammarGrammar(StructuredOutputGrammar):

@@ -207,8 +207,8 @@ BAD: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
      "structured_outputs.json", ("structured_outputs.json is nested too deeply",)),
     ("json_object-int", {"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object",
      ("structured_outputs.json_object:", "boolean")),
-    ("regex-empty", {"structured_outputs": {"regex": ""}}, "structured_outputs.regex",
-     ("invalid structured_outputs.regex='': must be a non-empty string",)),
+    ("grammar-empty", {"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar",
+     ("invalid structured_outputs.grammar='': must be a non-empty string",)),
     ("regex-int", {"structured_outputs": {"regex": 5}}, "structured_outputs.regex",
      ("structured_outputs.regex:", "string")),
     ("choice-empty", {"structured_outputs": {"choice": []}}, "structured_outputs.choice",
@@ -317,7 +317,11 @@ def test_a_streamed_constrained_request_matches(structured_server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}}},
      "response_format", "does not compile (xgrammar)"),
     ({"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs", 'Rule "foo" is not defined'),
-], ids=["regex", "json_schema", "grammar"])
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "no output satisfies it"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+     "response_format", "schema.uniqueItems is not enforced by the xgrammar backend"),
+], ids=["regex", "json_schema", "grammar", "matches-nothing", "unenforced-keyword"])
 def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(structured_server, stream,
                                                                            body, param, needle):
     with structured_server.client() as c:

@@ -162,3 +162,10 @@ def test_jump_forward_takes_fewer_steps_than_tokens_and_gives_valid_json(tokeniz
                          stats["structured_outputs"]["num_jump_forward_tokens"])
     assert results[False][1] == results[False][0] and results[False][3] == 0  # a step per token
     assert results[True][1] < results[True][0] and results[True][3] > 0  # fewer steps than tokens
+
+
+def test_an_empty_regex_allows_only_the_empty_output(tokenizer_dir, tok):
+    pytest.importorskip("xgrammar")
+    with LLM(config(tokenizer_dir, "xgrammar"), tokenizer=tok) as llm:
+        (out,) = llm.generate([[1, 2]], params(regex=""), use_tqdm=False)
+    assert out.output_token_ids == [0] and out.finish_reason == "stop"  # the stop token alone

@@ -233,3 +233,23 @@ def test_through_the_manager_with_drafts(backend, bpe_tokenizer):
     with pytest.raises(ValueError, match=r"\(xgrammar\).*nope"):
         manager.add_request(bad)
     manager.shutdown()
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "schema.uniqueItems"),
+    ({"type": "array", "contains": {"const": 1}}, "schema.contains"),
+    ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, "schema.properties.x.not"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf combines branches of different types"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+     "schema.required names 'b'"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "schema.dependentRequired"),
+])
+def test_schemas_xgrammar_would_not_enforce_are_refused(backend, schema, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        backend.validate(StructuredOutputsParams(json=schema))
+
+
+def test_property_names_that_look_like_keywords_are_fine(backend):
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "contains": {"type": "integer"}},
+              "required": ["not", "contains"], "allOf": [{"type": "object"}, {"type": "object"}]}
+    backend.validate(StructuredOutputsParams(json=schema))

@@ -302,6 +302,29 @@ panels.append(timeseries(
     targets((f"sum by (plugin, hook) (rate(schedkit:router_hook_errors_total{{{M}}}{RI}))",
              "{{plugin}} / {{hook}}")), unit="ops", stack=True))
 
+# --- structured outputs (y 109..118) -----------------------------------------------------
+panels.append(row("Structured outputs", 109))
+panels.append(timeseries(
+    "Grammars", "rate(schedkit:structured_output_grammars_compiled_total): grammars compiled "
+    "(cache misses); rate(schedkit:structured_output_grammar_cache_hits_total): structured requests "
+    "whose grammar was already compiled; rate(schedkit:structured_output_compile_failures_total): "
+    "constraints that failed to compile.", gp(0, 110, 8, 8),
+    targets((f"sum(rate(schedkit:structured_output_grammars_compiled_total{{{M}}}{RI}))", "compiled"),
+            (f"sum(rate(schedkit:structured_output_grammar_cache_hits_total{{{M}}}{RI}))", "cache hits"),
+            (f"sum(rate(schedkit:structured_output_compile_failures_total{{{M}}}{RI}))", "failed")),
+    unit="ops"))
+panels.append(timeseries(
+    "Waiting for a grammar", "schedkit:num_requests_waiting_for_grammar: structured requests "
+    "whose grammar is compiling (WAITING_FOR_FSM); they are passed over, not blocking the queue.",
+    gp(8, 110, 8, 8),
+    targets((f"sum(schedkit:num_requests_waiting_for_grammar{{{M}}})", "waiting for a grammar"))))
+panels.append(timeseries(
+    "Jump-forward tokens", "rate(schedkit:structured_output_jump_forward_tokens_total): output tokens "
+    "appended by jump-forward decoding (structured_outputs.jump_forward) instead of being sampled.",
+    gp(16, 110, 8, 8),
+    targets((f"sum(rate(schedkit:structured_output_jump_forward_tokens_total{{{M}}}{RI}))",
+             "tokens/s")), unit="ops"))
+
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "
                   "that scrapes schedkit serve's /metrics", "type": "datasource",

@@ -42,9 +42,10 @@ from schedkit.errors import EngineDeadError, RequestError
 
 log = logging.getLogger("schedkit.cluster")
 
-_SUMMED_DICTS = ("voluntary_preemptions", "num_rejected_by_plugin", "structured_outputs")
+_SUMMED_DICTS = ("voluntary_preemptions", "num_rejected_by_plugin")
 _COUNTERS = ("num_preemptions", "num_steps", "num_busy_steps", "prefix_cache_queries", "prefix_cache_hits",
-             "voluntary_preemptions", "num_rejected_by_plugin", "num_hook_errors", "structured_outputs")
+             "voluntary_preemptions", "num_rejected_by_plugin", "num_hook_errors", "grammars_compiled",
+             "grammar_compile_failures", "grammar_cache_hits", "jump_forward_tokens")
 """Stats that only grow: a dead replica's last values stay in the cluster totals."""
 
 

@@ -160,6 +160,9 @@ class Scheduler:
         self.num_jump_forward_tokens = 0
         """Output tokens appended by jump-forward decoding (not sampled by the runner)."""
         self._num_compile_failures_seen = 0
+        self._fsm: dict[str, Request] = {}
+        """Requests that entered WAITING_FOR_FSM (pruned as they leave it): the scheduler's
+        own list, so finding them never iterates the policy's queue."""
         self.grammar_compile_error_reqs: dict[str, Request] = {}
         """Waiting requests whose grammar did not compile: the next update_from_output
         finishes them with an error (vLLM's grammar_compile_error_reqs)."""
@@ -197,6 +200,7 @@ class Scheduler:
                                    request_id=rid)
             self.structured_output_manager.add_request(request)  # compiles in the background
             request.status = _FSM
+            self._fsm[rid] = request
         if self._hasher is not None and not request.block_hashes:
             extend = self._hasher.extend
             if request.cache_salt is not None:
@@ -210,6 +214,7 @@ class Scheduler:
             del self.requests[rid]
             request.events.clear()
             request.status = _WAITING
+            self._fsm.pop(rid, None)
             raise
         try:
             self._connector_call("on_new_request", request)
@@ -218,6 +223,7 @@ class Scheduler:
             request.events.clear()
             self._remove_queued([request])
             request.status = _WAITING
+            self._fsm.pop(rid, None)
             raise
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
@@ -908,10 +914,19 @@ class Scheduler:
         """A compilation failed since the last update: find its requests wherever they
         wait in the queue (not only those a schedule() reached)."""
         self._num_compile_failures_seen = mgr.num_failed
-        for req in self.waiting:
+        for req in self.waiting_for_fsm():
             so = req.structured_output
-            if req.status is _FSM and so is not None and not mgr.check_ready(req) and so.error:
+            if so is not None and not mgr.check_ready(req) and so.error:
                 self.grammar_compile_error_reqs[req.request_id] = req
+
+    def waiting_for_fsm(self) -> list[Request]:
+        """The requests in WAITING_FOR_FSM (their grammar compiling, or failed and not yet
+        finished)."""
+        fsm = self._fsm
+        gone = [rid for rid, r in fsm.items() if r.status is not _FSM]
+        for rid in gone:
+            del fsm[rid]
+        return list(fsm.values())
 
     def _fail_grammar_errors(self) -> None:
         """Finish the waiting requests whose grammar did not compile (error outputs)."""

@@ -417,9 +417,8 @@ class EngineCore:
     def waiting_for_grammars(self) -> bool:
         """Whether a waiting request's grammar is still compiling (the engine then waits
         a little between empty steps instead of spinning)."""
-        fsm = RequestStatus.WAITING_FOR_FSM
         compiling = self.structured_output_manager.compiling
-        return any(r.status is fsm and compiling(r) for r in self.scheduler.waiting)
+        return any(compiling(r) for r in self.scheduler.waiting_for_fsm())
 
     def close(self) -> None:
         """Release what the engine holds besides the runner: the grammar compile threads
@@ -501,9 +500,11 @@ class EngineCore:
             "voluntary_preemptions": dict(sched.voluntary_preemptions),
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate, "num_steps": self.num_steps,
             "num_busy_steps": self.num_busy_steps,
-            "structured_outputs": {"num_compiled": self.structured_output_manager.num_compiled,
-                                   "num_cache_hits": self.structured_output_manager.num_cache_hits,
-                                   "num_jump_forward_tokens": sched.num_jump_forward_tokens},
+            "num_waiting_for_grammar": len(sched.waiting_for_fsm()),
+            "grammars_compiled": self.structured_output_manager.num_compiled,
+            "grammar_compile_failures": self.structured_output_manager.num_failed,
+            "grammar_cache_hits": self.structured_output_manager.num_cache_hits,
+            "jump_forward_tokens": sched.num_jump_forward_tokens,
             "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
             "pause_state": sched.pause_state.value, "now": self.now(),
             "prefix_cache_queries": totals.queries + totals.preempted_queries,

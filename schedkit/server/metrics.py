@@ -64,6 +64,16 @@ _ENGINE_SERIES: tuple[tuple[Any, str, str, str], ...] = (
      "num_preemptions"),
     (CounterMetricFamily, "engine_steps", "Engine steps run (schedule, execute, update).",
      "num_steps"),
+    (GaugeMetricFamily, "num_requests_waiting_for_grammar", "Structured requests waiting for "
+     "their grammar to compile (WAITING_FOR_FSM).", "num_waiting_for_grammar"),
+    (CounterMetricFamily, "structured_output_grammars_compiled", "Structured-output grammars "
+     "compiled (cache misses).", "grammars_compiled"),
+    (CounterMetricFamily, "structured_output_compile_failures", "Structured-output grammars that "
+     "failed to compile.", "grammar_compile_failures"),
+    (CounterMetricFamily, "structured_output_grammar_cache_hits", "Structured requests whose "
+     "grammar was already compiled.", "grammar_cache_hits"),
+    (CounterMetricFamily, "structured_output_jump_forward_tokens", "Output tokens appended by "
+     "jump-forward decoding instead of being sampled.", "jump_forward_tokens"),
 )
 """``(family, name, help, engine stats key)`` of the engine-wide series with only the
 ``model_name`` label."""

@@ -191,12 +191,17 @@ def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
     assert model["type"] == "query" and model["datasource"]["uid"] == "${datasource}"
     assert model["query"]["query"] == model["definition"] == "label_values(schedkit:num_requests_running, model_name)"
     rows = row_of(dashboard)
-    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW]
+    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW, "Structured outputs"]
     assert sum(r == REPLICA_ROW for r in rows.values()) >= 10
     # the row's panels come after it in the list, the others before it
     at = next(i for i, p in enumerate(panels) if p["type"] == "row")
+    title = REPLICA_ROW
     assert all(rows[p["id"]] is None for p in panels[:at]), "a panel above the row is listed after it"
-    assert all(rows[p["id"]] == REPLICA_ROW for p in panels[at + 1:]), "a panel of the row is listed before it"
+    for p in panels[at + 1:]:  # each row's panels come right after it
+        if p["type"] == "row":
+            title = p["title"]
+        else:
+            assert rows[p["id"]] == title, f"panel {p['title']!r} is listed under the wrong row"
 
 
 def test_quantile_panels_read_rates_of_buckets(dashboard: dict[str, Any]) -> None:

@@ -159,7 +159,7 @@ def test_jump_forward_takes_fewer_steps_than_tokens_and_gives_valid_json(tokeniz
         text = llm.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
         jsonschema.validate(json.loads(text), schema)
         results[jump] = (len(out.output_token_ids), stats["num_busy_steps"], text,
-                         stats["structured_outputs"]["num_jump_forward_tokens"])
+                         stats["jump_forward_tokens"])
     assert results[False][1] == results[False][0] and results[False][3] == 0  # a step per token
     assert results[True][1] < results[True][0] and results[True][3] > 0  # fewer steps than tokens
 

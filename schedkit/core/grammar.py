@@ -166,7 +166,5 @@ class StructuredOutputRequest:
     """Its matcher, once the grammar compiled (the request then leaves WAITING_FOR_FSM)."""
     error: str | None = None
     """Why the grammar did not compile (the request then finishes with an error)."""
-    num_accepted: int = 0
-    """Output tokens the matcher has accepted."""
     jump_forward: list[int] = field(default_factory=list)
     """Tokens appended by jump-forward decoding that the runner has not computed yet."""

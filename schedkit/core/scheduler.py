@@ -160,9 +160,10 @@ class Scheduler:
         self.num_jump_forward_tokens = 0
         """Output tokens appended by jump-forward decoding (not sampled by the runner)."""
         self._num_compile_failures_seen = 0
-        self._fsm: dict[str, Request] = {}
-        """Requests that entered WAITING_FOR_FSM (pruned as they leave it): the scheduler's
-        own list, so finding them never iterates the policy's queue."""
+        self._structured: dict[str, Request] = {}
+        """Unfinished requests with ``structured_outputs``: the scheduler's own list, so
+        finding them never iterates the policy's queue, and a step without any skips the
+        structured-output work."""
         self.grammar_compile_error_reqs: dict[str, Request] = {}
         """Waiting requests whose grammar did not compile: the next update_from_output
         finishes them with an error (vLLM's grammar_compile_error_reqs)."""
@@ -200,7 +201,7 @@ class Scheduler:
                                    request_id=rid)
             self.structured_output_manager.add_request(request)  # compiles in the background
             request.status = _FSM
-            self._fsm[rid] = request
+            self._structured[rid] = request
         if self._hasher is not None and not request.block_hashes:
             extend = self._hasher.extend
             if request.cache_salt is not None:
@@ -214,7 +215,7 @@ class Scheduler:
             del self.requests[rid]
             request.events.clear()
             request.status = _WAITING
-            self._fsm.pop(rid, None)
+            self._structured.pop(rid, None)
             raise
         try:
             self._connector_call("on_new_request", request)
@@ -223,7 +224,7 @@ class Scheduler:
             request.events.clear()
             self._remove_queued([request])
             request.status = _WAITING
-            self._fsm.pop(rid, None)
+            self._structured.pop(rid, None)
             raise
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
@@ -350,7 +351,7 @@ class Scheduler:
         kv.commit()
         self._finish_rejected(st.rejected)
         self._update_after_schedule(st)
-        if self.structured_output_manager is not None:
+        if self._structured:
             self._list_structured_requests(st, output)
         return output
 
@@ -386,9 +387,9 @@ class Scheduler:
             return []
         spec = output.scheduled_spec_decode_tokens
         num_rows = sum(1 + len(spec.get(rid, ())) for rid in rows)
-        output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+        output.grammar_bitmask, failed = self.structured_output_manager.grammar_bitmask(
             self.requests, rows, spec, num_rows)
-        return self.structured_output_manager.failed_request_ids
+        return failed
 
     def _prefill_threshold(self) -> int:
         """This step's long-prefill cap: off for a request alone in the scheduler, and
@@ -922,11 +923,7 @@ class Scheduler:
     def waiting_for_fsm(self) -> list[Request]:
         """The requests in WAITING_FOR_FSM (their grammar compiling, or failed and not yet
         finished)."""
-        fsm = self._fsm
-        gone = [rid for rid, r in fsm.items() if r.status is not _FSM]
-        for rid in gone:
-            del fsm[rid]
-        return list(fsm.values())
+        return [r for r in self._structured.values() if r.status is _FSM]
 
     def _fail_grammar_errors(self) -> None:
         """Finish the waiting requests whose grammar did not compile (error outputs)."""
@@ -1059,7 +1056,6 @@ class Scheduler:
         except Exception:  # the backend's bug: no jump this time
             log.exception("request %r: jump-forward failed in its grammar", req.request_id)
             return new_ids, False
-        so.num_accepted += len(forced)
         appended, stopped = self._append_tokens(req, forced)  # a stop ends the request: no rollback
         if not stopped and so.grammar.is_terminated():
             req.status = RequestStatus.FINISHED_STOPPED
@@ -1093,7 +1089,6 @@ class Scheduler:
                 return gen[: j + 1], (f"request {rid!r}: the sampled token {tok} (position "
                                       f"{req.num_output_tokens + j} of its output) is not allowed by its "
                                       f"{so.params.describe()}")
-            so.num_accepted += 1
         return gen, None
 
     def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
@@ -1192,6 +1187,7 @@ class Scheduler:
             delay, params = False, None
         self.finished_req_ids.add(rid)
         self.deferred_ids.discard(rid)
+        self._structured.pop(rid, None)
         req.record_event(EventType.FINISHED, now)
         if not (delay or hold_blocks):
             self.kv_cache_manager.free(req)

@@ -132,9 +132,6 @@ class StructuredOutputManager:
         """Grammars compiled (cache misses)."""
         self.num_failed = 0
         """Compilations that failed (counted from the worker threads)."""
-        self.failed_request_ids: list[str] = []
-        """Requests of the last :meth:`grammar_bitmask` whose grammar raised (the engine
-        fails them)."""
         self.num_cache_hits = 0
 
     @property
@@ -238,23 +235,24 @@ class StructuredOutputManager:
         return so is not None and so.grammar is None and so.error is None and not so.compiled.done()
 
     def grammar_bitmask(self, requests: dict[str, Request], rows: dict[str, int],
-                        spec_tokens: dict[str, list[int]], num_rows: int) -> GrammarBitmask:
+                        spec_tokens: dict[str, list[int]], num_rows: int) -> tuple[GrammarBitmask, list[str]]:
         """The step's bitmask: for each structured request, its row for the next token
         and one after each of its scheduled drafts (the matcher advances over the draft
         to fill the next row, then rolls back). A draft placeholder (-1) or a draft the
         grammar rejects leaves the rows after it unconstrained: the runner's verification
-        rejects that draft anyway."""
+        rejects that draft anyway. Also returns the requests whose grammar raised (their
+        rows allow every token; the engine fails them)."""
         backend = self.backend
         bitmask = GrammarBitmask.allocate(num_rows, backend.vocab_size)
         view = backend.bitmask_view(bitmask)
-        self.failed_request_ids = []
+        failed = []
         for rid, row in rows.items():
             try:
                 self._fill_rows(requests.get(rid), rid, row, spec_tokens.get(rid, ()), view)
             except Exception:  # the backend's bug: this request fails, not the step
                 log.exception("request %r: its grammar raised filling the bitmask", rid)
-                self.failed_request_ids.append(rid)
-        return bitmask
+                failed.append(rid)
+        return bitmask, failed
 
     @staticmethod
     def _fill_rows(req: Request | None, rid: str, row: int, drafts: Iterable[int], view: Any) -> None:

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from schedkit.core.grammar import StructuredOutputsParams
 from schedkit.errors import RequestError
@@ -135,6 +144,7 @@ class _Sampling(_Body):
     """OpenAI's: ``text`` (no constraint), ``json_object``, or ``json_schema``."""
     structured_outputs: StructuredOutputsBody | None = None
     """vLLM's: a JSON schema, any JSON object, a regex, a choice or an EBNF grammar."""
+    _constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
     # accepted only at their neutral value
     frequency_penalty: FiniteFloat | None = None
     presence_penalty: FiniteFloat | None = None
@@ -154,6 +164,11 @@ class _Sampling(_Body):
         if rf is not None and rf.type != "text":
             return "response_format"
         return "structured_outputs" if self.structured_outputs is not None else None
+
+    @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The constraint :func:`parse_body` built (:meth:`structured_outputs_params`)."""
+        return self._constraint
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint on the output, from ``response_format`` or ``structured_outputs``
@@ -309,7 +324,7 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
             raise APIError(400, f"{name}={_describe(value)} is not supported by schedkit "
                            f"(leave it unset, or send {allowed})", param=name)
     if isinstance(req, _Sampling):
-        req.structured_outputs_params()  # a malformed constraint is a 400 before any work
+        req._constraint = req.structured_outputs_params()  # a malformed one is a 400 before any work
     return req
 
 

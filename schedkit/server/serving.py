@@ -224,7 +224,7 @@ class Server:
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer, and this model has none; "
                            "use stop_token_ids", param="stop")
-        structured = req.structured_outputs_params()  # shared by every choice (frozen)
+        structured = req.constraint  # built once by parse_body, shared by every choice (frozen)
         single = len(prompts) == 1 and req.n == 1
         choices = []
         for p, ids in enumerate(prompts):

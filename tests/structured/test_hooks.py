@@ -57,7 +57,7 @@ def test_hook_schedkit_create_structured_output_backend():
     manager.add_request(req)
     req.structured_output.compiled.result(timeout=5)
     assert manager.check_ready(req)
-    bm = manager.grammar_bitmask({"r": req}, {"r": 0}, {}, 1)
+    bm, _ = manager.grammar_bitmask({"r": req}, {"r": 0}, {}, 1)
     assert bm.allowed(0) == [*range(1, 12)]  # the ten digits and "42"; not "x", not the end
 
     # another name goes to the other plugins (here nobody answers, nor does the built-in)

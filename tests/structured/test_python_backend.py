@@ -172,7 +172,7 @@ def test_many_rows_and_drafts_through_the_manager(backend):
     manager.add_request(req)
     req.structured_output.compiled.result(timeout=5)
     assert manager.check_ready(req)
-    bm = manager.grammar_bitmask({"r": req}, {"r": 0}, {"r": [tid("ye")]}, 2)
+    bm, _ = manager.grammar_bitmask({"r": req}, {"r": 0}, {"r": [tid("ye")]}, 2)
     assert sorted(texts(bm.allowed(0))) == sorted(["y", "n", "yes", "no", "ye"])
     assert texts(bm.allowed(1)) == ["s"]
     assert req.structured_output.grammar.text == ""  # rolled back

@@ -225,7 +225,7 @@ def test_through_the_manager_with_drafts(backend, bpe_tokenizer):
     req.structured_output.compiled.result(timeout=30)
     assert manager.check_ready(req)
     a, b = (bpe_tokenizer.convert_tokens_to_ids(t) for t in "ab")
-    bm = manager.grammar_bitmask({"r": req}, {"r": 0}, {"r": [a]}, 2)
+    bm, _ = manager.grammar_bitmask({"r": req}, {"r": 0}, {"r": [a]}, 2)
     assert a in bm.allowed(0) and b not in bm.allowed(0)
     assert b in bm.allowed(1) and bpe_tokenizer.eos_token_id not in bm.allowed(1)
     assert manager.validate_drafts(req, [a, b, b, a]) == [a, b, b]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from schedkit.runners.paged.attention_metadata import AttentionMetadata
 
@@ -62,18 +63,58 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
+DENSE_PREFILL_MIN_QUERY = 64
+"""Query rows from which a bfloat16 prefill chunk is attended by torch's SDPA (its CPU
+flash kernel, whose bfloat16 GEMMs run on AMX / AVX512-BF16 through oneDNN) rather than
+by the paged kernel: about where SDPA's per-call cost is paid back (docs/model-runner.md)."""
+
+
+def _dense_prefill_supported() -> bool:
+    from schedkit.runners.paged.cpu_linear import onednn_matmul_supported
+
+    return onednn_matmul_supported(torch.bfloat16)
+
+
+def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                   meta: AttentionMetadata, table: torch.Tensor, seqs: list[int], num_heads: int,
+                   scale: float) -> None:
+    """Attention of the listed sequences' query rows by SDPA over their keys gathered from
+    the cache (bfloat16), causal from each row's position; written into ``out``'s rows."""
+    qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    for i in seqs:
+        a, b, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        q_len, context = b - a, seq_len - (b - a)
+        blocks = table[i, :-(-seq_len // block_size)].long()
+        k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        qs = q[a:b].view(q_len, num_heads, head_dim).to(k.dtype).transpose(0, 1)
+        mask = None if context == 0 else (
+            torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None])
+        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[a:b] = o[0].transpose(0, 1).reshape(q_len, num_heads * head_dim)
+
+
 def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             meta: AttentionMetadata, num_heads: int, scale: float) -> torch.Tensor:
+                             meta: AttentionMetadata, num_heads: int, scale: float,
+                             dense_min_query: int | None = None) -> torch.Tensor:
     """One layer's attention on the CPU from its fused projection ``qkv``
-    ([T, (heads + 2 * kv_heads) * head_dim] float32) in one kernel call: RoPE on q and k
-    (``cos`` / ``sin``: [positions, head_dim] float32 tables), k and v written to their
-    slots in the cache's dtype, then :func:`paged_attention_cpu`'s attention.
+    ([T, (heads + 2 * kv_heads) * head_dim], float32 or bfloat16) in one kernel call: RoPE
+    on q and k (``cos`` / ``sin``: [positions, head_dim] float32 tables), k and v written
+    to their slots in the cache's dtype, then :func:`paged_attention_cpu`'s attention
+    (float32 arithmetic).
+
+    With bfloat16 activations and caches on a CPU with native bfloat16 GEMMs, prefill
+    chunks of at least ``dense_min_query`` rows (default :data:`DENSE_PREFILL_MIN_QUERY`;
+    0 turns this off) are attended by torch's SDPA after the kernel stored their keys.
 
     Returns:
-        [T, heads * head_dim] float32.
+        [T, heads * head_dim] in ``qkv``'s dtype.
     """
     from schedkit.runners.paged.cpu_kernels import (
+        ACTIVATION_DTYPES,
         check_cpu_tensors,
         check_kernel_result,
         cpu_kernels,
@@ -81,22 +122,34 @@ def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: to
 
     num_tokens = qkv.shape[0]
     num_kv_heads, block_size, head_dim = k_cache.shape[2], k_cache.shape[1], k_cache.shape[3]
-    if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.is_cuda:
-        raise ValueError("qkv must be float32 on the CPU with unit stride along its rows")
+    if qkv.stride(1) != 1 or qkv.dtype not in ACTIVATION_DTYPES or qkv.is_cuda:
+        raise ValueError("qkv must be float32 or bfloat16 on the CPU with unit stride along its rows")
     check_cpu_tensors(cos, sin)
     _check_caches(k_cache, v_cache)
     if positions.dtype != torch.int64 or positions.is_cuda or not positions.is_contiguous():
         raise ValueError("positions must be contiguous int64 on the CPU")
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float32)
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=qkv.dtype)
+    # float32: the rotated queries live in out until each work item replaces its rows
+    q_buf = out if qkv.dtype == torch.float32 else torch.empty(num_tokens, num_heads * head_dim)
+    code = ACTIVATION_DTYPES[qkv.dtype]
     qsl, seq_lens, table = _kernel_tables(meta)
+    min_rows = DENSE_PREFILL_MIN_QUERY if dense_min_query is None else dense_min_query
+    dense: list[int] = []
+    if (min_rows > 0 and qkv.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+            and int(np.diff(qsl).max(initial=0)) >= min_rows and _dense_prefill_supported()):
+        dense = np.flatnonzero(np.diff(qsl) >= min_rows).tolist()
+    paged = np.setdiff1d(np.arange(len(seq_lens), dtype=np.int32), dense).astype(np.int32) if dense else None
     rc = cpu_kernels().schedkit_rope_store_attention(
-        qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        qkv.data_ptr(), code, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         meta.slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
-        out.data_ptr(), qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
-        len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, scale,
+        q_buf.data_ptr(), out.data_ptr(), code, qsl.ctypes.data, seq_lens.ctypes.data, table.data_ptr(), table.shape[1],
+        None if paged is None else paged.ctypes.data, len(seq_lens) if paged is None else len(paged),
+        num_heads, num_kv_heads, head_dim, block_size, scale,
         _CACHE_DTYPES[k_cache.dtype], _rows_per_item(num_heads), torch.get_num_threads(),
         k_cache.shape[0], cos.shape[0])
     check_kernel_result("schedkit_rope_store_attention", rc)
+    if dense:
+        _dense_prefill(q_buf, k_cache, v_cache, out, meta, table, dense, num_heads, scale)
     return out
 
 

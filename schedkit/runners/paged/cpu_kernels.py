@@ -26,7 +26,10 @@ import torch
 from schedkit.config import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-fPIC"]
+MARCH = os.environ.get("SCHEDKIT_KERNEL_MARCH", "native")
+"""The target of ``-march`` (``$SCHEDKIT_KERNEL_MARCH``, default ``native``): the tests set
+``x86-64-v3`` in a subprocess to run the AVX2 paths on an AVX-512 machine."""
+FLAGS = ["-O3", f"-march={MARCH}", "-ffast-math", "-ffp-contract=fast", "-fopenmp", "-std=c++17", "-fPIC"]
 """Compile flags. The link step (``-shared -fopenmp``) has no -ffast-math: linked with it,
 gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole process."""
 
@@ -106,12 +109,14 @@ def load_cpu_attention() -> ctypes.CDLL | None:
         signatures = {
             "schedkit_paged_attention": ([p, p, p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f32,
                                           i32, i64, i32, i64], ctypes.c_int),
-            "schedkit_rope_store_attention": ([p, i64, p, p, p, p, i64, p, p, p, p, p, p, i64, i64, i64,
-                                               i64, i64, i64, f32, i32, i64, i32, i64, i64], ctypes.c_int),
+            "schedkit_rope_store_attention": ([p, i32, i64, p, p, p, p, i64, p, p, p, p, i32, p, p, p, i64,
+                                               p, i64, i64, i64, i64, i64, f32, i32, i64, i32, i64, i64],
+                                              ctypes.c_int),
             "schedkit_kernel_features": ([], ctypes.c_int),
-            "schedkit_add_rms_norm": ([p, p, p, p, i64, i64, f32, i32], None),
-            "schedkit_silu_and_mul": ([p, p, i64, i64, i32], None),
+            "schedkit_add_rms_norm": ([p, i32, p, p, p, i64, i64, f32, i32], None),
+            "schedkit_silu_and_mul": ([p, i32, p, i64, i64, i32], None),
             "schedkit_apply_grammar_bitmask": ([p, i64, p, i64, p, p, i64, i64, p, i32], None),
+            "schedkit_argmax_rows": ([p, i64, i64, i64, p, i32], None),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
@@ -144,33 +149,58 @@ def supports_float16() -> bool:
     return bool(cpu_kernels().schedkit_kernel_features() & 1)
 
 
-def check_cpu_tensors(*tensors: torch.Tensor) -> None:
+ACTIVATION_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Activation dtypes of the norm, activation and fused attention kernels (their codes)."""
+
+
+def check_cpu_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"the CPU kernels take contiguous float32 CPU tensors, got "
+        if t.device.type != "cpu" or t.dtype not in dtypes or not t.is_contiguous():
+            names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"the CPU kernels take contiguous {names} CPU tensors, got "
                              f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', strided'}")
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` ([rows, dim] float32); with ``residual``, of ``residual += x``
-    (updated in place)."""
-    check_cpu_tensors(x, weight, *(() if residual is None else (residual,)))
+    """RMSNorm of ``x`` ([rows, dim], float32 or bfloat16); with ``residual`` (same dtype),
+    of ``residual += x`` (updated in place). ``weight`` is float32 (a bfloat16 model's
+    values). Float32 arithmetic; in bfloat16, rounded after each step as torch rounds a
+    bfloat16 model's ops."""
+    check_cpu_tensors(x, *(() if residual is None else (residual,)), dtypes=tuple(ACTIVATION_DTYPES))
+    check_cpu_tensors(weight)
+    if residual is not None and residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual is {residual.dtype}, x is {x.dtype}")
     rows, dim = x.shape
     out = torch.empty_like(x)
-    cpu_kernels().schedkit_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+    cpu_kernels().schedkit_add_rms_norm(x.data_ptr(), ACTIVATION_DTYPES[x.dtype],
+                                        None if residual is None else residual.data_ptr(),
                                         weight.data_ptr(), out.data_ptr(), rows, dim, eps,
                                         torch.get_num_threads())
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused [rows, 2 * dim] float32 projection."""
-    check_cpu_tensors(x)
+    """``silu(gate) * up`` of a fused [rows, 2 * dim] projection (float32 or bfloat16, the
+    result in the same dtype; float32 arithmetic, rounded as torch rounds in bfloat16)."""
+    check_cpu_tensors(x, dtypes=tuple(ACTIVATION_DTYPES))
     rows, two_dim = x.shape
     out = x.new_empty(rows, two_dim // 2)
-    cpu_kernels().schedkit_silu_and_mul(x.data_ptr(), out.data_ptr(), rows, two_dim // 2,
-                                        torch.get_num_threads())
+    cpu_kernels().schedkit_silu_and_mul(x.data_ptr(), ACTIVATION_DTYPES[x.dtype], out.data_ptr(), rows,
+                                        two_dim // 2, torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a [rows, cols] float32 CPU tensor (unit stride along its
+    rows), rows spread over torch's threads: the first index of each row's largest value,
+    a NaN counting as the largest."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(f"argmax_rows takes a 2-d float32 CPU tensor with unit row stride, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    cpu_kernels().schedkit_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                                       torch.get_num_threads())
     return out
 
 

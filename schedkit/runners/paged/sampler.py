@@ -117,6 +117,18 @@ def apply_grammar_bitmask(logits: torch.Tensor, words: torch.Tensor, logit_rows:
     return none_allowed
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``; on the CPU by the compiled kernel where it is built (the
+    same answer, rows on every thread: torch's takes 2 ms for 64 rows of 49,152)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.stride(1) == 1:
+        from schedkit.runners.paged import cpu_kernels
+
+        if cpu_kernels.load_cpu_attention() is not None:
+            return cpu_kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Args:
         device: Where logits live.
@@ -130,7 +142,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[N, vocab] float32 logits -> [N] int64 token ids (on the device)."""
-        greedy = logits.argmax(dim=-1)
+        greedy = _argmax(logits)
         if batch.all_greedy:
             return greedy
         assert batch.temperature is not None

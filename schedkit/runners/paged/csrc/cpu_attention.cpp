@@ -22,6 +22,14 @@
 
 #include <omp.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SCHEDKIT_AVX512 1  // 16-wide item path (run_item_avx512)
+#if defined(__AVX512BF16__)
+#define SCHEDKIT_AVX512_BF16 1  // bfloat16 keys read in place by vdpbf16ps
+#endif
+#endif
+
 namespace {
 
 constexpr float kNegBig = -1e30f;  // finite: the kernel is built with -ffast-math
@@ -35,14 +43,15 @@ struct Item {
 };
 
 struct Problem {
-  const float* q;
-  float* out;
+  float* q;          // [T, H, D] float32 queries (the fused call writes them after RoPE)
+  void* out;         // [T, H, D] in out_dtype (0 float32, 1 bfloat16)
   const int32_t* query_start_loc;
   const int32_t* seq_lens;
   const int32_t* block_table;
   int64_t block_table_stride, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
   int64_t num_cache_blocks;
+  int out_dtype;
 };
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -59,12 +68,23 @@ inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// n values widened to float32 (n a multiple of 8: whole KV rows)
+// n values widened to float32
 inline void widen(const uint16_t* src, int64_t n, float* dst) {  // bfloat16
-  for (int64_t c = 0; c < n; c += 8) {
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  for (; c + 16 <= n; c += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c));
+    _mm512_storeu_si512(dst + c, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#endif
+  for (; c + 8 <= n; c += 8) {
     v8u16 h;
     std::memcpy(&h, src + c, sizeof h);
     v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+    std::memcpy(dst + c, &w, sizeof w);
+  }
+  for (; c < n; ++c) {
+    const uint32_t w = static_cast<uint32_t>(src[c]) << 16;
     std::memcpy(dst + c, &w, sizeof w);
   }
 }
@@ -73,6 +93,36 @@ inline void widen(const _Float16* src, int64_t n, float* dst) {
   for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<float>(src[c]);
 }
 #endif
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline void store_as(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_as(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16)  // the same rounding (nearest even, NaN kept quiet)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+#ifdef SCHEDKIT_HAVE_FLOAT16
+inline void store_as(_Float16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
+}
+#endif
+
+// n float32 values written to dst in dtype (0 float32, 1 bfloat16)
+inline void store_row(void* dst, int dtype, int64_t offset, const float* src, int64_t n) {
+  if (dtype == 0)
+    store_as(static_cast<float*>(dst) + offset, src, n);
+  else
+    store_as(static_cast<uint16_t*>(dst) + offset, src, n);
+}
 
 // One query against `valid` keys of one block (rows `stride` floats apart): the scores,
 // the online-softmax update of (m, l) and the accumulator a[8 * DVC].
@@ -149,6 +199,16 @@ inline void attend_block_any(int64_t DV, const float* qi, const float* krows, co
   m = m_new;
 }
 
+// acc / l of nq query vectors, written to out from element `offset` on.
+inline void finish_item(const Problem& p, float* acc, const float* l, int64_t offset, int64_t nq) {
+  const int64_t D = p.head_dim;
+  for (int64_t i = 0; i < nq; ++i) {
+    const float inv = 1.0f / l[i];
+    for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= inv;
+  }
+  store_row(p.out, p.out_dtype, offset, acc, nq * D);
+}
+
 // One item: rows [row_begin, row_end) of one sequence, every head. Requires D % 8 == 0
 // (checked by the entry point).
 template <typename KT>
@@ -204,35 +264,196 @@ void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item
       }
     }
   }
-  float* dst = p.out + (q0 + it.row_begin) * H * D;
-  for (int64_t i = 0; i < nq; ++i) {
-    const float inv = 1.0f / l[i];
-    for (int64_t d = 0; d < D; ++d) dst[i * D + d] = acc[i * D + d] * inv;
-  }
+  finish_item(p, acc, l, (q0 + it.row_begin) * H * D, nq);
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+#ifdef SCHEDKIT_AVX512
+// exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-7 Taylor
+// polynomial (relative error below 2e-7, as std::exp's float result to about an ulp).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 5040);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
 }
-inline void store_as(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void store_as(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+
+// Lane t of the result is the sum of the 16 lanes of v[t]: a transposing tree of
+// 45 shuffles and adds instead of 16 horizontal sums.
+inline __m512 sum_each16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int k = 0; k < 8; ++k)
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // 128-bit group g of x[k]: keys 4k..4k+3 over group g's lanes
+    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
-#ifdef SCHEDKIT_HAVE_FLOAT16
-inline void store_as(_Float16* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
+
+// Scores of one query against `cn` (1..16) key rows `stride` elements apart; lanes from cn
+// on repeat the last row (the caller masks them). DC = head_dim / 16.
+template <int DC>
+inline __m512 scores16(const float* qi, const float* krows, int64_t stride, int cn) {
+  __m512 q[DC], a[16];
+  for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qi + 16 * c);
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    const float* kr = krows + std::min(t, cn - 1) * stride;
+    a[t] = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+    for (int c = 1; c < DC; ++c) a[t] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kr + 16 * c), a[t]);
+  }
+  return sum_each16(a);
+}
+
+#ifdef SCHEDKIT_AVX512_BF16
+// The same with bfloat16 keys read in place and the query rounded to bfloat16 pairs
+// (qi: head_dim bfloat16 values), products summed in float32 by vdpbf16ps.
+template <int DC>
+inline __m512 scores16(const uint16_t* qi, const uint16_t* krows, int64_t stride, int cn) {
+  __m512bh q[DC / 2];
+  for (int c = 0; c < DC / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qi + 32 * c);
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    const uint16_t* kr = krows + std::min(t, cn - 1) * stride;
+    a[t] = _mm512_setzero_ps();
+    for (int c = 0; c < DC / 2; ++c)
+      a[t] = _mm512_dpbf16_ps(a[t], q[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+  }
+  return sum_each16(a);
 }
 #endif
+
+// One item as run_item does it, 16 keys at a time: one online-softmax rescale per 16
+// keys, scores for 16 keys from one transposing sum, exp vectorised. head_dim = 16 * DC.
+template <typename KT, int DC>
+void run_item_avx512(const Problem& p, const KT* k_cache, const KT* v_cache, const Item& it,
+                     float* qbuf, float* acc, float* m, float* l, float* kb, float* vb, float* s,
+                     uint16_t* qbh) {
+  constexpr int64_t D = 16 * DC;
+  const int64_t BS = p.block_size, H = p.num_heads, KVH = p.num_kv_heads, G = H / KVH;
+  const int64_t q0 = p.query_start_loc[it.seq];
+  const int64_t q_len = p.query_start_loc[it.seq + 1] - q0;
+  const int64_t context = p.seq_lens[it.seq] - q_len;
+  const int64_t nq = (it.row_end - it.row_begin) * H;
+  const float* qsrc = p.q + (q0 + it.row_begin) * H * D;
+  for (int64_t x = 0; x < nq * D; ++x) qbuf[x] = qsrc[x] * p.scale;
+#ifdef SCHEDKIT_AVX512_BF16
+  constexpr bool kDotBf16 = std::is_same_v<KT, uint16_t> && DC % 2 == 0;
+  if constexpr (kDotBf16)
+    for (int64_t i = 0; i < nq * DC / 2; ++i)
+      _mm512_storeu_si512(qbh + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qbuf + 32 * i + 16),
+                                                                    _mm512_loadu_ps(qbuf + 32 * i)));
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  std::fill(acc, acc + nq * D, 0.0f);
+  std::fill(m, m + nq, kNegBig);
+  std::fill(l, l + nq, 0.0f);
+  const int64_t num_keys = context + it.row_end;
+  const int32_t* blocks = p.block_table + it.seq * p.block_table_stride;
+  const int64_t token_stride = KVH * D;
+  for (int64_t base = 0; base < num_keys; base += BS) {
+    const int64_t n = std::min(BS, num_keys - base);
+    const int64_t slot0 = static_cast<int64_t>(blocks[base / BS]) * BS;
+    const KT* kp = k_cache + slot0 * token_stride;
+    const KT* vp = v_cache + slot0 * token_stride;
+    const float* kblock = nullptr;
+    const float* vblock;
+    if constexpr (std::is_same_v<KT, float>) {
+      kblock = kp, vblock = vp;
+    } else {
+      if constexpr (!kDotBf16) {
+        widen(kp, n * token_stride, kb);
+        kblock = kb;
+      }
+      widen(vp, n * token_stride, vb);
+      vblock = vb;
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t r = i / H, h = i - r * H;
+      const int64_t valid = std::min(n, context + it.row_begin + r - base + 1);
+      if (valid <= 0) {
+        i = (r + 1) * H - 1;
+        continue;
+      }
+      const int64_t head_off = (h / G) * D;
+      float* a = acc + i * D;
+      for (int64_t c0 = 0; c0 < valid; c0 += 16) {
+        const int cn = static_cast<int>(std::min<int64_t>(16, valid - c0));
+        const __mmask16 live = static_cast<__mmask16>((1u << cn) - 1u);
+        __m512 sv;
+#ifdef SCHEDKIT_AVX512_BF16
+        if constexpr (kDotBf16)
+          sv = scores16<DC>(qbh + i * D, kp + c0 * token_stride + head_off, token_stride, cn);
+        else
+#endif
+          sv = scores16<DC>(qbuf + i * D, kblock + c0 * token_stride + head_off, token_stride, cn);
+        const float m_new = std::max(m[i], _mm512_mask_reduce_max_ps(live, sv));
+        const float alpha = m_new == m[i] ? 1.0f : std::exp(m[i] - m_new);
+        const __m512 pv = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        _mm512_storeu_ps(s, pv);
+        __m512 x[DC], y[DC];  // even and odd keys: two independent FMA chains per column
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int c = 0; c < DC; ++c) x[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), va), y[c] = _mm512_setzero_ps();
+        const float* vr = vblock + c0 * token_stride + head_off;
+        int t = 0;
+        for (; t + 2 <= cn; t += 2, vr += 2 * token_stride) {
+          const __m512 w0 = _mm512_set1_ps(s[t]), w1 = _mm512_set1_ps(s[t + 1]);
+          for (int c = 0; c < DC; ++c) {
+            x[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(vr + 16 * c), x[c]);
+            y[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(vr + token_stride + 16 * c), y[c]);
+          }
+        }
+        if (t < cn) {
+          const __m512 w0 = _mm512_set1_ps(s[t]);
+          for (int c = 0; c < DC; ++c) x[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(vr + 16 * c), x[c]);
+        }
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_add_ps(x[c], y[c]));
+        l[i] = l[i] * alpha + _mm512_reduce_add_ps(pv);
+        m[i] = m_new;
+      }
+    }
+  }
+  finish_item(p, acc, l, (q0 + it.row_begin) * H * D, nq);
+}
+#endif
+
+// The item path for this head_dim and cache dtype.
+template <typename KT>
+void dispatch_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item& it, float* qbuf,
+                   float* acc, float* m, float* l, float* kb, float* vb, float* s, uint16_t* qbh) {
+#ifdef SCHEDKIT_AVX512
+  switch (p.head_dim) {
+    case 32: return run_item_avx512<KT, 2>(p, k_cache, v_cache, it, qbuf, acc, m, l, kb, vb, s, qbh);
+    case 64: return run_item_avx512<KT, 4>(p, k_cache, v_cache, it, qbuf, acc, m, l, kb, vb, s, qbh);
+    case 128: return run_item_avx512<KT, 8>(p, k_cache, v_cache, it, qbuf, acc, m, l, kb, vb, s, qbh);
+    default: break;
+  }
+#else
+  (void)qbh;
+#endif
+  run_item(p, k_cache, v_cache, it, qbuf, acc, m, l, kb, vb, s);
+}
 
 // This step's fused q/k/v projection, before attention: RoPE on q and k (neox layout,
 // tables of D columns per position), q kept for attention, k and v written to their
 // cache slots in the cache's dtype.
 struct RopeStore {
-  const float* qkv;
+  const void* qkv;
+  int qkv_dtype;  // 0 float32, 1 bfloat16
   int64_t qkv_stride;
   const int64_t* positions;
   const float* cos;
@@ -250,14 +471,21 @@ inline void rope(const float* x, const float* cos, const float* sin, int64_t D, 
   }
 }
 
+// tmp: D floats, wide: (H + 2 KVH) * D floats (a bfloat16 row widened)
 template <typename KT>
 void rope_store_token(const Problem& p, const RopeStore& rs, KT* k_cache, KT* v_cache, int64_t t,
-                      float* tmp) {
+                      float* tmp, float* wide) {
   const int64_t D = p.head_dim, H = p.num_heads, KVH = p.num_kv_heads;
-  const float* row = rs.qkv + t * rs.qkv_stride;
+  const float* row;
+  if (rs.qkv_dtype == 0) {
+    row = static_cast<const float*>(rs.qkv) + t * rs.qkv_stride;
+  } else {
+    widen(static_cast<const uint16_t*>(rs.qkv) + t * rs.qkv_stride, (H + 2 * KVH) * D, wide);
+    row = wide;
+  }
   const float* cos = rs.cos + rs.positions[t] * D;
   const float* sin = rs.sin + rs.positions[t] * D;
-  for (int64_t h = 0; h < H; ++h) rope(row + h * D, cos, sin, D, p.out + (t * H + h) * D);
+  for (int64_t h = 0; h < H; ++h) rope(row + h * D, cos, sin, D, p.q + (t * H + h) * D);
   const int64_t slot = rs.slot_mapping[t];
   KT* kdst = k_cache + slot * KVH * D;
   for (int64_t h = 0; h < KVH; ++h) {
@@ -290,7 +518,9 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
 #pragma omp parallel num_threads(threads)
   {
     const int64_t block_elems = BS * p.num_kv_heads * D;
-    std::vector<float> buf(2 * nq * D + 2 * nq + 2 * block_elems + BS + D);
+    const int64_t row_elems = (p.num_heads + 2 * p.num_kv_heads) * D;
+    const int64_t s_elems = std::max<int64_t>(BS, 16);
+    std::vector<float> buf(2 * nq * D + 2 * nq + 2 * block_elems + s_elems + D + row_elems + nq * D / 2 + 16);
     float* qbuf = buf.data();
     float* acc = qbuf + nq * D;
     float* m = acc + nq * D;
@@ -298,12 +528,16 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     float* kb = l + nq;
     float* vb = kb + block_elems;
     float* s = vb + block_elems;
+    float* tmp = s + s_elems;
+    float* wide = tmp + D;
+    uint16_t* qbh = reinterpret_cast<uint16_t*>(wide + row_elems);  // nq * D bfloat16
     if (rs) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < rs->num_tokens; ++t) rope_store_token(p, *rs, k_cache, v_cache, t, s + BS);
+      for (int64_t t = 0; t < rs->num_tokens; ++t) rope_store_token(p, *rs, k_cache, v_cache, t, tmp, wide);
     }  // the implicit barrier: every key is in the cache before any item reads it
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items; ++w) run_item(p, k_cache, v_cache, items[w], qbuf, acc, m, l, kb, vb, s);
+    for (int64_t w = 0; w < n_items; ++w)
+      dispatch_item(p, k_cache, v_cache, items[w], qbuf, acc, m, l, kb, vb, s, qbh);
   }
 }
 
@@ -378,65 +612,167 @@ int schedkit_paged_attention(const float* q, const void* k_cache, const void* v_
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                              int dtype, int64_t rows_per_item, int num_threads,
                              int64_t num_cache_blocks) {
-  Problem p{q, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
-            num_kv_heads, head_dim, block_size, scale, num_cache_blocks};
+  Problem p{const_cast<float*>(q), out, query_start_loc, seq_lens, block_table, block_table_stride,
+            num_heads, num_kv_heads, head_dim, block_size, scale, num_cache_blocks, 0};
   return attention(p, const_cast<void*>(k_cache), const_cast<void*>(v_cache), seqs, num_seqs, dtype,
                    rows_per_item, num_threads, nullptr);
 }
 
-// One layer's attention from its q/k/v projection ([T, qkv_stride] float32, q then k
-// then v heads): RoPE, k and v stored at slot_mapping, attention; out [T, H, D].
-int schedkit_rope_store_attention(const float* qkv, int64_t qkv_stride, const int64_t* positions,
-                                  const float* cos, const float* sin, const int64_t* slot_mapping,
-                                  int64_t num_tokens, void* k_cache, void* v_cache, float* out,
+// One layer's attention from its q/k/v projection ([T, qkv_stride] in qkv_dtype, 0
+// float32 or 1 bfloat16; q then k then v heads): RoPE, q kept in q_buf ([T, H, D]
+// float32, may be out when out is float32), k and v stored at slot_mapping, attention;
+// out [T, H, D] in out_dtype. seqs: the sequences to attend (NULL: all num_seqs; every
+// token's k and v are stored either way).
+int schedkit_rope_store_attention(const void* qkv, int qkv_dtype, int64_t qkv_stride,
+                                  const int64_t* positions, const float* cos, const float* sin,
+                                  const int64_t* slot_mapping, int64_t num_tokens, void* k_cache,
+                                  void* v_cache, float* q_buf, void* out, int out_dtype,
                                   const int32_t* query_start_loc, const int32_t* seq_lens,
                                   const int32_t* block_table, int64_t block_table_stride,
-                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_dim, int64_t block_size, float scale, int dtype,
-                                  int64_t rows_per_item, int num_threads, int64_t num_cache_blocks,
-                                  int64_t num_positions) {
-  Problem p{out, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
-            num_kv_heads, head_dim, block_size, scale, num_cache_blocks};
-  RopeStore rs{qkv, qkv_stride, positions, cos, sin, slot_mapping, num_tokens, num_positions};
-  return attention(p, k_cache, v_cache, nullptr, num_seqs, dtype, rows_per_item, num_threads, &rs);
+                                  const int32_t* seqs, int64_t num_seqs, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int dtype, int64_t rows_per_item, int num_threads,
+                                  int64_t num_cache_blocks, int64_t num_positions) {
+  if ((qkv_dtype != 0 && qkv_dtype != 1) || (out_dtype != 0 && out_dtype != 1)) return -1;
+  Problem p{q_buf, out, query_start_loc, seq_lens, block_table, block_table_stride, num_heads,
+            num_kv_heads, head_dim, block_size, scale, num_cache_blocks, out_dtype};
+  RopeStore rs{qkv, qkv_dtype, qkv_stride, positions, cos, sin, slot_mapping, num_tokens, num_positions};
+  return attention(p, k_cache, v_cache, seqs, num_seqs, dtype, rows_per_item, num_threads, &rs);
 }
 
-// RMSNorm of each row (float32): with `residual`, first residual += x in place and
-// normalise the sum; without, normalise x. out = weight * row / sqrt(mean(row^2) + eps).
-void schedkit_add_rms_norm(const float* x, float* residual, const float* weight, float* out,
+// Activations are float32 (dtype 0) or bfloat16 (1); arithmetic is float32. With
+// bfloat16, results are rounded where a bfloat16 model in torch rounds them (after each
+// op), so that greedy decisions follow transformers' bfloat16 ones.
+
+inline float round_bf16(float f) {
+  const uint32_t w = static_cast<uint32_t>(to_bf16(f)) << 16;
+  float r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+
+// RMSNorm of each row: with `residual` (in x's dtype), first residual += x in place and
+// normalise the sum; without, normalise x. out = weight * (row / sqrt(mean(row^2) + eps)),
+// weight float32 (for a bfloat16 model, its values).
+void schedkit_add_rms_norm(const void* x, int dtype, void* residual, const float* weight, void* out,
                            int64_t rows, int64_t dim, float eps, int num_threads) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows / 4 + 1)));
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = x + r * dim;
-    if (residual) {
-      float* res = residual + r * dim;
-      for (int64_t i = 0; i < dim; ++i) res[i] += src[i];
-      src = res;
-    }
-    float ss = 0.0f;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> wide(3 * dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* src;
+      if (dtype == 0) {
+        src = const_cast<float*>(static_cast<const float*>(x)) + r * dim;
+        if (residual) {
+          float* res = static_cast<float*>(residual) + r * dim;
+          for (int64_t i = 0; i < dim; ++i) res[i] += src[i];
+          src = res;
+        }
+      } else {
+        src = wide.data();
+        widen(static_cast<const uint16_t*>(x) + r * dim, dim, src);
+        if (residual) {
+          uint16_t* res = static_cast<uint16_t*>(residual) + r * dim;
+          float* other = wide.data() + dim;
+          widen(res, dim, other);
+          for (int64_t i = 0; i < dim; ++i) src[i] = round_bf16(src[i] + other[i]);
+          store_as(res, src, dim);  // exact: already rounded
+        }
+      }
+      float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; ++i) ss += src[i] * src[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    float* dst = out + r * dim;
-    for (int64_t i = 0; i < dim; ++i) dst[i] = weight[i] * (src[i] * inv);
+      for (int64_t i = 0; i < dim; ++i) ss += src[i] * src[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      if (dtype == 0) {
+        float* dst = static_cast<float*>(out) + r * dim;
+        for (int64_t i = 0; i < dim; ++i) dst[i] = weight[i] * (src[i] * inv);
+      } else {
+        float* dst = wide.data() + 2 * dim;
+        for (int64_t i = 0; i < dim; ++i) dst[i] = weight[i] * round_bf16(src[i] * inv);
+        store_row(out, 1, r * dim, dst, dim);
+      }
+    }
   }
 }
 
 // out[r, i] = silu(x[r, i]) * x[r, dim + i] (the gate / up halves of one projection).
-void schedkit_silu_and_mul(const float* x, float* out, int64_t rows, int64_t dim, int num_threads) {
+void schedkit_silu_and_mul(const void* x, int dtype, void* out, int64_t rows, int64_t dim, int num_threads) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows / 4 + 1)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> wide(3 * dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g;
+      if (dtype == 0) {
+        g = static_cast<const float*>(x) + r * 2 * dim;
+      } else {
+        widen(static_cast<const uint16_t*>(x) + r * 2 * dim, 2 * dim, wide.data());
+        g = wide.data();
+      }
+      const float* u = g + dim;
+      float* dst = dtype == 0 ? static_cast<float*>(out) + r * dim : wide.data() + 2 * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) {  // below -80 silu is 0 to float precision; exp's
+        // argument is clamped because 1 / inf is not 0 under -ffast-math
+        const float e = std::exp(std::min(-g[i], 80.0f));
+        dst[i] = (g[i] < -80.0f ? 0.0f : g[i] / (1.0f + e));
+      }
+      if (dtype == 0) {
+        for (int64_t i = 0; i < dim; ++i) dst[i] *= u[i];
+      } else {
+        for (int64_t i = 0; i < dim; ++i) dst[i] = round_bf16(dst[i]) * u[i];
+        store_row(out, 1, r * dim, dst, dim);
+      }
+    }
+  }
+}
+
+// out[r] = the first index of row r's largest value (x: [rows, row_stride] float32, cols
+// used), as torch.argmax: a NaN counts as the largest (its first one wins). NaN is told
+// by its bits, which -ffast-math cannot optimise away.
+void schedkit_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out,
+                          int num_threads) {
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, rows)));
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* g = x + r * 2 * dim;
-    const float* u = g + dim;
-    float* dst = out + r * dim;
-#pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) {  // below -80 silu is 0 to float precision; exp's
-      // argument is clamped because 1 / inf is not 0 under -ffast-math
-      const float e = std::exp(std::min(-g[i], 80.0f));
-      dst[i] = (g[i] < -80.0f ? 0.0f : g[i] / (1.0f + e)) * u[i];
+    const float* row = x + r * row_stride;
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+    if (cols <= 0) {
+      out[r] = 0;
+      continue;
     }
+    int64_t c = 0;
+    float best = row[0];
+    bool nan = false;
+#if defined(__AVX512F__)
+    if (cols >= 16) {
+      __m512 vmax = _mm512_loadu_ps(row);
+      __mmask16 any_nan = 0;
+      const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf_bits = _mm512_set1_epi32(0x7F800000);
+      for (; c + 16 <= cols; c += 16) {
+        const __m512 v = _mm512_loadu_ps(row + c);
+        any_nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf_bits);
+        vmax = _mm512_max_ps(vmax, v);
+      }
+      nan = any_nan != 0;
+      best = _mm512_reduce_max_ps(vmax);
+    }
+#endif
+    for (int64_t t = c; t < cols; ++t) {
+      nan = nan || (bits[t] & 0x7FFFFFFFu) > 0x7F800000u;
+      best = row[t] > best ? row[t] : best;
+    }
+    int64_t found = 0;
+    for (int64_t t = 0; t < cols; ++t) {
+      if (nan ? (bits[t] & 0x7FFFFFFFu) > 0x7F800000u : row[t] == best) {
+        found = t;
+        break;
+      }
+    }
+    out[r] = found;
   }
 }
 

@@ -87,7 +87,8 @@ class Attention(nn.Module):
 
     def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """The same in float32 on the CPU: RoPE, the KV store and attention in one kernel."""
+        """The same on the CPU (float32 or bfloat16 activations): RoPE, the KV store and
+        attention in one kernel."""
         o = rope_store_attention_cpu(self.qkv_proj(x), positions, rope.cos, rope.sin, *kv_cache, meta,
                                      self.num_heads, self.scale)
         return self.o_proj(o)
@@ -142,6 +143,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = DecoderModel(args, max_positions)
+        self._norm_w32: list[torch.Tensor] | None = None
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(
             args.hidden_size, args.vocab_size, bias=False)
 
@@ -151,27 +153,42 @@ class CausalLM(nn.Module):
         """Final hidden states [T, hidden] of the packed tokens (KV written on the way)."""
         m = self.model
         x = m.embed_tokens(input_ids)
-        if meta.backend == "cpu" and x.dtype == torch.float32 and len(m.layers):
+        if meta.backend == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and len(m.layers):
             return self._forward_cpu(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(m.layers, kv_caches, strict=True):
             x = layer(x, positions, m.rotary_emb, kv_cache, meta)
         return m.norm(x)
 
-    def _forward_cpu(self, residual: torch.Tensor, positions: torch.Tensor,
+    def _forward_cpu(self, x: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                      meta: AttentionMetadata) -> torch.Tensor:
-        """The float32 CPU pass: the compiled kernels for each layer's norms (each fused
-        with the residual add before it), RoPE + KV store + attention and SiLU-and-mul;
-        the residual stream is updated in place."""
-        m, eps = self.model, self.args.rms_norm_eps
+        """The CPU pass: the compiled kernels for each layer's norms (each fused with the
+        residual add before it), RoPE + KV store + attention and SiLU-and-mul, between the
+        linear layers. Activations stay in the model's dtype (float32 or bfloat16, which
+        the GEMMs take), rounded where torch rounds; the residual stream is updated in
+        place; the kernels' arithmetic is float32."""
+        m, eps, residual = self.model, self.args.rms_norm_eps, x
         layers = cast(list[DecoderLayer], list(m.layers))
-        h = add_rms_norm(residual, None, layers[0].input_layernorm.weight, eps)
+        weights = self._norm_weights_f32()
+        h = add_rms_norm(residual, None, weights[0], eps)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             a = layer.self_attn.forward_cpu(h, positions, m.rotary_emb, kv_cache, meta)
-            h = add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
-            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
-            h = add_rms_norm(layer.mlp.forward_cpu(h), residual, nxt, eps)
+            h = add_rms_norm(a, residual, weights[2 * i + 1], eps)
+            h = add_rms_norm(layer.mlp.forward_cpu(h), residual, weights[2 * i + 2], eps)
         return h
+
+    def _norm_weights_f32(self) -> list[torch.Tensor]:
+        """Every RMSNorm weight in pass order (input, post-attention per layer, then the
+        final norm) as float32: the parameters themselves in a float32 model, copies
+        made once otherwise (the weights do not change after loading)."""
+        cached = self._norm_w32
+        if cached is None:
+            norms = [n for layer in cast(list[DecoderLayer], list(self.model.layers))
+                     for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.model.norm]
+            cached = [n.weight if n.weight.dtype == torch.float32 else n.weight.detach().float()
+                      for n in norms]
+            self._norm_w32 = cached
+        return cached
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of the selected hidden states."""

@@ -365,11 +365,32 @@ void run_item_avx512(const Problem& p, const KT* k_cache, const KT* v_cache, con
   const int64_t num_keys = context + it.row_end;
   const int32_t* blocks = p.block_table + it.seq * p.block_table_stride;
   const int64_t token_stride = KVH * D;
+  constexpr int64_t kAhead = 1;
   for (int64_t base = 0; base < num_keys; base += BS) {
     const int64_t n = std::min(BS, num_keys - base);
     const int64_t slot0 = static_cast<int64_t>(blocks[base / BS]) * BS;
     const KT* kp = k_cache + slot0 * token_stride;
     const KT* vp = v_cache + slot0 * token_stride;
+    if (base == 0)  // the first blocks, before the loop's prefetches reach them
+      for (int64_t b = 0; b < kAhead && b * BS < num_keys; ++b) {
+        const int64_t at = static_cast<int64_t>(blocks[b]) * BS * token_stride;
+        const int64_t bytes = std::min(BS, num_keys - b * BS) * token_stride * static_cast<int64_t>(sizeof(KT));
+        for (int64_t o = 0; o < bytes; o += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + at) + o);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + at) + o);
+        }
+      }
+    if (base + kAhead * BS < num_keys) {  // a block ahead: its address comes from the table,
+      // which the hardware prefetcher cannot follow
+      const int64_t next = static_cast<int64_t>(blocks[base / BS + kAhead]) * BS * token_stride;
+      const char* kn = reinterpret_cast<const char*>(k_cache + next);
+      const char* vn = reinterpret_cast<const char*>(v_cache + next);
+      const int64_t bytes = std::min(BS, num_keys - base - kAhead * BS) * token_stride * static_cast<int64_t>(sizeof(KT));
+      for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch(kn + o);
+        __builtin_prefetch(vn + o);
+      }
+    }
     const float* kblock = nullptr;
     const float* vblock;
     if constexpr (std::is_same_v<KT, float>) {

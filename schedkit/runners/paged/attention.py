@@ -82,18 +82,23 @@ def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     the cache (bfloat16), causal from each row's position; written into ``out``'s rows."""
     qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    for i in seqs:
+    num_blocks = [-(-int(seq_lens[i]) // block_size) for i in seqs]
+    ids = torch.cat([table[i, :n] for i, n in zip(seqs, num_blocks, strict=True)]).long()
+    k_all, v_all = k_cache[ids], v_cache[ids]  # one gather each for every listed sequence
+    qb = q.view(-1, num_heads, head_dim).to(k_cache.dtype)
+    o_rows = out.view(-1, num_heads, head_dim)
+    first = 0
+    for i, n in zip(seqs, num_blocks, strict=True):
         a, b, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
-        q_len, context = b - a, seq_len - (b - a)
-        blocks = table[i, :-(-seq_len // block_size)].long()
-        k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        qs = q[a:b].view(q_len, num_heads, head_dim).to(k.dtype).transpose(0, 1)
+        context = seq_len - (b - a)
+        k = k_all[first:first + n].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = v_all[first:first + n].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        first += n
         mask = None if context == 0 else (
             torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None])
-        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
+        o = F.scaled_dot_product_attention(qb[a:b].transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[a:b] = o[0].transpose(0, 1).reshape(q_len, num_heads * head_dim)
+        o_rows[a:b].copy_(o[0].transpose(0, 1))
 
 
 def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

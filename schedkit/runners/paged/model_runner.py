@@ -215,6 +215,8 @@ class PagedModelRunner:
             num_blocks = min(num_blocks, fit)
         self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.kv_dtype, self.device)
         self.input_batch = InputBatch(opts.max_model_len, block_size, max(opts.max_num_seqs, 8))
+        if self.device.type == "cpu":  # oneDNN builds each GEMM shape's kernels on its first call
+            self._full_budget_pass(block_size)
         if self.device.type == "cuda" and opts.use_cuda_graphs:
             from schedkit.runners.paged.cuda_graphs import DecodeGraphs
 
@@ -232,12 +234,24 @@ class PagedModelRunner:
     @torch.inference_mode()
     def _profile_peak_memory(self, block_size: int) -> int:
         """Peak bytes of a forward + sampling pass over a full token budget (weights included)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._full_budget_pass(block_size)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def _full_budget_pass(self, block_size: int) -> None:
+        """A forward + sampling pass over a full token budget (one prompt of
+        ``max_num_batched_tokens``) on a cache of its own: the peak-memory probe on CUDA,
+        and on the CPU the warm-up that has oneDNN build its GEMM kernels for that shape
+        before the first real prefill step (vLLM's profile run does both)."""
         opts = self.options
         n = min(opts.max_num_batched_tokens, opts.max_model_len)
         caches = allocate_kv_cache(self.args, -(-n // block_size) + 1, block_size, self.kv_dtype,
                                    self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
         ib = InputBatch(opts.max_model_len, block_size, 1)
         ib.add("profile", [0] * n, n, list(range(1, len(caches[0][0]))), 0, SamplingParams())
         inputs = ib.prepare({"profile": n}, {})
@@ -250,11 +264,7 @@ class PagedModelRunner:
                                                  dtype=torch.int32, device=self.device), rows, rows)
         self.sampler(logits, SamplingBatch.build([SamplingParams(top_k=5, top_p=0.9)] * num_rows,
                                                  [0] * num_rows, self.args.vocab_size, self.device))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device)
         del caches, hidden, logits
-        torch.cuda.empty_cache()
-        return peak
 
     # -- one step --------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

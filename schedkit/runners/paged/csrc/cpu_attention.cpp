@@ -605,6 +605,66 @@ int attention(const Problem& p, void* k_cache, void* v_cache, const int32_t* seq
   }
 }
 
+#ifdef SCHEDKIT_AVX512
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 widened
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#ifdef SCHEDKIT_AVX512_BF16
+inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+inline __m256i to_bf16x16(__m512 v) {  // round to nearest even (finite values)
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+#endif
+inline __m512 round16(__m512 v) {  // to bfloat16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v)); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// One row of schedkit_add_rms_norm, 16 columns at a time (dim % 16 == 0). T: the
+// activations' type; bfloat16 rounds the sum and the normalised row as torch does.
+template <typename T>
+void add_rms_norm_row(const T* x, T* res, const float* weight, T* out, int64_t dim, float eps, float* sum) {
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    __m512 v = load16(x + i);
+    if (res) {
+      v = _mm512_add_ps(v, load16(res + i));
+      if constexpr (kBf16) v = round16(v);
+      store16(res + i, v);
+    }
+    _mm512_storeu_ps(sum + i, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps));
+  for (int64_t i = 0; i < dim; i += 16) {
+    __m512 n = _mm512_mul_ps(_mm512_loadu_ps(sum + i), inv);
+    if constexpr (kBf16) n = round16(n);
+    store16(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), n));
+  }
+}
+
+// One row of schedkit_silu_and_mul, 16 columns at a time (dim % 16 == 0).
+template <typename T>
+void silu_and_mul_row(const T* g, const T* u, T* out, int64_t dim) {
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 gv = load16(g + i);
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(80.0f)));
+    __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    silu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(gv, _mm512_set1_ps(-80.0f), _CMP_GE_OQ), silu);
+    if constexpr (std::is_same_v<T, uint16_t>) silu = round16(silu);
+    store16(out + i, _mm512_mul_ps(silu, load16(u + i)));
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -683,6 +743,19 @@ void schedkit_add_rms_norm(const void* x, int dtype, void* residual, const float
     std::vector<float> wide(3 * dim);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
+#ifdef SCHEDKIT_AVX512
+      if (dim % 16 == 0) {
+        if (dtype == 0)
+          add_rms_norm_row(static_cast<const float*>(x) + r * dim,
+                           residual ? static_cast<float*>(residual) + r * dim : nullptr, weight,
+                           static_cast<float*>(out) + r * dim, dim, eps, wide.data());
+        else
+          add_rms_norm_row(static_cast<const uint16_t*>(x) + r * dim,
+                           residual ? static_cast<uint16_t*>(residual) + r * dim : nullptr, weight,
+                           static_cast<uint16_t*>(out) + r * dim, dim, eps, wide.data());
+        continue;
+      }
+#endif
       float* src;
       if (dtype == 0) {
         src = const_cast<float*>(static_cast<const float*>(x)) + r * dim;
@@ -726,6 +799,18 @@ void schedkit_silu_and_mul(const void* x, int dtype, void* out, int64_t rows, in
     std::vector<float> wide(3 * dim);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
+#ifdef SCHEDKIT_AVX512
+      if (dim % 16 == 0) {
+        if (dtype == 0) {
+          const float* g = static_cast<const float*>(x) + r * 2 * dim;
+          silu_and_mul_row(g, g + dim, static_cast<float*>(out) + r * dim, dim);
+        } else {
+          const uint16_t* g = static_cast<const uint16_t*>(x) + r * 2 * dim;
+          silu_and_mul_row(g, g + dim, static_cast<uint16_t*>(out) + r * dim, dim);
+        }
+        continue;
+      }
+#endif
       const float* g;
       if (dtype == 0) {
         g = static_cast<const float*>(x) + r * 2 * dim;

@@ -65,14 +65,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 DENSE_PREFILL_MIN_QUERY = 64
 """Query rows from which a bfloat16 prefill chunk is attended by torch's SDPA (its CPU
-flash kernel, whose bfloat16 GEMMs run on AMX / AVX512-BF16 through oneDNN) rather than
-by the paged kernel: about where SDPA's per-call cost is paid back (docs/model-runner.md)."""
+flash kernel, whose bfloat16 GEMMs run on AVX512-BF16 through oneDNN) rather than by the
+paged kernel's AVX-512 path, on a CPU with native bfloat16 GEMMs but without the
+kernel's AMX tiles (with them, the kernel's own AMX prefill is faster): about where
+SDPA's per-call cost is paid back (docs/model-runner.md)."""
 
 
 def _dense_prefill_supported() -> bool:
+    from schedkit.runners.paged.cpu_kernels import amx_enabled
     from schedkit.runners.paged.cpu_linear import onednn_matmul_supported
 
-    return onednn_matmul_supported(torch.bfloat16)
+    return not amx_enabled() and onednn_matmul_supported(torch.bfloat16)
 
 
 def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

@@ -37,6 +37,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _tried = False
+_amx = False
 
 
 def _compiler() -> str | None:
@@ -117,11 +118,14 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             "schedkit_silu_and_mul": ([p, i32, p, i64, i64, i32], None),
             "schedkit_apply_grammar_bitmask": ([p, i64, p, i64, p, p, i64, i64, p, i32], None),
             "schedkit_argmax_rows": ([p, i64, i64, i64, p, i32], None),
+            "schedkit_amx_enable": ([i32], ctypes.c_int),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         _lib, _error = lib, None
+        global _amx
+        _amx = bool(lib.schedkit_amx_enable(int(os.environ.get("SCHEDKIT_CPU_AMX", "1") != "0")))
         return lib
 
 
@@ -202,6 +206,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     cpu_kernels().schedkit_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
                                        torch.get_num_threads())
     return out
+
+
+def amx_enabled() -> bool:
+    """Whether the kernel runs bfloat16 prefill tiles on AMX: built for a CPU with AMX, the
+    OS granted the tile state, and ``$SCHEDKIT_CPU_AMX`` is not ``0``."""
+    return _amx
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX prefill tiles on or off (tests compare both paths); returns whether
+    they are on."""
+    global _amx
+    _amx = bool(cpu_kernels().schedkit_amx_enable(int(on)))
+    return _amx
 
 
 def build_error() -> str | None:

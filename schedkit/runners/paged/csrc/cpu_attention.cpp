@@ -22,6 +22,12 @@
 
 #include <omp.h>
 
+#include <atomic>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SCHEDKIT_AVX512 1  // 16-wide item path (run_item_avx512)
@@ -287,6 +293,27 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 widened
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#ifdef SCHEDKIT_AVX512_BF16
+inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+inline __m256i to_bf16x16(__m512 v) {  // round to nearest even (finite values)
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+#endif
+inline __m512 round16(__m512 v) {  // to bfloat16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v)); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
 // Lane t of the result is the sum of the 16 lanes of v[t]: a transposing tree of
 // 45 shuffles and adds instead of 16 horizontal sums.
 inline __m512 sum_each16(const __m512* v) {
@@ -452,6 +479,230 @@ void run_item_avx512(const Problem& p, const KT* k_cache, const KT* v_cache, con
 }
 #endif
 
+#if defined(SCHEDKIT_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define SCHEDKIT_AMX 1
+// Prefill tiles on AMX: for each KV head and 16-key chunk of the context, K is laid out
+// as the B operand of Q K^T (pairs of dimensions, keys along the row) and V as the B
+// operand of P V (pairs of keys, dimensions along the row); then for every query head
+// of the group and 16-row sub-tile: S = Q K^T in one tile (D / 32 tile products), the
+// online softmax on its 16 rows with AVX-512, P rounded to bfloat16, and P V in 16-column
+// pieces added into float32 accumulators. Both 16-row sub-tiles of an item go together,
+// so their tile products overlap. Tiles: 0 / 2 S and P V of sub-tile 0 / 1, 1 / 4 their
+// Q, 5 / 7 their P, 3 K^T, 6 V.
+std::atomic<bool> g_amx{false};  // set by schedkit_amx_enable once the OS granted the tiles
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {
+  TileConfig c;
+  auto set = [&](int t, int rows, int colsb) { c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = static_cast<uint16_t>(colsb); };
+  set(0, 16, 64), set(1, 16, 64), set(2, 16, 64), set(3, 16, 64), set(4, 16, 64), set(5, 16, 32), set(6, 8, 64),
+      set(7, 8, 64);
+  _tile_loadconfig(&c);
+}
+
+constexpr int64_t kAmxRows = 32;  // query rows of one AMX work item (two sub-tiles)
+
+struct AmxScratch {
+  uint16_t* qh;    // [16][D]: one sub-tile's queries in bfloat16, scaled
+  uint16_t* qt;    // [H][2][D / 2][16][2]: Q^T, B operand of K Q^T
+  uint16_t* kpad;  // [16][D]: a short chunk's keys, zero-padded
+  uint16_t* vt;    // [D / 16][16][16]: V^T, A operand of V^T P^T
+  uint16_t* pt;    // [2][8][16][2]: P^T in key pairs, B operand
+  float* s;        // [2][16][16]
+  float* pv;       // [2][16][16]
+};
+
+// A 16 x 16 transpose of 32-bit words: on return r[c] holds what was column c.
+inline void transpose16(__m512i* r) {
+  __m512i u[16];
+  for (int t = 0; t < 16; t += 2)
+    u[t] = _mm512_unpacklo_epi32(r[t], r[t + 1]), u[t + 1] = _mm512_unpackhi_epi32(r[t], r[t + 1]);
+  for (int t = 0; t < 16; t += 4) {
+    r[t] = _mm512_unpacklo_epi64(u[t], u[t + 2]), r[t + 1] = _mm512_unpackhi_epi64(u[t], u[t + 2]);
+    r[t + 2] = _mm512_unpacklo_epi64(u[t + 1], u[t + 3]), r[t + 3] = _mm512_unpackhi_epi64(u[t + 1], u[t + 3]);
+  }
+  // r[4j + i]: in 128-bit lane L, the words of rows 4j..4j+3 in column 4L + i
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88), b = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    const __m512i c = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xDD), d = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xDD);
+    u[i] = _mm512_shuffle_i32x4(a, b, 0x88), u[8 + i] = _mm512_shuffle_i32x4(a, b, 0xDD);
+    u[4 + i] = _mm512_shuffle_i32x4(c, d, 0x88), u[12 + i] = _mm512_shuffle_i32x4(c, d, 0xDD);
+  }
+  for (int t = 0; t < 16; ++t) r[t] = u[t];
+}
+
+// 16 rows (`stride` elements apart, n of them real, the rest zero) of D bfloat16 as the
+// B operand of a product over D: out[r][t] = the dimension pair r of row t, as 32-bit words.
+inline void amx_pack_keys(const uint16_t* k, int64_t stride, int64_t n, int64_t D, uint16_t* out) {
+  for (int64_t c = 0; c < D / 32; ++c) {  // pairs 16c .. 16c + 15
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t) r[t] = t < n ? _mm512_loadu_si512(k + t * stride + 32 * c) : _mm512_setzero_si512();
+    transpose16(r);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out) + c * 16 * 16;
+    for (int t = 0; t < 16; ++t) _mm512_storeu_si512(dst + 16 * t, r[t]);
+  }
+}
+
+// V^T of 16 value rows (`stride` apart, n real, the rest zero): out[dc][d][t] = row t's
+// dimension 16 dc + d, bfloat16.
+inline void amx_pack_values_t(const uint16_t* v, int64_t stride, int64_t n, int64_t D, uint16_t* out) {
+  for (int64_t dc = 0; dc < D / 16; ++dc) {
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t)
+      r[t] = t < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * stride + 16 * dc)))
+                   : _mm512_setzero_si512();
+    transpose16(r);
+    for (int d = 0; d < 16; ++d)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (dc * 16 + d) * 16), _mm512_cvtepi32_epi16(r[d]));
+  }
+}
+
+// One item of up to kAmxRows rows of one sequence, every head, computed transposed so
+// that the softmax runs across rows in vector lanes: S^T = K Q^T ([16 keys][16 rows] per
+// 16-row sub-tile, K read straight from the cache as the A operand), P^T rounded to
+// bfloat16 in key pairs, O^T += V^T P^T ([16 dims][16 rows] per 16 columns of head_dim).
+// accT: [H][2][D][16], m, l: [H][2][16]. Tiles: 0 / 2 S^T and O^T of sub-tile 0 / 1,
+// 1 K, 3 / 4 Q^T, 5 V^T, 6 / 7 P^T.
+void run_item_amx(const Problem& p, const uint16_t* k_cache, const uint16_t* v_cache, const Item& it,
+                  float* accT, float* m, float* l, const AmxScratch& sc) {
+  const int64_t D = p.head_dim, BS = p.block_size, H = p.num_heads, KVH = p.num_kv_heads, G = H / KVH;
+  const int64_t q0 = p.query_start_loc[it.seq];
+  const int64_t q_len = p.query_start_loc[it.seq + 1] - q0;
+  const int64_t context = p.seq_lens[it.seq] - q_len;
+  const int64_t rows = it.row_end - it.row_begin;
+  const int64_t subs = rows > 16 ? 2 : 1;
+  const int64_t num_keys = context + it.row_end;
+  const int32_t* blocks = p.block_table + it.seq * p.block_table_stride;
+  const int64_t token_stride = KVH * D;
+  std::fill(accT, accT + H * 2 * D * 16, 0.0f);
+  std::fill(m, m + H * 2 * 16, kNegBig);
+  std::fill(l, l + H * 2 * 16, 0.0f);
+  // Q^T per head and sub-tile, scaled, bfloat16, as the B operand of K Q^T
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t sub = 0; sub < subs; ++sub) {
+      const int64_t sub_rows = std::min<int64_t>(16, rows - 16 * sub);
+      for (int64_t r = 0; r < sub_rows; ++r) {
+        const float* src = p.q + (q0 + it.row_begin + 16 * sub + r) * H * D + h * D;
+        for (int64_t d = 0; d < D; d += 16) store16(sc.qh + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), scale));
+      }
+      amx_pack_keys(sc.qh, D, sub_rows, D, sc.qt + (h * 2 + sub) * D * 16);
+    }
+  __m512i row_pos[2];
+  __mmask16 row_live[2];
+  for (int64_t sub = 0; sub < 2; ++sub) {
+    const int64_t sub_rows = std::max<int64_t>(0, std::min<int64_t>(16, rows - 16 * sub));
+    row_pos[sub] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(context + it.row_begin + 16 * sub)),
+                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    row_live[sub] = static_cast<__mmask16>((1u << sub_rows) - 1u);
+  }
+  alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(pair_idx);
+  amx_configure();
+  for (int64_t g = 0; g < KVH; ++g) {
+    for (int64_t base = 0, n = 0; base < num_keys; base += n) {  // chunks of up to 16 keys in one block
+      const int64_t in_block = base % BS;
+      n = std::min<int64_t>({16, num_keys - base, BS - in_block});
+      const int64_t slot0 = static_cast<int64_t>(blocks[base / BS]) * BS + in_block;
+      const uint16_t* kp = k_cache + slot0 * token_stride + g * D;
+      const uint16_t* vp = v_cache + slot0 * token_stride + g * D;
+      const uint16_t* ka = kp;  // the A operand: 16 key rows (a short chunk copied, zero-padded)
+      int64_t ka_stride = token_stride;
+      if (n < 16) {
+        for (int64_t t = 0; t < 16; ++t)
+          if (t < n) std::memcpy(sc.kpad + t * D, kp + t * token_stride, D * sizeof(uint16_t));
+          else std::memset(sc.kpad + t * D, 0, D * sizeof(uint16_t));
+        ka = sc.kpad, ka_stride = D;
+      }
+      amx_pack_values_t(vp, token_stride, n, D, sc.vt);
+      __mmask16 key_live[2][16];
+      for (int64_t sub = 0; sub < subs; ++sub)
+        for (int64_t t = 0; t < 16; ++t)
+          key_live[sub][t] = t < n ? static_cast<__mmask16>(
+              row_live[sub] & _mm512_cmpge_epi32_mask(row_pos[sub], _mm512_set1_epi32(static_cast<int>(base + t)))) : 0;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        _tile_zero(0);
+        _tile_zero(2);
+        for (int64_t c = 0; c < D / 32; ++c) {
+          _tile_loadd(1, ka + 32 * c, ka_stride * sizeof(uint16_t));
+          _tile_loadd(3, sc.qt + (h * 2) * D * 16 + c * 16 * 16 * 2, 64);
+          _tile_dpbf16ps(0, 1, 3);
+          if (subs == 2) {
+            _tile_loadd(4, sc.qt + (h * 2 + 1) * D * 16 + c * 16 * 16 * 2, 64);
+            _tile_dpbf16ps(2, 1, 4);
+          }
+        }
+        _tile_stored(0, sc.s, 64);
+        if (subs == 2) _tile_stored(2, sc.s + 256, 64);
+        __m512 alpha[2];
+        for (int64_t sub = 0; sub < subs; ++sub) {  // the online softmax, 16 rows per vector
+          const float* st = sc.s + 256 * sub;
+          float* ms = m + (h * 2 + sub) * 16;
+          float* ls = l + (h * 2 + sub) * 16;
+          const __m512 m_old = _mm512_loadu_ps(ms);
+          __m512 m_new = m_old;
+          for (int64_t t = 0; t < n; ++t) m_new = _mm512_mask_max_ps(m_new, key_live[sub][t], m_new, _mm512_loadu_ps(st + 16 * t));
+          alpha[sub] = exp16(_mm512_sub_ps(m_old, m_new));
+          __m512 sum = _mm512_setzero_ps();
+          uint16_t* pt = sc.pt + 256 * sub;  // [8 key pairs][16 rows][2]
+          for (int64_t t = 0; t < 16; t += 2) {
+            __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+            if (t < n) p0 = round16(_mm512_maskz_mov_ps(key_live[sub][t], exp16(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * t), m_new))));
+            if (t + 1 < n) p1 = round16(_mm512_maskz_mov_ps(key_live[sub][t + 1], exp16(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * (t + 1)), m_new))));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0's 16 then p1's 16
+            _mm512_storeu_si512(pt + t * 16, _mm512_permutexvar_epi16(pairs, both));
+          }
+          _mm512_storeu_ps(ms, m_new);
+          _mm512_storeu_ps(ls, _mm512_fmadd_ps(_mm512_loadu_ps(ls), alpha[sub], sum));
+        }
+        _tile_loadd(6, sc.pt, 64);
+        if (subs == 2) _tile_loadd(7, sc.pt + 256, 64);
+        for (int64_t dc = 0; dc < D / 16; ++dc) {
+          _tile_loadd(5, sc.vt + dc * 256, 32);
+          _tile_zero(0);
+          _tile_dpbf16ps(0, 5, 6);
+          if (subs == 2) {
+            _tile_zero(2);
+            _tile_dpbf16ps(2, 5, 7);
+          }
+          _tile_stored(0, sc.pv, 64);
+          if (subs == 2) _tile_stored(2, sc.pv + 256, 64);
+          for (int64_t sub = 0; sub < subs; ++sub) {
+            float* o = accT + ((h * 2 + sub) * D + 16 * dc) * 16;
+            for (int64_t d = 0; d < 16; ++d)
+              _mm512_storeu_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * d), alpha[sub],
+                                                           _mm512_loadu_ps(sc.pv + 256 * sub + 16 * d)));
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+  std::vector<float> out(16 * H * D);  // rows [row][head][D] of O^T / l, 16 at a time
+  for (int64_t sub = 0; sub < subs; ++sub) {
+    for (int64_t h = 0; h < H; ++h) {
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + (h * 2 + sub) * 16));
+      for (int64_t dc = 0; dc < D / 16; ++dc) {
+        __m512i r[16];
+        const float* o = accT + ((h * 2 + sub) * D + 16 * dc) * 16;
+        for (int d = 0; d < 16; ++d) r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), inv));
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out.data() + (j * H + h) * D + 16 * dc, r[j]);
+      }
+    }
+    const int64_t sub_rows = std::min<int64_t>(16, rows - 16 * sub);
+    store_row(p.out, p.out_dtype, (q0 + it.row_begin + 16 * sub) * H * D, out.data(), sub_rows * H * D);
+  }
+}
+#endif
+
 // The item path for this head_dim and cache dtype.
 template <typename KT>
 void dispatch_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item& it, float* qbuf,
@@ -516,15 +767,35 @@ void rope_store_token(const Problem& p, const RopeStore& rs, KT* k_cache, KT* v_
   store_as(v_cache + slot * KVH * D, row + (H + KVH) * D, KVH * D);
 }
 
+#ifdef SCHEDKIT_AMX
+constexpr int64_t kAmxItemRows = kAmxRows;
+#else
+constexpr int64_t kAmxItemRows = 1;
+#endif
+// Whether prefill items of this problem run on AMX: bfloat16 caches, head_dim a multiple
+// of 32 (at most 256), and the tiles enabled (schedkit_amx_enable).
+template <typename KT>
+bool use_amx(const Problem& p) {
+#ifdef SCHEDKIT_AMX
+  return std::is_same_v<KT, uint16_t> && p.head_dim % 32 == 0 && p.head_dim <= 256 &&
+         g_amx.load(std::memory_order_relaxed);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 template <typename KT>
 void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_t num_seqs,
          int64_t rows_per_item, int num_threads, const RopeStore* rs) {
   std::vector<Item> items;
+  const bool amx = use_amx<KT>(p);
   for (int64_t j = 0; j < num_seqs; ++j) {
     const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
     const int32_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-    for (int32_t r = 0; r < q_len; r += rows_per_item)
-      items.push_back({seq, r, std::min<int32_t>(q_len, r + rows_per_item)});
+    const int32_t step = static_cast<int32_t>(amx && q_len >= 16 ? kAmxItemRows : rows_per_item);
+    for (int32_t r = 0; r < q_len; r += step)
+      items.push_back({seq, r, std::min<int32_t>(q_len, r + step)});
   }
   // longest items first: tiles late in a long sequence see the most keys
   auto keys = [&](const Item& a) {
@@ -542,6 +813,23 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     const int64_t row_elems = (p.num_heads + 2 * p.num_kv_heads) * D;
     const int64_t s_elems = std::max<int64_t>(BS, 16);
     std::vector<float> buf(2 * nq * D + 2 * nq + 2 * block_elems + s_elems + D + row_elems + nq * D / 2 + 16);
+#ifdef SCHEDKIT_AMX
+    std::vector<float> amx_acc, amx_ml;
+    std::vector<uint16_t> amx_tiles;
+    AmxScratch amx_sc{};
+    if (amx) {
+      amx_acc.resize(p.num_heads * 2 * D * 16);
+      amx_ml.resize(2 * p.num_heads * 2 * 16);
+      amx_tiles.resize(16 * D + p.num_heads * 2 * D * 16 + 16 * D + D * 16 + 2 * 256 + 64);
+      amx_sc.qh = amx_tiles.data();
+      amx_sc.qt = amx_sc.qh + 16 * D;
+      amx_sc.kpad = amx_sc.qt + p.num_heads * 2 * D * 16;
+      amx_sc.vt = amx_sc.kpad + 16 * D;
+      amx_sc.pt = amx_sc.vt + D * 16;
+    }
+    alignas(64) float amx_s[512], amx_pv[512];
+    amx_sc.s = amx_s, amx_sc.pv = amx_pv;
+#endif
     float* qbuf = buf.data();
     float* acc = qbuf + nq * D;
     float* m = acc + nq * D;
@@ -557,8 +845,19 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
       for (int64_t t = 0; t < rs->num_tokens; ++t) rope_store_token(p, *rs, k_cache, v_cache, t, tmp, wide);
     }  // the implicit barrier: every key is in the cache before any item reads it
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items; ++w)
+    for (int64_t w = 0; w < n_items; ++w) {
+#ifdef SCHEDKIT_AMX
+      if constexpr (std::is_same_v<KT, uint16_t>) {
+        const Item& it = items[w];
+        if (amx && p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] >= 16) {
+          run_item_amx(p, k_cache, v_cache, it, amx_acc.data(), amx_ml.data(),
+                       amx_ml.data() + p.num_heads * 2 * 16, amx_sc);
+          continue;
+        }
+      }
+#endif
       dispatch_item(p, k_cache, v_cache, items[w], qbuf, acc, m, l, kb, vb, s, qbh);
+    }
   }
 }
 
@@ -606,27 +905,6 @@ int attention(const Problem& p, void* k_cache, void* v_cache, const int32_t* seq
 }
 
 #ifdef SCHEDKIT_AVX512
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 widened
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#ifdef SCHEDKIT_AVX512_BF16
-inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-#else
-inline __m256i to_bf16x16(__m512 v) {  // round to nearest even (finite values)
-  __m512i u = _mm512_castps_si512(v);
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-#endif
-inline __m512 round16(__m512 v) {  // to bfloat16 and back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
-}
-inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v)); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
 // One row of schedkit_add_rms_norm, 16 columns at a time (dim % 16 == 0). T: the
 // activations' type; bfloat16 rounds the sum and the normalised row as torch does.
 template <typename T>
@@ -675,6 +953,25 @@ extern "C" {
 // outside the cache (or a table too short for seq_len), -5 for a slot outside the
 // cache, -6 for a position outside the RoPE tables, -7 for lengths that do not add up.
 // seqs: the sequences to attend (NULL: all num_seqs).
+
+// Prefill tiles on AMX (bfloat16 caches): on = 1 asks the kernel for the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM) and turns them on where it is granted; 0 turns them
+// off. Returns whether they are on. A build without AMX always returns 0.
+int schedkit_amx_enable(int on) {
+#ifdef SCHEDKIT_AMX
+  if (!on) {
+    g_amx.store(false);
+    return 0;
+  }
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  g_amx.store(granted);
+  return granted ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
 
 // Bit 0: float16 caches are supported (the compiler has _Float16).
 int schedkit_kernel_features() {

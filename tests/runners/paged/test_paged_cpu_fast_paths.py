@@ -1,0 +1,238 @@
+"""The CPU kernel's machine-specific paths against the PyTorch reference: the AMX
+prefill tiles (bfloat16 caches), the AVX-512 item path, SDPA for bfloat16 prefill
+chunks, the bfloat16 activation kernels (rounded where torch rounds), the threaded
+argmax, and an AVX2 build of the same library (``SCHEDKIT_KERNEL_MARCH``) so that the
+paths an AVX-512 machine skips are still checked there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from schedkit.runners.paged import attention as attention_mod  # noqa: E402
+from schedkit.runners.paged import cpu_kernels  # noqa: E402
+from schedkit.runners.paged.attention import (  # noqa: E402
+    paged_attention_cpu,
+    paged_attention_ref,
+    rope_store_attention_cpu,
+)
+from schedkit.runners.paged.testing import make_attention_case  # noqa: E402
+
+if cpu_kernels.load_cpu_attention() is None:  # pragma: no cover - a machine without g++
+    pytest.skip(f"no CPU kernel: {cpu_kernels.build_error()}", allow_module_level=True)
+
+PREFILL_CASES = {
+    # name: ((context, query) per sequence, block_size, heads, kv_heads, head_dim)
+    "smollm-shape": ([(0, 70), (33, 90), (5, 1), (0, 16), (0, 17), (100, 31), (0, 64)], 16, 9, 3, 64),
+    "bs32-d32": ([(0, 40), (31, 20), (64, 64), (2, 1)], 32, 4, 2, 32),
+    "bs8-d128-mqa": ([(0, 33), (17, 18), (50, 40)], 8, 8, 1, 128),
+    "bs5-odd-chunks": ([(0, 40), (7, 19), (3, 1)], 5, 6, 2, 64),
+    "bs1": ([(0, 20), (4, 17)], 1, 2, 2, 32),
+}
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture
+def amx_off_after() -> Any:
+    yield
+    cpu_kernels.set_amx(True)
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_bf16_prefill_matches_the_reference_with_and_without_amx(name: str, amx_off_after: Any) -> None:
+    """Chunks of 16+ rows take the AMX tiles where the CPU has them, shorter ones (and
+    every row without AMX) the AVX-512 or portable item path; each within bfloat16
+    precision of the float32 reference, and the same whatever the thread count."""
+    specs, bs, heads, kv_heads, head_dim = PREFILL_CASES[name]
+    q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
+                                        head_dim=head_dim, dtype=torch.bfloat16, seed=len(name))
+    scale = head_dim ** -0.5
+    ref = paged_attention_ref(q, k, v, meta, scale).float()
+    for amx in (True, False):
+        on = cpu_kernels.set_amx(amx)
+        assert on == (amx and cpu_kernels.amx_enabled())
+        one = paged_attention_cpu(q, k, v, meta, scale, num_threads=1)
+        torch.testing.assert_close(one.float(), ref, **BF16_TOL)
+        assert torch.equal(paged_attention_cpu(q, k, v, meta, scale, num_threads=2), one)
+
+
+def test_amx_is_on_where_the_cpu_has_it() -> None:
+    has_amx = "amx_bf16" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+    if not has_amx or os.environ.get("SCHEDKIT_CPU_AMX") == "0":
+        pytest.skip("no AMX here")
+    assert cpu_kernels.amx_enabled()
+
+
+def test_float32_prefill_and_decode_match_the_reference_tightly() -> None:
+    """The AVX-512 item path (16 keys per step, a vector exp) keeps float32 exact to 2e-5."""
+    for name, (specs, bs, heads, kv_heads, head_dim) in PREFILL_CASES.items():
+        q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
+                                            head_dim=head_dim, seed=7)
+        torch.testing.assert_close(paged_attention_cpu(q, k, v, meta, 0.3), paged_attention_ref(q, k, v, meta, 0.3),
+                                   atol=2e-5, rtol=1e-5, msg=name)
+
+
+def _fused_inputs(specs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, bs: int,
+                  dtype: torch.dtype) -> tuple[Any, ...]:
+    import numpy as np
+
+    _, k_cache, v_cache, meta = make_attention_case(specs, block_size=bs, num_heads=heads,
+                                                    num_kv_heads=kv_heads, head_dim=head_dim,
+                                                    dtype=dtype, seed=11)
+    positions = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in specs]).astype(np.int64))
+    slots = [int(meta.block_table[i, p // bs]) * bs + p % bs
+             for i, (c, n) in enumerate(specs) for p in range(c, c + n)]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    emb = torch.outer(torch.arange(256, dtype=torch.float32), inv).repeat(1, 2)
+    return qkv, positions, emb.cos(), emb.sin(), k_cache, v_cache, meta
+
+
+def test_sdpa_prefill_chunks_match_the_kernel(monkeypatch: pytest.MonkeyPatch, amx_off_after: Any) -> None:
+    """bfloat16 chunks of dense_min_query+ rows through SDPA (fresh prompts and chunks
+    with context) give the kernel's answer within bfloat16 precision, and write the same
+    cache."""
+    specs, heads, kv_heads, head_dim, bs = [(0, 40), (24, 33), (9, 1), (0, 7)], 6, 2, 64, 16
+    cpu_kernels.set_amx(False)
+    monkeypatch.setattr(attention_mod, "_dense_prefill_supported", lambda: True)
+    qkv, positions, cos, sin, k1, v1, meta = _fused_inputs(specs, heads, kv_heads, head_dim, bs, torch.bfloat16)
+    k2, v2 = k1.clone(), v1.clone()
+    dense = rope_store_attention_cpu(qkv, positions, cos, sin, k1, v1, meta, heads, 0.125, dense_min_query=16)
+    paged = rope_store_attention_cpu(qkv, positions, cos, sin, k2, v2, meta, heads, 0.125, dense_min_query=0)
+    assert dense.dtype == torch.bfloat16
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    torch.testing.assert_close(dense.float(), paged.float(), **BF16_TOL)
+
+
+def test_bf16_fused_call_matches_the_float32_one() -> None:
+    specs, heads, kv_heads, head_dim, bs = [(0, 20), (30, 1), (5, 18)], 4, 2, 32, 8
+    qkv, positions, cos, sin, k1, v1, meta = _fused_inputs(specs, heads, kv_heads, head_dim, bs, torch.bfloat16)
+    k2, v2 = k1.clone(), v1.clone()
+    out16 = rope_store_attention_cpu(qkv, positions, cos, sin, k1, v1, meta, heads, 0.2)
+    out32 = rope_store_attention_cpu(qkv.float(), positions, cos, sin, k2, v2, meta, heads, 0.2)
+    assert out16.dtype == torch.bfloat16 and out32.dtype == torch.float32
+    assert torch.equal(k1, k2) and torch.equal(v1, v2), "the cache holds the same rounded keys"
+    torch.testing.assert_close(out16.float(), out32, **BF16_TOL)
+
+
+@pytest.mark.parametrize("dim", [96, 576, 40])
+def test_bf16_norm_and_silu_round_as_torch_does(dim: int) -> None:
+    """In bfloat16 the kernels round where transformers' bfloat16 ops round: the residual
+    sum, the normalised row before the weight, the SiLU before the product."""
+    from schedkit.runners.paged.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(dim)
+    x = (torch.randn(33, dim, generator=g) * 3).bfloat16()
+    res = torch.randn(33, dim, generator=g).bfloat16()
+    norm = RMSNorm(dim, 1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+    w32 = norm.weight.detach().float()
+    summed = x + res  # bfloat16 add, rounded
+    residual = res.clone()
+    out = cpu_kernels.add_rms_norm(x, residual, w32, 1e-5)
+    assert out.dtype == torch.bfloat16 and torch.equal(residual, summed)
+    with torch.no_grad():
+        expected = norm(summed)
+    # the same roundings; the float32 sum of squares may differ in its last bit
+    assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+    assert (out == expected).float().mean() > 0.97
+    gu = (torch.randn(9, 2 * dim, generator=g) * 4).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    got = cpu_kernels.silu_and_mul(gu)
+    want = F.silu(gate) * up
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    assert (got == want).float().mean() > 0.97
+
+
+def test_bf16_kernels_refuse_mixed_dtypes() -> None:
+    x = torch.randn(3, 32).bfloat16()
+    with pytest.raises(ValueError, match="residual"):
+        cpu_kernels.add_rms_norm(x, torch.randn(3, 32), torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.silu_and_mul(x.half())
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.add_rms_norm(x, None, torch.ones(32).bfloat16(), 1e-5)
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 17), (5, 1), (7, 16), (2, 33), (1, 0)])
+def test_argmax_rows_is_torch_argmax(shape: tuple[int, int]) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    if shape[1] == 0:
+        with pytest.raises(IndexError):
+            x.argmax(-1)
+        assert cpu_kernels.argmax_rows(x).tolist() == [0] * shape[0]
+        return
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_ties_nan_and_infinities() -> None:
+    x = torch.randn(8, 1000)
+    x[0, 100] = x[0, 50] = float("nan")  # the first NaN wins
+    x[1, :] = 1.0  # ties: the first index
+    x[2, 7] = x[2, 9] = float("inf")
+    x[3, :] = float("-inf")
+    x[4, 999] = float("nan")  # in the scalar tail
+    x[5, 3] = x[5, 700] = 50.0
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(-1))
+    assert cpu_kernels.argmax_rows(x)[:6].tolist() == [50, 0, 7, 0, 999, 3]
+    with pytest.raises(ValueError, match="unit row stride"):
+        cpu_kernels.argmax_rows(x.t())
+
+
+def test_the_sampler_uses_the_kernel_for_greedy_rows() -> None:
+    from schedkit.core.request import SamplingParams
+    from schedkit.runners.paged.sampler import Sampler, SamplingBatch
+
+    logits = torch.randn(6, 300)
+    logits[2, :] = 0.5
+    batch = SamplingBatch.build([SamplingParams(temperature=0.0)] * 6, [0] * 6, 300, torch.device("cpu"))
+    assert torch.equal(Sampler(torch.device("cpu"))(logits, batch), logits.argmax(-1))
+
+
+AVX2_SCRIPT = r"""
+import torch
+from schedkit.runners.paged import cpu_kernels
+from schedkit.runners.paged.attention import paged_attention_cpu, paged_attention_ref
+from schedkit.runners.paged.testing import make_attention_case
+assert cpu_kernels.load_cpu_attention() is not None, cpu_kernels.build_error()
+assert not cpu_kernels.amx_enabled()
+specs = [(0, 70), (33, 20), (5, 1), (17, 1), (0, 16)]
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+    for bs, d in ((16, 64), (5, 32)):
+        q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=6, num_kv_heads=2,
+                                            head_dim=d, dtype=dtype, seed=3)
+        torch.testing.assert_close(paged_attention_cpu(q, k, v, meta, 0.2).float(),
+                                   paged_attention_ref(q, k, v, meta, 0.2).float(), atol=tol, rtol=tol)
+x = torch.randn(5, 96).bfloat16(); r = torch.randn(5, 96).bfloat16(); r2 = r.clone()
+cpu_kernels.add_rms_norm(x, r2, torch.ones(96), 1e-5)
+assert torch.equal(r2, x + r)
+logits = torch.randn(4, 1000)
+assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(-1))
+print("ok")
+"""
+
+
+def test_an_avx2_build_of_the_kernels_matches_the_reference(tmp_path: Any) -> None:
+    """The library built for x86-64-v3 (AVX2, no AVX-512, no AMX) in a fresh process:
+    the portable item path, norms and argmax, as CI's AVX2 machines run them."""
+    import platform
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if platform.machine() != "x86_64" or " avx2" not in flags:
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    env = {**os.environ, "SCHEDKIT_KERNEL_MARCH": "x86-64-v3", "SCHEDKIT_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -14,7 +14,7 @@ import typing
 
 from schedkit.config import CacheConfig, Config, SchedulerConfig, load_config
 from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams
-from schedkit.core.hooks import AdmissionDecision, Preemption
+from schedkit.core.hooks import AdmissionDecision, Preemption, Rejection
 from schedkit.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -43,6 +43,7 @@ __all__ = [
     # writing a plugin
     "hookimpl",
     "AdmissionDecision",
+    "Rejection",
     "Preemption",
     # routing between replicas
     "RouteRequest",

@@ -16,7 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from schedkit.config import SchedulerConfig, StructuredOutputsConfig
-    from schedkit.core.hooks import AdmissionDecision, Preemption
+    from schedkit.core.hooks import AdmissionDecision, Preemption, Rejection
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
@@ -182,7 +182,7 @@ def schedkit_step_token_budget(max_num_batched_tokens: int, running: Sequence[Re
 
 @hookspec(firstresult=True)
 def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: float,
-                           now: float) -> AdmissionDecision | None:
+                           now: float) -> AdmissionDecision | Rejection | None:
     """Decide whether the request at the head of the waiting queue may be admitted now.
 
     Stops at first non-None result. Called in the engine-core process, once per waiting
@@ -199,8 +199,8 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
         ``AdmissionDecision.ADMIT`` to try to schedule it (it may still wait for blocks
         or budget, which blocks the queue head as in vLLM), ``SKIP`` to pass over it this
         step (it goes back to the head afterwards), ``REJECT`` to finish it with finish
-        reason "abort" and stop_reason "rejected", or None to leave the decision to the
-        next plugin. The
+        reason "abort" and stop_reason "rejected" (or ``Rejection(reason)``: the same, with
+        the reason the client is told), or None to leave the decision to the next plugin. The
         built-in default admits.
 
     .. versionadded:: 0.1

@@ -35,6 +35,22 @@ class AdmissionDecision(enum.Enum):
     """Finish it now with finish reason "abort" and stop_reason "rejected"."""
 
 
+class Rejection(NamedTuple):
+    """A ``schedkit_admit_request`` answer: REJECT, with the reason the client is told.
+
+    The scheduler treats it as ``AdmissionDecision.REJECT``; ``reason`` travels with the
+    request's end (``Request.rejection_reason``, the output's ``rejection_reason``) and
+    ``schedkit serve`` puts it in the 429's message.
+    """
+
+    reason: str
+    """One sentence for the client, e.g. "the TTFT deadline cannot be met: ...". Not
+    empty; at most ``MAX_REJECTION_REASON`` characters."""
+
+
+MAX_REJECTION_REASON = 512
+
+
 class Preemption(NamedTuple):
     """One answer of ``schedkit_select_voluntary_preemptions``: whom to preempt, and why."""
 

@@ -187,6 +187,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     metrics: RequestMetricsData | None = None
     rejected_by: str | None = None
     """With stop_reason "rejected": the plugin whose admission hook rejected it."""
+    rejection_reason: str | None = None
+    """With stop_reason "rejected": the reason that plugin gave, if it gave one."""
 
     @property
     def finished(self) -> bool:

@@ -225,6 +225,8 @@ class Request:
     stop_reason: int | str | None = None
     rejected_by: str | None = None
     """The plugin whose ``schedkit_admit_request`` answered REJECT (set by the hook facade)."""
+    rejection_reason: str | None = None
+    """The reason that plugin gave (it answered a ``Rejection``), else None."""
     spec_token_ids: list[int] = field(default_factory=list)
     structured_output: StructuredOutputRequest | None = field(default=None, init=False)
     """Its constraint and grammar state (None for an unconstrained request)."""

@@ -852,7 +852,7 @@ class Scheduler:
             self._free_request(req, now)
             self._pending_outputs.append((req, EngineCoreOutput(
                 req.request_id, [], FINISH_REASONS[req.status], req.stop_reason,
-                rejected_by=req.rejected_by)))
+                rejected_by=req.rejected_by, rejection_reason=req.rejection_reason)))
         # Observers hear of them in update_from_output, so a raising observer cannot
         # lose this step's output (its admissions must reach the runner).
         self._pending_finished.extend(rejected)

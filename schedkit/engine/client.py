@@ -266,6 +266,8 @@ class RequestOutput:
     first delta on)."""
     rejected_by: str | None = None
     """With stop_reason "rejected": the plugin whose admission hook rejected it."""
+    rejection_reason: str | None = None
+    """With stop_reason "rejected": the reason that plugin gave, if it gave one."""
 
     @property
     def finished(self) -> bool:
@@ -462,6 +464,7 @@ def _apply(outputs: list[WireOutput], results: dict[str, RequestOutput]) -> int:
         if o.finish_reason is not None:
             res.finish_reason, res.stop_reason, res.error, res.metrics = (
                 o.finish_reason, o.stop_reason, o.error, o.metrics)
+            res.rejected_by, res.rejection_reason = o.rejected_by, o.rejection_reason
             done += 1
     return done
 
@@ -781,7 +784,8 @@ class AsyncLLM:
                 yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
                                     item.stop_reason, item.error, item.metrics,
                                     num_cached_tokens=item.num_cached_tokens,
-                                    rejected_by=item.rejected_by)
+                                    rejected_by=item.rejected_by,
+                                    rejection_reason=item.rejection_reason)
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine

@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from schedkit.config import SchedulerConfig, StructuredOutputsConfig
-from schedkit.core.hooks import AdmissionDecision, Preemption
+from schedkit.core.hooks import MAX_REJECTION_REASON, AdmissionDecision, Preemption, Rejection
 from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from schedkit.core.queues import RequestQueue
 from schedkit.core.request import Request, RequestStatus
@@ -190,11 +190,21 @@ class HookFacade:
         name = "schedkit_admit_request"
         decision, plugin = self._call(name, {"request": request, "num_running": num_running,
                                              "kv_cache_usage": kv_cache_usage, "now": now}, True)
-        if not isinstance(decision, AdmissionDecision):
-            raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision", request)
+        reason = None
+        if isinstance(decision, Rejection):
+            reason = decision.reason
+            if type(reason) is not str or not reason.strip() or len(reason) > MAX_REJECTION_REASON:
+                raise self._bad_answer(name, plugin, decision, "a Rejection's reason must be a "
+                                       f"non-empty str of at most {MAX_REJECTION_REASON} characters",
+                                       request)
+            decision = AdmissionDecision.REJECT
+        elif not isinstance(decision, AdmissionDecision):
+            raise self._bad_answer(name, plugin, decision, "must be an AdmissionDecision or a Rejection",
+                                   request)
         if decision is AdmissionDecision.REJECT:
             self.rejections[plugin or "unknown"] += 1
             request.rejected_by = plugin
+            request.rejection_reason = reason
         return decision
 
     def create_kv_connector(self, *, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from schedkit.core.hooks import AdmissionDecision
+from schedkit.core.hooks import AdmissionDecision, Rejection
 from schedkit.core.queues import KeyedQueue
 from schedkit.core.request import Request, RequestStatus
 from schedkit.hookspecs import hookimpl
@@ -29,7 +29,8 @@ class EarliestDeadlineFirst:
     ``now + prefill_s_per_token * num_prompt_tokens > deadline``: it can no longer get
     its first token in time. At the head of the queue it is then, by ``on_miss``:
 
-    * ``reject``: finished at once (finish reason "abort", stop_reason "rejected");
+    * ``reject``: finished at once (finish reason "abort", stop_reason "rejected"), with
+      a ``Rejection`` whose reason gives the SLO, the wait and the estimate;
     * ``defer``: skipped this step and moved behind every request that can still meet
       its deadline (a second tier, itself in deadline order); it is admitted when it
       reaches the head of that tier, i.e. when no on-time request waits, so it is
@@ -70,13 +71,15 @@ class EarliestDeadlineFirst:
         self.prefill_s_per_token = check_number("prefill_s_per_token", prefill_s_per_token)
         self._late: set[str] = set()
 
-    def deadline(self, request: Request) -> float:
-        """``arrival_time`` plus the request's TTFT SLO: its own ``ttft_slo_s`` when the
-        client set one, else the priority's, else the default."""
+    def slo(self, request: Request) -> float:
+        """The request's TTFT SLO: its own ``ttft_slo_s`` when the client set one, else
+        the priority's, else the default."""
         slo = request.ttft_slo_s
-        if slo is None:
-            slo = self.slo_by_priority.get(request.priority, self.ttft_slo_s)
-        return request.arrival_time + slo
+        return self.slo_by_priority.get(request.priority, self.ttft_slo_s) if slo is None else slo
+
+    def deadline(self, request: Request) -> float:
+        """``arrival_time`` plus the request's TTFT SLO (``slo``)."""
+        return request.arrival_time + self.slo(request)
 
     def is_hopeless(self, request: Request, now: float) -> bool:
         """True if even an immediate admission would miss the deadline (by the estimate)."""
@@ -93,7 +96,7 @@ class EarliestDeadlineFirst:
         return KeyedQueue(self.sort_key)
 
     @hookimpl
-    def schedkit_admit_request(self, request: Request, now: float) -> AdmissionDecision | None:
+    def schedkit_admit_request(self, request: Request, now: float) -> AdmissionDecision | Rejection | None:
         if self.on_miss == "admit" or request.status is not _WAITING:
             return None
         rid = request.request_id
@@ -102,7 +105,10 @@ class EarliestDeadlineFirst:
         if not self.is_hopeless(request, now):
             return None
         if self.on_miss == "reject":
-            return AdmissionDecision.REJECT
+            est = self.prefill_s_per_token * request.num_prompt_tokens
+            return Rejection(f"its TTFT deadline cannot be met: SLO {self.slo(request):g} s, waited "
+                             f"{max(now - request.arrival_time, 0.0):.3f} s, estimated prefill "
+                             f"{est:.3f} s for {request.num_prompt_tokens} prompt tokens")
         # Deferred requests are popped and re-inserted after this step, by the new key.
         self._late.add(rid)
         return AdmissionDecision.SKIP

@@ -81,7 +81,12 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
                           timeout_keep_alive=max(1, round(sc.keep_alive_s)))
     server = DrainingServer(ucfg, get_server, sc.drain_grace_s, key is not None)
     server.run()
-    return 0 if server.started_ok else 1
+    if server.started_ok:
+        return 0
+    # SIGTERM / SIGINT while the engine was starting: a requested stop, not a failure
+    # (the engine finished starting, served nothing and was shut down) -- unless the
+    # start itself failed.
+    return 0 if server.signalled and not server.startup_failed else 1
 
 
 class DrainingServer(uvicorn.Server):
@@ -95,6 +100,8 @@ class DrainingServer(uvicorn.Server):
         self.grace = grace
         self.with_key = with_key
         self.started_ok = False
+        self.signalled = False
+        self.startup_failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: Any = None) -> None:
@@ -102,6 +109,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         srv = self.get_server()
         if self.should_exit or srv is None:
+            self.startup_failed = srv is None or bool(getattr(self.lifespan, "startup_failed", False))
             return
         self.started_ok = True
         bound = [s.getsockname() for server in self.servers for s in server.sockets]
@@ -120,6 +128,7 @@ class DrainingServer(uvicorn.Server):
             self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signalled = True
         srv = self.get_server()
         loop = self._loop
         if srv is not None and not srv.draining:

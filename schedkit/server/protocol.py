@@ -295,6 +295,14 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _field_path(loc: list[Any]) -> str | None:
+    """A pydantic location as OpenAI writes a param: ``messages[0].content[1].type``."""
+    path = ""
+    for x in loc:
+        path += f"[{x}]" if isinstance(x, int) else f".{x}" if path else str(x)
+    return path or None
+
+
 def parse_body(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body against ``model``.
 
@@ -307,10 +315,10 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
         req = model.model_validate(body)
     except ValidationError as e:
         # Of a union's failures, the deepest names the element that is wrong.
-        errors = [(err, [str(x) for x in err["loc"] if not _is_union_tag(x)])
+        errors = [(err, [x for x in err["loc"] if not _is_union_tag(x)])
                   for err in e.errors(include_url=False)]
         err, loc = max(errors, key=lambda el: len(el[1]))
-        param = ".".join(loc) or None
+        param = _field_path(loc)
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"unknown field {param!r}", param=param) from None
         if err["type"] == "missing":

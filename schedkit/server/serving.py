@@ -365,17 +365,18 @@ class Server:
             elif out.finish_reason == "error":
                 c.error = APIError(500, f"the request failed in the engine: {out.error}")
             elif out.finish_reason == "abort" and out.stop_reason == "rejected":
-                c.error = self._rejected(out.rejected_by)
+                c.error = self._rejected(out.rejected_by, out.rejection_reason)
             else:
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         return Event(c, text, c.text.output_token_ids[n_before:], c.finish_reason, c.stop_reason,
                      error=c.error)
 
-    def _rejected(self, plugin: str | None) -> APIError:
+    def _rejected(self, plugin: str | None, reason: str | None) -> APIError:
         by = f" (plugin {plugin!r})" if plugin else ""
-        return APIError(429, f"rejected by the scheduling policy's admission control{by}: the "
-                        "request cannot be served in time or over its quota; retry later or with "
-                        "a looser ttft_slo_s", headers={"Retry-After": str(self.config.server.retry_after_s)})
+        why = reason or ("the plugin gave no reason: the request cannot be served in time or over "
+                         "its quota; retry later or with a looser ttft_slo_s")
+        return APIError(429, f"rejected by the scheduling policy's admission control{by}: {why}",
+                        headers={"Retry-After": str(self.config.server.retry_after_s)})
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ from schedkit import (
     KVConnectorRole,
     PluginError,
     Preemption,
+    Rejection,
     RequestStatus,
     hookimpl,
 )
@@ -330,6 +331,34 @@ def test_hook_schedkit_admit_request():
     assert plugin.examined[3:] == ["later"]
     sched.update_from_output(out, runner_output(out, {"later": [7]}))
     assert [o.request_id for o in serve(sched, FakeRunner())] == ["b"]
+    assert_scheduler_consistent(sched, reqs)
+
+
+class QuotaGate:
+    """Reject tenant "over" with a reason the client is told."""
+
+    @hookimpl
+    def schedkit_admit_request(self, request):
+        if request.tenant == "over":
+            return Rejection(f"tenant {request.tenant!r} is over its token quota")
+        return None
+
+
+def test_a_rejection_carries_its_reason_to_the_output():
+    sched = make_scheduler(plugins=[QuotaGate()])
+    reqs = [make_request("x", [1] * 4, max_tokens=1, tenant="over"),
+            make_request("y", [2] * 4, max_tokens=1, tenant="ok")]
+    for req in reqs:
+        sched.add_request(req)
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["y"]
+    outputs = sched.update_from_output(out, runner_output(out, {"y": [7]}))
+    by_id = {o.request_id: o for o in outputs[0].outputs}
+    assert (by_id["x"].finish_reason, by_id["x"].stop_reason) == ("abort", "rejected")
+    assert by_id["x"].rejected_by.startswith("QuotaGate")
+    assert by_id["x"].rejection_reason == reqs[0].rejection_reason == "tenant 'over' is over its token quota"
+    assert by_id["y"].rejection_reason is None and by_id["y"].rejected_by is None
+    assert sched.hooks.rejections == {by_id["x"].rejected_by: 1}
     assert_scheduler_consistent(sched, reqs)
 
 

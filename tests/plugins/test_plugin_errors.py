@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from schedkit import AdmissionDecision, PluginError, hookimpl
+from schedkit import AdmissionDecision, PluginError, Rejection, hookimpl
 from schedkit.hookspecs import HOOK_NAMES
 from schedkit.plugins.manager import get_plugin_manager
 from schedkit.plugins.testing import (
@@ -323,6 +323,28 @@ def test_bad_answer_blames_the_plugin_that_gave_it():
     with pytest.raises(PluginError) as exc:
         sched.schedule()
     assert exc.value.plugin == "HugeBudget-0"
+
+
+@pytest.mark.parametrize("answer", [Rejection(""), Rejection("   "), Rejection(42), Rejection("x" * 513),
+                                    "reject", True])
+def test_a_bad_admission_answer_is_a_plugin_error_and_nothing_is_lost(answer):
+    class BadGate:
+        @hookimpl
+        def schedkit_admit_request(self, request):
+            return answer if request.request_id == "bad" else None
+
+    gate = BadGate()
+    sched = make_scheduler(plugins=[gate])
+    reqs = [make_request("bad", [1] * 4, max_tokens=2), make_request("ok", [2] * 4, max_tokens=2)]
+    for req in reqs:
+        sched.add_request(req)
+    with pytest.raises(PluginError, match="AdmissionDecision or a Rejection|reason must be") as exc:
+        sched.schedule()
+    assert (exc.value.plugin, exc.value.hook) == ("BadGate-0", "schedkit_admit_request")
+    assert reqs[0].rejected_by is None and reqs[0].rejection_reason is None
+    assert_scheduler_consistent(sched, reqs)
+    answer = None  # the plugin is fixed: both are served, nothing was lost
+    assert sorted(r.request_id for r in serve(sched, FakeRunner())) == ["bad", "ok"]
 
 
 class Observer:

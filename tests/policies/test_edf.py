@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schedkit.core.hooks import AdmissionDecision
+from schedkit.core.hooks import Rejection
 from schedkit.core.request import EventType, RequestStatus
 from schedkit.policies.edf import EarliestDeadlineFirst
 
@@ -87,7 +87,10 @@ def test_defer_serves_late_requests_only_when_no_on_time_request_waits():
 def test_a_preempted_request_is_never_refused():
     edf = EarliestDeadlineFirst(ttft_slo_s=SLO)
     r = req("resumed", 16, t=0.0)
-    assert edf.schedkit_admit_request(request=r, now=10.0) is AdmissionDecision.REJECT
+    answer = edf.schedkit_admit_request(request=r, now=10.0)
+    assert isinstance(answer, Rejection)
+    assert answer.reason == ("its TTFT deadline cannot be met: SLO 0.3 s, waited 10.000 s, "
+                             "estimated prefill 0.000 s for 16 prompt tokens")
     r.status = RequestStatus.PREEMPTED
     assert edf.schedkit_admit_request(request=r, now=10.0) is None
 

@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.server.conftest import LiveServer, metric, server_config, start_server
 
@@ -37,7 +39,7 @@ DRAIN_GRACE_S = 1.0
 # -- helpers -------------------------------------------------------------------------------
 def assert_error(r: Any, status: int, *, param: str | None = None, says: tuple[str, ...] = ()) -> dict:
     """``r`` is an OpenAI error object with ``status``; its param is ``param`` (or names a
-    part of it: ``stop.0``), and its message contains each of ``says``."""
+    part of it: ``stop[0]``), and its message contains each of ``says``."""
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
     assert set(body) == {"error"}, body
@@ -339,15 +341,15 @@ CHAT_BAD: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("messages-missing", {"max_tokens": 2}, 400, "messages", ("required",)),
     ("messages-empty", _m(messages=[]), 400, "messages", ()),
     ("messages-str", _m(messages="w7"), 400, "messages", ()),
-    ("message-bad-role", _m(messages=[{"role": "robot", "content": "w7"}]), 400, "messages.0.role", ()),
-    ("message-no-role", _m(messages=[{"content": "w7"}]), 400, "messages.0.role", ("required",)),
-    ("message-content-int", _m(messages=[{"role": "user", "content": 7}]), 400, "messages.0.content", ()),
+    ("message-bad-role", _m(messages=[{"role": "robot", "content": "w7"}]), 400, "messages[0].role", ()),
+    ("message-no-role", _m(messages=[{"content": "w7"}]), 400, "messages[0].role", ("required",)),
+    ("message-content-int", _m(messages=[{"role": "user", "content": 7}]), 400, "messages[0].content", ()),
     ("message-image-part", _m(messages=[{"role": "user", "content": [
         {"type": "text", "text": "w7"},
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), 400,
-     "messages.0.content", ()),
+     "messages[0].content", ()),
     ("message-text-part-extra", _m(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "w7", "detail": "high"}]}]), 400, "messages.0.content", ()),
+        {"type": "text", "text": "w7", "detail": "high"}]}]), 400, "messages[0].content", ()),
     ("max_tokens-str", _m(max_tokens="5"), 400, "max_tokens", ()),
     ("max_tokens-zero", _m(max_tokens=0), 400, "max_tokens", ()),
     ("max_completion_tokens-neg", _m(max_completion_tokens=-3), 400, "max_completion_tokens", ()),
@@ -520,7 +522,8 @@ def test_admission_rejection_is_a_429(api, client):
     before = rejected()
     hopeless = _c(ttft_slo_s=1e-9, max_tokens=4)
     r = client.post("/v1/completions", json=hopeless)
-    err = assert_error(r, 429, says=("edf", "ttft_slo_s"))
+    # the plugin's name and its own reason (edf's Rejection: the SLO, the wait, the estimate)
+    err = assert_error(r, 429, says=("edf", "TTFT deadline cannot be met", "SLO 1e-09 s"))
     assert err["type"] == "RateLimitError"
     assert int(r.headers["retry-after"]) >= 0
     r = client.post("/v1/completions", json={**hopeless, "stream": True})
@@ -722,3 +725,44 @@ def test_sigterm_drains_then_exits_0(servers):
     assert s.proc.wait(grace + 8) == 0
     assert "draining (2 requests in flight, 1 s grace)" in s.log()
     assert not Path(f"/proc/{engine}").exists()  # the engine went with it
+
+
+_SLOW_ENGINE_START = '''\
+import pathlib, time
+if b"schedkit.engine.process" in pathlib.Path("/proc/self/cmdline").read_bytes():
+    time.sleep(float(__import__("os").environ["SLOW_ENGINE_START_S"]))
+'''
+
+
+def test_sigterm_while_the_engine_starts_exits_0(tmp_path, word_tokenizer):
+    """A stop asked for during start-up is not a failure: the engine finishes starting,
+    serves nothing, is shut down, and the process exits 0 without ever listening."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_ENGINE_START)  # the engine process imports slowly
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(server_config(word_tokenizer)))
+    env = {**os.environ, "SLOW_ENGINE_START_S": "2",
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "schedkit.cli", "serve", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        def engine_started() -> bool:
+            return any(b"schedkit.engine.process" in _cmdline(pid) for pid in child_pids(proc.pid))
+
+        wait_for(engine_started, 30.0, "the engine process to be spawned")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "listening on" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""

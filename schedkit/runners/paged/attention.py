@@ -64,18 +64,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 DENSE_PREFILL_MIN_QUERY = 64
-"""Query rows from which a bfloat16 prefill chunk is attended by torch's SDPA (its CPU
-flash kernel, whose bfloat16 GEMMs run on AVX512-BF16 through oneDNN) rather than by the
-paged kernel's AVX-512 path, on a CPU with native bfloat16 GEMMs but without the
-kernel's AMX tiles (with them, the kernel's own AMX prefill is faster): about where
-SDPA's per-call cost is paid back (docs/model-runner.md)."""
+"""Query rows from which a bfloat16 prefill chunk is attended by torch's SDPA rather than
+by the paged kernel's AVX-512 path, on a CPU with AMX whose kernel runs without its own
+AMX tiles (``SCHEDKIT_CPU_AMX=0``, or a kernel built for another ``-march``): there
+SDPA's GEMMs still get AMX through oneDNN. About where SDPA's per-call cost is paid
+back (docs/model-runner.md)."""
 
 
 def _dense_prefill_supported() -> bool:
+    """SDPA for long bfloat16 chunks only where torch has AMX and the kernel does not: on
+    AVX512-BF16 without AMX (AMD Zen 4) the kernel's own AVX-512 path is faster (0.32 s
+    against SDPA's 0.72 s of attention per 2,048-token prefill step of SmolLM2-135M on 2
+    cores, docs/results.md)."""
     from schedkit.runners.paged.cpu_kernels import amx_enabled
     from schedkit.runners.paged.cpu_linear import onednn_matmul_supported
 
-    return not amx_enabled() and onednn_matmul_supported(torch.bfloat16)
+    return (not amx_enabled() and bool(torch.cpu._is_amx_tile_supported())
+            and onednn_matmul_supported(torch.bfloat16))
 
 
 def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

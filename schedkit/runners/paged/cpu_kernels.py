@@ -38,6 +38,7 @@ _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _tried = False
 _amx = False
+_bf16_tiles = False
 
 
 def _compiler() -> str | None:
@@ -119,13 +120,16 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             "schedkit_apply_grammar_bitmask": ([p, i64, p, i64, p, p, i64, i64, p, i32], None),
             "schedkit_argmax_rows": ([p, i64, i64, i64, p, i32], None),
             "schedkit_amx_enable": ([i32], ctypes.c_int),
+            "schedkit_bf16_tiles_enable": ([i32], ctypes.c_int),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         _lib, _error = lib, None
-        global _amx
+        global _amx, _bf16_tiles
         _amx = bool(lib.schedkit_amx_enable(int(os.environ.get("SCHEDKIT_CPU_AMX", "1") != "0")))
+        _bf16_tiles = bool(lib.schedkit_bf16_tiles_enable(
+            int(os.environ.get("SCHEDKIT_CPU_BF16_TILES", "1") != "0")))
         return lib
 
 
@@ -220,6 +224,21 @@ def set_amx(on: bool) -> bool:
     global _amx
     _amx = bool(cpu_kernels().schedkit_amx_enable(int(on)))
     return _amx
+
+
+def bf16_tiles_enabled() -> bool:
+    """Whether the kernel runs bfloat16 prefill tiles by ``vdpbf16ps`` where it has no AMX
+    (AVX512-BF16, e.g. AMD Zen 4): built for such a CPU and ``$SCHEDKIT_CPU_BF16_TILES``
+    is not ``0``. AMX tiles, where enabled, take precedence."""
+    return _bf16_tiles
+
+
+def set_bf16_tiles(on: bool) -> bool:
+    """Turn the ``vdpbf16ps`` prefill tiles on or off (tests compare both paths); returns
+    whether they are on."""
+    global _bf16_tiles
+    _bf16_tiles = bool(cpu_kernels().schedkit_bf16_tiles_enable(int(on)))
+    return _bf16_tiles
 
 
 def build_error() -> str | None:

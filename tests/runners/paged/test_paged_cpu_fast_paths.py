@@ -1,5 +1,5 @@
-"""The CPU kernel's machine-specific paths against the PyTorch reference: the AMX
-prefill tiles (bfloat16 caches), the AVX-512 item path, SDPA for bfloat16 prefill
+"""The CPU kernel's machine-specific paths against the PyTorch reference: the bfloat16
+prefill tiles (AMX, and vdpbf16ps where there is no AMX), the AVX-512 item path, SDPA for bfloat16 prefill
 chunks, the bfloat16 activation kernels (rounded where torch rounds), the threaded
 argmax, and an AVX2 build of the same library (``SCHEDKIT_KERNEL_MARCH``) so that the
 paths an AVX-512 machine skips are still checked there."""
@@ -44,29 +44,45 @@ BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 def amx_off_after() -> Any:
     yield
     cpu_kernels.set_amx(True)
+    cpu_kernels.set_bf16_tiles(True)
+
+
+def _has_flag(flag: str) -> bool:
+    return os.path.exists("/proc/cpuinfo") and flag in open("/proc/cpuinfo").read().split()
 
 
 @pytest.mark.parametrize("name", list(PREFILL_CASES))
-def test_bf16_prefill_matches_the_reference_with_and_without_amx(name: str, amx_off_after: Any) -> None:
-    """Chunks of 16+ rows take the AMX tiles where the CPU has them, shorter ones (and
-    every row without AMX) the AVX-512 or portable item path; each within bfloat16
-    precision of the float32 reference, and the same whatever the thread count."""
+def test_bf16_prefill_matches_the_reference_on_every_engine(name: str, amx_off_after: Any) -> None:
+    """Chunks of 16+ rows take the AMX tiles where the CPU has them, else the vdpbf16ps
+    tiles (AVX512-BF16); shorter ones, and every row with both off, the AVX-512 or
+    portable item path. Each within bfloat16 precision of the float32 reference, and the
+    same whatever the thread count."""
     specs, bs, heads, kv_heads, head_dim = PREFILL_CASES[name]
     q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
                                         head_dim=head_dim, dtype=torch.bfloat16, seed=len(name))
     scale = head_dim ** -0.5
     ref = paged_attention_ref(q, k, v, meta, scale).float()
-    for amx in (True, False):
-        on = cpu_kernels.set_amx(amx)
-        assert on == (amx and cpu_kernels.amx_enabled())
+    results = {}
+    for amx, dot in ((True, True), (False, True), (False, False)):
+        cpu_kernels.set_amx(amx)
+        assert cpu_kernels.set_bf16_tiles(dot) == (dot and _has_flag("avx512_bf16"))
         one = paged_attention_cpu(q, k, v, meta, scale, num_threads=1)
         torch.testing.assert_close(one.float(), ref, **BF16_TOL)
         assert torch.equal(paged_attention_cpu(q, k, v, meta, scale, num_threads=2), one)
+        results[amx, dot] = one
+    if _has_flag("avx512_bf16") and any(n >= 16 for _, n in specs):
+        # the tiles really ran: P rounded to bfloat16 makes them differ from the item path
+        assert not torch.equal(results[False, True], results[False, False])
+
+
+def test_the_dot_tiles_are_on_where_the_cpu_has_avx512_bf16() -> None:
+    if not _has_flag("avx512_bf16") or os.environ.get("SCHEDKIT_CPU_BF16_TILES") == "0":
+        pytest.skip("no AVX512-BF16 here")
+    assert cpu_kernels.bf16_tiles_enabled()
 
 
 def test_amx_is_on_where_the_cpu_has_it() -> None:
-    has_amx = "amx_bf16" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
-    if not has_amx or os.environ.get("SCHEDKIT_CPU_AMX") == "0":
+    if not _has_flag("amx_bf16") or os.environ.get("SCHEDKIT_CPU_AMX") == "0":
         pytest.skip("no AMX here")
     assert cpu_kernels.amx_enabled()
 
@@ -207,7 +223,7 @@ from schedkit.runners.paged import cpu_kernels
 from schedkit.runners.paged.attention import paged_attention_cpu, paged_attention_ref
 from schedkit.runners.paged.testing import make_attention_case
 assert cpu_kernels.load_cpu_attention() is not None, cpu_kernels.build_error()
-assert not cpu_kernels.amx_enabled()
+assert not cpu_kernels.amx_enabled() and not cpu_kernels.bf16_tiles_enabled()
 specs = [(0, 70), (33, 20), (5, 1), (17, 1), (0, 16)]
 for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
     for bs, d in ((16, 64), (5, 32)):

@@ -479,16 +479,65 @@ void run_item_avx512(const Problem& p, const KT* k_cache, const KT* v_cache, con
 }
 #endif
 
-#if defined(SCHEDKIT_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#ifdef SCHEDKIT_AVX512_BF16
+// Prefill tiles for bfloat16 caches: items of 32 query rows (two 16-row sub-tiles),
+// computed transposed so that the online softmax runs across 16 rows in vector lanes:
+// S^T = K Q^T ([16 keys][16 rows] per sub-tile), P^T rounded to bfloat16 in key pairs,
+// O^T += V^T P^T ([16 dims][16 rows] per 16 columns of head_dim). Two engines run the
+// products: AMX tiles (Sapphire Rapids and later) and, where there is no AMX, vdpbf16ps
+// on AVX512-BF16 (AMD Zen 4) with the same operands in the same layouts, one key (or
+// dimension) row broadcast against a vector of 16 rows' pairs.
+#define SCHEDKIT_TILES 1
+std::atomic<bool> g_dp_tiles{true};  // the vdpbf16ps engine (schedkit_bf16_tiles_enable)
+
+constexpr int64_t kTileRows = 32;  // query rows of one tile work item (two sub-tiles)
+
+// vdpbf16ps: lanes r of acc += the pair product of the 32-bit word w (two bfloat16)
+// with lane r's pair in b.
+inline __m512 dp_pair(__m512 acc, uint32_t w, __m512bh b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(w)), b);
+}
+
+// S^T of one sub-tile by vdpbf16ps: s[t][r] = sum over pairs of key row t (16 rows of a,
+// `stride` elements apart) and Q^T's pair rows (qt: [D / 2][16] 32-bit words).
+inline void dp_scores_t(const uint16_t* a, int64_t stride, const uint16_t* qt, int64_t D, float* s) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qt);
+  for (int64_t c = 0; c < D / 2; ++c) {
+    const __m512bh b = (__m512bh)_mm512_loadu_si512(q32 + 16 * c);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      uint32_t w;
+      std::memcpy(&w, a + t * stride + 2 * c, sizeof w);
+      acc[t] = dp_pair(acc[t], w, b);
+    }
+  }
+  for (int t = 0; t < 16; ++t) _mm512_storeu_ps(s + 16 * t, acc[t]);
+}
+
+// O^T (16 dims of one sub-tile, o: [16][16] float32) = o * alpha + V^T P^T by vdpbf16ps:
+// vt: [16 dims][16 keys] bfloat16, pt: [8 key pairs][16 rows] 32-bit words.
+inline void dp_values_t(const uint16_t* vt, const uint16_t* pt, __m512 alpha, float* o) {
+  __m512bh b[8];
+  for (int k = 0; k < 8; ++k) b[k] = (__m512bh)_mm512_loadu_si512(pt + 32 * k);
+  const uint32_t* v32 = reinterpret_cast<const uint32_t*>(vt);
+#pragma GCC unroll 4
+  for (int d = 0; d < 16; ++d) {
+    __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
+    for (int k = 0; k < 8; k += 2) {
+      x = dp_pair(x, v32[8 * d + k], b[k]);
+      y = dp_pair(y, v32[8 * d + k + 1], b[k + 1]);
+    }
+    _mm512_storeu_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * d), alpha, _mm512_add_ps(x, y)));
+  }
+}
+#endif
+
+#if defined(SCHEDKIT_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define SCHEDKIT_AMX 1
-// Prefill tiles on AMX: for each KV head and 16-key chunk of the context, K is laid out
-// as the B operand of Q K^T (pairs of dimensions, keys along the row) and V as the B
-// operand of P V (pairs of keys, dimensions along the row); then for every query head
-// of the group and 16-row sub-tile: S = Q K^T in one tile (D / 32 tile products), the
-// online softmax on its 16 rows with AVX-512, P rounded to bfloat16, and P V in 16-column
-// pieces added into float32 accumulators. Both 16-row sub-tiles of an item go together,
-// so their tile products overlap. Tiles: 0 / 2 S and P V of sub-tile 0 / 1, 1 / 4 their
-// Q, 5 / 7 their P, 3 K^T, 6 V.
+// The AMX engine. Tiles: 0 / 2 S^T and O^T of sub-tile 0 / 1, 1 K, 3 / 4 Q^T, 5 V^T,
+// 6 / 7 P^T.
 std::atomic<bool> g_amx{false};  // set by schedkit_amx_enable once the OS granted the tiles
 
 struct alignas(64) TileConfig {
@@ -504,9 +553,9 @@ inline void amx_configure() {
       set(7, 8, 64);
   _tile_loadconfig(&c);
 }
+#endif
 
-constexpr int64_t kAmxRows = 32;  // query rows of one AMX work item (two sub-tiles)
-
+#ifdef SCHEDKIT_TILES
 struct AmxScratch {
   uint16_t* qh;    // [16][D]: one sub-tile's queries in bfloat16, scaled
   uint16_t* qt;    // [H][2][D / 2][16][2]: Q^T, B operand of K Q^T
@@ -562,14 +611,15 @@ inline void amx_pack_values_t(const uint16_t* v, int64_t stride, int64_t n, int6
   }
 }
 
-// One item of up to kAmxRows rows of one sequence, every head, computed transposed so
+// One item of up to kTileRows rows of one sequence, every head, computed transposed so
 // that the softmax runs across rows in vector lanes: S^T = K Q^T ([16 keys][16 rows] per
 // 16-row sub-tile, K read straight from the cache as the A operand), P^T rounded to
 // bfloat16 in key pairs, O^T += V^T P^T ([16 dims][16 rows] per 16 columns of head_dim).
 // accT: [H][2][D][16], m, l: [H][2][16]. Tiles: 0 / 2 S^T and O^T of sub-tile 0 / 1,
 // 1 K, 3 / 4 Q^T, 5 V^T, 6 / 7 P^T.
-void run_item_amx(const Problem& p, const uint16_t* k_cache, const uint16_t* v_cache, const Item& it,
-                  float* accT, float* m, float* l, const AmxScratch& sc) {
+template <bool kAmx>
+void run_item_tiles(const Problem& p, const uint16_t* k_cache, const uint16_t* v_cache, const Item& it,
+                    float* accT, float* m, float* l, const AmxScratch& sc) {
   const int64_t D = p.head_dim, BS = p.block_size, H = p.num_heads, KVH = p.num_kv_heads, G = H / KVH;
   const int64_t q0 = p.query_start_loc[it.seq];
   const int64_t q_len = p.query_start_loc[it.seq + 1] - q0;
@@ -604,7 +654,9 @@ void run_item_amx(const Problem& p, const uint16_t* k_cache, const uint16_t* v_c
   alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i pairs = _mm512_load_si512(pair_idx);
-  amx_configure();
+#ifdef SCHEDKIT_AMX
+  if constexpr (kAmx) amx_configure();
+#endif
   for (int64_t g = 0; g < KVH; ++g) {
     for (int64_t base = 0, n = 0; base < num_keys; base += n) {  // chunks of up to 16 keys in one block
       const int64_t in_block = base % BS;
@@ -627,19 +679,26 @@ void run_item_amx(const Problem& p, const uint16_t* k_cache, const uint16_t* v_c
           key_live[sub][t] = t < n ? static_cast<__mmask16>(
               row_live[sub] & _mm512_cmpge_epi32_mask(row_pos[sub], _mm512_set1_epi32(static_cast<int>(base + t)))) : 0;
       for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-        _tile_zero(0);
-        _tile_zero(2);
-        for (int64_t c = 0; c < D / 32; ++c) {
-          _tile_loadd(1, ka + 32 * c, ka_stride * sizeof(uint16_t));
-          _tile_loadd(3, sc.qt + (h * 2) * D * 16 + c * 16 * 16 * 2, 64);
-          _tile_dpbf16ps(0, 1, 3);
-          if (subs == 2) {
-            _tile_loadd(4, sc.qt + (h * 2 + 1) * D * 16 + c * 16 * 16 * 2, 64);
-            _tile_dpbf16ps(2, 1, 4);
+        if constexpr (kAmx) {
+#ifdef SCHEDKIT_AMX
+          _tile_zero(0);
+          _tile_zero(2);
+          for (int64_t c = 0; c < D / 32; ++c) {
+            _tile_loadd(1, ka + 32 * c, ka_stride * sizeof(uint16_t));
+            _tile_loadd(3, sc.qt + (h * 2) * D * 16 + c * 16 * 16 * 2, 64);
+            _tile_dpbf16ps(0, 1, 3);
+            if (subs == 2) {
+              _tile_loadd(4, sc.qt + (h * 2 + 1) * D * 16 + c * 16 * 16 * 2, 64);
+              _tile_dpbf16ps(2, 1, 4);
+            }
           }
+          _tile_stored(0, sc.s, 64);
+          if (subs == 2) _tile_stored(2, sc.s + 256, 64);
+#endif
+        } else {
+          for (int64_t sub = 0; sub < subs; ++sub)
+            dp_scores_t(ka, ka_stride, sc.qt + (h * 2 + sub) * D * 16, D, sc.s + 256 * sub);
         }
-        _tile_stored(0, sc.s, 64);
-        if (subs == 2) _tile_stored(2, sc.s + 256, 64);
         __m512 alpha[2];
         for (int64_t sub = 0; sub < subs; ++sub) {  // the online softmax, 16 rows per vector
           const float* st = sc.s + 256 * sub;
@@ -662,6 +721,14 @@ void run_item_amx(const Problem& p, const uint16_t* k_cache, const uint16_t* v_c
           _mm512_storeu_ps(ms, m_new);
           _mm512_storeu_ps(ls, _mm512_fmadd_ps(_mm512_loadu_ps(ls), alpha[sub], sum));
         }
+        if constexpr (!kAmx) {
+          for (int64_t dc = 0; dc < D / 16; ++dc)
+            for (int64_t sub = 0; sub < subs; ++sub)
+              dp_values_t(sc.vt + dc * 256, sc.pt + 256 * sub, alpha[sub],
+                          accT + ((h * 2 + sub) * D + 16 * dc) * 16);
+          continue;
+        }
+#ifdef SCHEDKIT_AMX
         _tile_loadd(6, sc.pt, 64);
         if (subs == 2) _tile_loadd(7, sc.pt + 256, 64);
         for (int64_t dc = 0; dc < D / 16; ++dc) {
@@ -681,10 +748,13 @@ void run_item_amx(const Problem& p, const uint16_t* k_cache, const uint16_t* v_c
                                                            _mm512_loadu_ps(sc.pv + 256 * sub + 16 * d)));
           }
         }
+#endif
       }
     }
   }
-  _tile_release();
+#ifdef SCHEDKIT_AMX
+  if constexpr (kAmx) _tile_release();
+#endif
   std::vector<float> out(16 * H * D);  // rows [row][head][D] of O^T / l, 16 at a time
   for (int64_t sub = 0; sub < subs; ++sub) {
     for (int64_t h = 0; h < H; ++h) {
@@ -767,21 +837,26 @@ void rope_store_token(const Problem& p, const RopeStore& rs, KT* k_cache, KT* v_
   store_as(v_cache + slot * KVH * D, row + (H + KVH) * D, KVH * D);
 }
 
-#ifdef SCHEDKIT_AMX
-constexpr int64_t kAmxItemRows = kAmxRows;
+#ifdef SCHEDKIT_TILES
+constexpr int64_t kTileItemRows = kTileRows;
 #else
-constexpr int64_t kAmxItemRows = 1;
+constexpr int64_t kTileItemRows = 1;
 #endif
-// Whether prefill items of this problem run on AMX: bfloat16 caches, head_dim a multiple
-// of 32 (at most 256), and the tiles enabled (schedkit_amx_enable).
+enum class Tiles { kNone, kDot, kAmx };
+// Which tile engine runs this problem's prefill items (chunks of 16+ rows): bfloat16
+// caches, head_dim a multiple of 32 (at most 256); AMX where enabled
+// (schedkit_amx_enable), else vdpbf16ps where enabled (schedkit_bf16_tiles_enable).
 template <typename KT>
-bool use_amx(const Problem& p) {
+Tiles tile_engine(const Problem& p) {
+#ifdef SCHEDKIT_TILES
+  if (!std::is_same_v<KT, uint16_t> || p.head_dim % 32 != 0 || p.head_dim > 256) return Tiles::kNone;
 #ifdef SCHEDKIT_AMX
-  return std::is_same_v<KT, uint16_t> && p.head_dim % 32 == 0 && p.head_dim <= 256 &&
-         g_amx.load(std::memory_order_relaxed);
+  if (g_amx.load(std::memory_order_relaxed)) return Tiles::kAmx;
+#endif
+  return g_dp_tiles.load(std::memory_order_relaxed) ? Tiles::kDot : Tiles::kNone;
 #else
   (void)p;
-  return false;
+  return Tiles::kNone;
 #endif
 }
 
@@ -789,11 +864,12 @@ template <typename KT>
 void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_t num_seqs,
          int64_t rows_per_item, int num_threads, const RopeStore* rs) {
   std::vector<Item> items;
-  const bool amx = use_amx<KT>(p);
+  const Tiles tiles = tile_engine<KT>(p);
+  const bool amx = tiles != Tiles::kNone;  // tile items (either engine)
   for (int64_t j = 0; j < num_seqs; ++j) {
     const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
     const int32_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-    const int32_t step = static_cast<int32_t>(amx && q_len >= 16 ? kAmxItemRows : rows_per_item);
+    const int32_t step = static_cast<int32_t>(amx && q_len >= 16 ? kTileItemRows : rows_per_item);
     for (int32_t r = 0; r < q_len; r += step)
       items.push_back({seq, r, std::min<int32_t>(q_len, r + step)});
   }
@@ -813,7 +889,7 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     const int64_t row_elems = (p.num_heads + 2 * p.num_kv_heads) * D;
     const int64_t s_elems = std::max<int64_t>(BS, 16);
     std::vector<float> buf(2 * nq * D + 2 * nq + 2 * block_elems + s_elems + D + row_elems + nq * D / 2 + 16);
-#ifdef SCHEDKIT_AMX
+#ifdef SCHEDKIT_TILES
     std::vector<float> amx_acc, amx_ml;
     std::vector<uint16_t> amx_tiles;
     AmxScratch amx_sc{};
@@ -846,12 +922,15 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     }  // the implicit barrier: every key is in the cache before any item reads it
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w) {
-#ifdef SCHEDKIT_AMX
+#ifdef SCHEDKIT_TILES
       if constexpr (std::is_same_v<KT, uint16_t>) {
         const Item& it = items[w];
         if (amx && p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] >= 16) {
-          run_item_amx(p, k_cache, v_cache, it, amx_acc.data(), amx_ml.data(),
-                       amx_ml.data() + p.num_heads * 2 * 16, amx_sc);
+          float* ml = amx_ml.data();
+          if (tiles == Tiles::kAmx)
+            run_item_tiles<true>(p, k_cache, v_cache, it, amx_acc.data(), ml, ml + p.num_heads * 2 * 16, amx_sc);
+          else
+            run_item_tiles<false>(p, k_cache, v_cache, it, amx_acc.data(), ml, ml + p.num_heads * 2 * 16, amx_sc);
           continue;
         }
       }
@@ -967,6 +1046,19 @@ int schedkit_amx_enable(int on) {
   const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   g_amx.store(granted);
   return granted ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+
+// Prefill tiles by vdpbf16ps (AVX512-BF16, bfloat16 caches), used where AMX is not:
+// on = 1 turns them on (the default), 0 off. Returns whether they are on; a build without
+// AVX512-BF16 always returns 0.
+int schedkit_bf16_tiles_enable(int on) {
+#ifdef SCHEDKIT_TILES
+  g_dp_tiles.store(on != 0);
+  return on != 0 ? 1 : 0;
 #else
   (void)on;
   return 0;

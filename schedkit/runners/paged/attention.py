@@ -19,6 +19,8 @@ works.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -71,16 +73,21 @@ SDPA's GEMMs still get AMX through oneDNN. About where SDPA's per-call cost is p
 back (docs/model-runner.md)."""
 
 
-def _dense_prefill_supported() -> bool:
-    """SDPA for long bfloat16 chunks only where torch has AMX and the kernel does not: on
-    AVX512-BF16 without AMX (AMD Zen 4) the kernel's own AVX-512 path is faster (0.32 s
-    against SDPA's 0.72 s of attention per 2,048-token prefill step of SmolLM2-135M on 2
-    cores, docs/results.md)."""
-    from schedkit.runners.paged.cpu_kernels import amx_enabled
+@functools.cache
+def _torch_has_amx_bf16() -> bool:
     from schedkit.runners.paged.cpu_linear import onednn_matmul_supported
 
-    return (not amx_enabled() and bool(torch.cpu._is_amx_tile_supported())
-            and onednn_matmul_supported(torch.bfloat16))
+    return bool(torch.cpu._is_amx_tile_supported()) and onednn_matmul_supported(torch.bfloat16)
+
+
+def _dense_prefill_supported() -> bool:
+    """SDPA for long bfloat16 chunks only where torch has AMX and the kernel does not: on
+    AVX512-BF16 without AMX (AMD Zen 4) the kernel is faster (its vdpbf16ps tiles take
+    0.20 s, its item path 0.37 s, SDPA 0.72 s of attention per 2,048-token prefill step
+    of SmolLM2-135M on 2 cores, docs/results.md)."""
+    from schedkit.runners.paged.cpu_kernels import amx_enabled
+
+    return not amx_enabled() and _torch_has_amx_bf16()
 
 
 def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

@@ -558,7 +558,7 @@ inline void amx_configure() {
 #endif
 
 #ifdef SCHEDKIT_TILES
-struct AmxScratch {
+struct TileScratch {
   uint16_t* qh;    // [16][D]: one sub-tile's queries in bfloat16, scaled
   uint16_t* qt;    // [H][2][D / 2][16][2]: Q^T, B operand of K Q^T
   uint16_t* kpad;  // [16][D]: a short chunk's keys, zero-padded
@@ -621,7 +621,7 @@ inline void amx_pack_values_t(const uint16_t* v, int64_t stride, int64_t n, int6
 // 1 K, 3 / 4 Q^T, 5 V^T, 6 / 7 P^T.
 template <bool kAmx>
 void run_item_tiles(const Problem& p, const uint16_t* k_cache, const uint16_t* v_cache, const Item& it,
-                    float* accT, float* m, float* l, const AmxScratch& sc) {
+                    float* accT, float* m, float* l, const TileScratch& sc) {
   const int64_t D = p.head_dim, BS = p.block_size, H = p.num_heads, KVH = p.num_kv_heads, G = H / KVH;
   const int64_t q0 = p.query_start_loc[it.seq];
   const int64_t q_len = p.query_start_loc[it.seq + 1] - q0;
@@ -867,11 +867,11 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
          int64_t rows_per_item, int num_threads, const RopeStore* rs) {
   std::vector<Item> items;
   const Tiles tiles = tile_engine<KT>(p);
-  const bool amx = tiles != Tiles::kNone;  // tile items (either engine)
+  const bool tiled = tiles != Tiles::kNone;
   for (int64_t j = 0; j < num_seqs; ++j) {
     const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
     const int32_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-    const int32_t step = static_cast<int32_t>(amx && q_len >= 16 ? kTileItemRows : rows_per_item);
+    const int32_t step = static_cast<int32_t>(tiled && q_len >= 16 ? kTileItemRows : rows_per_item);
     for (int32_t r = 0; r < q_len; r += step)
       items.push_back({seq, r, std::min<int32_t>(q_len, r + step)});
   }
@@ -892,21 +892,21 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     const int64_t s_elems = std::max<int64_t>(BS, 16);
     std::vector<float> buf(2 * nq * D + 2 * nq + 2 * block_elems + s_elems + D + row_elems + nq * D / 2 + 16);
 #ifdef SCHEDKIT_TILES
-    std::vector<float> amx_acc, amx_ml;
-    std::vector<uint16_t> amx_tiles;
-    AmxScratch amx_sc{};
-    if (amx) {
-      amx_acc.resize(p.num_heads * 2 * D * 16);
-      amx_ml.resize(2 * p.num_heads * 2 * 16);
-      amx_tiles.resize(16 * D + p.num_heads * 2 * D * 16 + 16 * D + D * 16 + 2 * 256 + 64);
-      amx_sc.qh = amx_tiles.data();
-      amx_sc.qt = amx_sc.qh + 16 * D;
-      amx_sc.kpad = amx_sc.qt + p.num_heads * 2 * D * 16;
-      amx_sc.vt = amx_sc.kpad + 16 * D;
-      amx_sc.pt = amx_sc.vt + D * 16;
+    std::vector<float> tile_acc, tile_ml;
+    std::vector<uint16_t> tile_buf;
+    TileScratch tile_sc{};
+    if (tiled) {
+      tile_acc.resize(p.num_heads * 2 * D * 16);
+      tile_ml.resize(2 * p.num_heads * 2 * 16);
+      tile_buf.resize(16 * D + p.num_heads * 2 * D * 16 + 16 * D + D * 16 + 2 * 256 + 64);
+      tile_sc.qh = tile_buf.data();
+      tile_sc.qt = tile_sc.qh + 16 * D;
+      tile_sc.kpad = tile_sc.qt + p.num_heads * 2 * D * 16;
+      tile_sc.vt = tile_sc.kpad + 16 * D;
+      tile_sc.pt = tile_sc.vt + D * 16;
     }
-    alignas(64) float amx_s[512], amx_pv[512];
-    amx_sc.s = amx_s, amx_sc.pv = amx_pv;
+    alignas(64) float tile_s[512], tile_pv[512];
+    tile_sc.s = tile_s, tile_sc.pv = tile_pv;
 #endif
     float* qbuf = buf.data();
     float* acc = qbuf + nq * D;
@@ -927,12 +927,12 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
 #ifdef SCHEDKIT_TILES
       if constexpr (std::is_same_v<KT, uint16_t>) {
         const Item& it = items[w];
-        if (amx && p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] >= 16) {
-          float* ml = amx_ml.data();
+        if (tiled && p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq] >= 16) {
+          float* ml = tile_ml.data();
           if (tiles == Tiles::kAmx)
-            run_item_tiles<true>(p, k_cache, v_cache, it, amx_acc.data(), ml, ml + p.num_heads * 2 * 16, amx_sc);
+            run_item_tiles<true>(p, k_cache, v_cache, it, tile_acc.data(), ml, ml + p.num_heads * 2 * 16, tile_sc);
           else
-            run_item_tiles<false>(p, k_cache, v_cache, it, amx_acc.data(), ml, ml + p.num_heads * 2 * 16, amx_sc);
+            run_item_tiles<false>(p, k_cache, v_cache, it, tile_acc.data(), ml, ml + p.num_heads * 2 * 16, tile_sc);
           continue;
         }
       }

@@ -62,3 +62,30 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
     top_p = torch.tensor(_sample(logits[:500], [SamplingParams(top_p=0.6)] * 500))
     assert set(top_p.tolist()) == {0, 1}
+
+
+def test_a_zero_probability_token_is_never_drawn() -> None:
+    # Masked tokens (-inf: top-k, top-p or a grammar) between and around allowed ones.
+    logits = torch.full((4000, 9), float("-inf"))
+    logits[:, 1] = 0.0
+    logits[:, 4] = 1.0
+    logits[:, 7] = -1.0
+    out = torch.tensor(_sample(logits, [SamplingParams(temperature=1.3)] * 4000))
+    assert set(out.tolist()) == {1, 4, 7}
+    probs = torch.softmax(logits[0] / 1.3, -1)
+    freq = torch.bincount(out, minlength=9).float() / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_sampling_over_a_large_vocabulary_follows_the_distribution() -> None:
+    # Much of the mass spread thinly over 49,152 entries: the float32 running sum must
+    # still give each region its share.
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(49152, generator=g)
+    row[:3] = torch.tensor([9.0, 8.5, 8.0])
+    probs = row.softmax(-1)
+    out = torch.tensor(_sample(row.expand(3000, -1).contiguous(), [SamplingParams(temperature=1.0)] * 3000))
+    head = [float((out == i).float().mean()) for i in range(3)]
+    torch.testing.assert_close(torch.tensor(head), probs[:3], atol=0.03, rtol=0)
+    tail = float((out >= 3).float().mean())
+    assert abs(tail - float(probs[3:].sum())) < 0.03

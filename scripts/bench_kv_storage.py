@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 from schedkit.config import PluginConfig
-from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.hookspecs import hookimpl
 from schedkit.runners.paged.testing import paged_config
 

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from schedkit.config import config_from_dict
-from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.core import EngineCore
 from schedkit.runners.paged.builder import build_random_model, tiny_config
 from schedkit.runners.paged.loader import cache_dir
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from schedkit.config import load_config
-from schedkit.engine.core import EngineCore
 from schedkit.core.request import Request, SamplingParams
+from schedkit.engine.core import EngineCore
 
 PROMPTS = [
     "What is the capital of France?",

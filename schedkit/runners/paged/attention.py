@@ -20,6 +20,7 @@ works.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import numpy as np
 import torch
@@ -155,8 +156,8 @@ def rope_store_attention_cpu(qkv: torch.Tensor, positions: torch.Tensor, cos: to
     qsl, seq_lens, table = _kernel_tables(meta)
     min_rows = DENSE_PREFILL_MIN_QUERY if dense_min_query is None else dense_min_query
     dense: list[int] = []
-    if (min_rows > 0 and qkv.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-            and int(np.diff(qsl).max(initial=0)) >= min_rows and _dense_prefill_supported()):
+    if (min_rows > 0 and meta.max_query_len >= min_rows and qkv.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16 and _dense_prefill_supported()):
         dense = np.flatnonzero(np.diff(qsl) >= min_rows).tolist()
     paged = np.setdiff1d(np.arange(len(seq_lens), dtype=np.int32), dense).astype(np.int32) if dense else None
     rc = cpu_kernels().schedkit_rope_store_attention(
@@ -183,6 +184,11 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def _kernel_tables(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """``query_start_loc`` and ``seq_lens`` as int32 host arrays and the block table as a
+    contiguous int32 CPU tensor; made (and checked) once per pass, every layer reuses them."""
+    cached = meta.cpu_tables
+    if cached is not None:
+        return cast(tuple[np.ndarray, np.ndarray, torch.Tensor], cached)
     qsl = np.ascontiguousarray(meta.query_start_loc_np, dtype=np.int32)
     seq_lens = np.ascontiguousarray(meta.seq_lens_np, dtype=np.int32)
     table = meta.block_table
@@ -191,6 +197,7 @@ def _kernel_tables(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, tor
     if meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous() \
             or meta.slot_mapping.is_cuda or table.is_cuda:
         raise ValueError("the CPU kernel takes a contiguous int64 slot_mapping and a block table on the CPU")
+    meta.cpu_tables = (qsl, seq_lens, table)
     return qsl, seq_lens, table
 
 

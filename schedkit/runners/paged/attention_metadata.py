@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ class AttentionMetadata:
     backend: str = "auto"
     """``"triton"``, ``"cpu"`` (the compiled CPU kernel), ``"torch"`` (the reference) or
     ``"auto"`` (Triton on CUDA, else torch)."""
+    cpu_tables: Any = field(default=None, repr=False, compare=False)
+    """The CPU kernel's view of the tables, made by its first layer and shared by the
+    rest of the pass (``attention._kernel_tables``)."""
 
     @property
     def num_seqs(self) -> int:

@@ -121,6 +121,7 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             "schedkit_argmax_rows": ([p, i64, i64, i64, p, i32], None),
             "schedkit_amx_enable": ([i32], ctypes.c_int),
             "schedkit_bf16_tiles_enable": ([i32], ctypes.c_int),
+            "schedkit_gemv": ([p, i32, i64, p, p, i64, p, i32], ctypes.c_int),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
@@ -196,6 +197,45 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(rows, two_dim // 2)
     cpu_kernels().schedkit_silu_and_mul(x.data_ptr(), ACTIVATION_DTYPES[x.dtype], out.data_ptr(), rows,
                                         two_dim // 2, torch.get_num_threads())
+    return out
+
+
+GEMV_DTYPES = {torch.float32: (0, 2), torch.bfloat16: (1, 4)}
+"""Weight dtypes of the one-row GEMM: (code, feature bit of the build)."""
+
+
+def gemv_supported(dtype: torch.dtype) -> bool:
+    """Whether the built library has the one-row GEMM for ``dtype`` weights (float32 on
+    AVX-512, bfloat16 on AVX512-BF16) and ``$SCHEDKIT_CPU_GEMV`` is not ``0``."""
+    if dtype not in GEMV_DTYPES or os.environ.get("SCHEDKIT_CPU_GEMV", "1") == "0" \
+            or load_cpu_attention() is None:
+        return False
+    return bool(cpu_kernels().schedkit_kernel_features() & GEMV_DTYPES[dtype][1])
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([N, K], N a multiple of 16) in :func:`gemv`'s layout: [N/16, K, 16] in
+    float32, [N/16, K/2, 16, 2] in bfloat16 (K even)."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.detach().reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one row ``x`` ([1, K], the weight's dtype) against ``W``
+    packed by :func:`pack_gemv_weight`: the decode step of one sequence, without
+    oneDNN's per-call setup. Returns [1, out_features]."""
+    if x.dtype != packed.dtype or x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" \
+            or x.stride(-1) != 1:
+        raise ValueError(f"gemv takes one {packed.dtype} CPU row with unit stride, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    out = torch.empty(1, out_features, dtype=x.dtype)
+    rc = cpu_kernels().schedkit_gemv(x.data_ptr(), GEMV_DTYPES[x.dtype][0], x.shape[1], packed.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out_features,
+                                     out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"schedkit_gemv: {'no path for this dtype' if rc == -1 else 'unsupported shape'}")
     return out
 
 

@@ -217,8 +217,57 @@ def test_the_sampler_uses_the_kernel_for_greedy_rows() -> None:
     assert torch.equal(Sampler(torch.device("cpu"))(logits, batch), logits.argmax(-1))
 
 
+GEMV_SHAPES = [  # (out, in, bias): an odd number of 16-output blocks, one block, K odd, no gemv (N % 16)
+    (960, 576, False), (48, 10, True), (16, 7, True), (80, 1536, True), (20, 8, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_row_linear_matches_the_reference(dtype: torch.dtype) -> None:
+    from schedkit.runners.paged.cpu_linear import PackedLinear
+
+    if not cpu_kernels.gemv_supported(dtype):
+        pytest.skip(f"this build has no one-row GEMM for {dtype}")
+    g = torch.Generator().manual_seed(0)
+    for n, k, has_bias in GEMV_SHAPES:
+        if dtype == torch.bfloat16 and k % 2:
+            continue
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if has_bias else None
+        lin = PackedLinear(w, b)
+        assert (lin.gemv_weight is not None) == (n % 16 == 0)
+        x = torch.randn(3, k, generator=g).to(dtype)
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        one = lin(x[1:2])  # the one-row path
+        assert one.dtype == dtype and one.shape == (1, n)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else BF16_TOL
+        torch.testing.assert_close(one.float(), ref[1:2], **tol)
+        torch.testing.assert_close(lin(x).float(), ref, **tol)  # three rows: oneDNN
+
+
+def test_the_one_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schedkit.runners.paged.cpu_linear import PackedLinear
+
+    monkeypatch.setenv("SCHEDKIT_CPU_GEMV", "0")
+    assert not cpu_kernels.gemv_supported(torch.float32)
+    w, x = torch.randn(32, 16), torch.randn(1, 16)
+    lin = PackedLinear(w, None)
+    assert lin.gemv_weight is None
+    torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_gemv_refuses_a_row_of_another_dtype() -> None:
+    if not cpu_kernels.gemv_supported(torch.float32):
+        pytest.skip("this build has no one-row GEMM")
+    packed = cpu_kernels.pack_gemv_weight(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="gemv takes one"):
+        cpu_kernels.gemv(torch.randn(1, 8).bfloat16(), packed, None, 16)
+    with pytest.raises(ValueError, match="gemv takes one"):
+        cpu_kernels.gemv(torch.randn(2, 8), packed, None, 16)
+
+
 AVX2_SCRIPT = r"""
 import torch
+import torch.nn.functional as F
 from schedkit.runners.paged import cpu_kernels
 from schedkit.runners.paged.attention import paged_attention_cpu, paged_attention_ref
 from schedkit.runners.paged.testing import make_attention_case
@@ -236,6 +285,12 @@ cpu_kernels.add_rms_norm(x, r2, torch.ones(96), 1e-5)
 assert torch.equal(r2, x + r)
 logits = torch.randn(4, 1000)
 assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(-1))
+from schedkit.runners.paged.cpu_linear import PackedLinear
+assert not cpu_kernels.gemv_supported(torch.float32) and not cpu_kernels.gemv_supported(torch.bfloat16)
+w, x = torch.randn(64, 96), torch.randn(1, 96)
+lin = PackedLinear(w, None)
+assert lin.gemv_weight is None
+torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
 print("ok")
 """
 

@@ -85,11 +85,12 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.register_buffer("gemv_weight", _gemv_weight(weight, bias))
         # a plain tuple: no buffer lookup (module __getattr__) per call
-        self._operands = (self.packed_weight, self.bias, self.gemv_weight)
+        self._operands: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
+            self.packed_weight, self.bias, self.gemv_weight)  # type: ignore[assignment]
 
     def _apply(self, fn: Any, recurse: bool = True) -> PackedLinear:
         out = super()._apply(fn, recurse)
-        self._operands = (self.packed_weight, self.bias, self.gemv_weight)
+        self._operands = (self.packed_weight, self.bias, self.gemv_weight)  # type: ignore[assignment]
         return out
 
     @classmethod

@@ -10,8 +10,8 @@ probability 0 (masked by top-k, top-p or a grammar) is never drawn: its running 
 equals its predecessor's, and the search takes the first entry strictly above the
 target. A row with a seed draws its number from a generator seeded by ``(seed, position
 of the sampled token)``: the same request samples the same tokens whatever else is in
-the batch, and after preemption and recomputation too. Tokens stay on the device; the runner copies them to the host once
-per step.
+the batch, and after preemption and recomputation too. Tokens stay on the device; the
+runner copies them to the host once per step.
 
 Structured outputs: :func:`apply_grammar_bitmask` runs on the logits before the sampler
 (the runner calls it), so greedy, temperature, top-k and top-p all see the disallowed

@@ -1047,50 +1047,43 @@ inline void gemv_store(T* o, const T* bias, int64_t block, __m512 acc) {
   store16(o + block * 16, acc);
 }
 
-// Two blocks (a, b) of 16 outputs at once, k by k; kPair: W holds pairs along k (bfloat16).
+// One step of a block of 16 outputs: acc += x[k] * W[k] for one k (float32) or a pair
+// of k (kPair: bfloat16, vdpbf16ps); w points at the block's packed weights.
+template <typename T, bool kPair>
+inline __m512 gemv_step(const T* x, const T* w, int64_t i, __m512 acc) {
+  if constexpr (kPair) {
+#ifdef SCHEDKIT_AVX512_BF16
+    const __m512bh xi = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(x + 2 * i)));
+    return _mm512_dpbf16_ps(acc, xi, (__m512bh)_mm512_loadu_si512(w + i * 32));
+#else
+    (void)x; (void)w; (void)i;
+    return acc;
+#endif
+  } else {
+    return _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_loadu_ps(w + i * 16), acc);
+  }
+}
+
+// Two blocks (a, b) of 16 outputs at once, two steps at a time.
 template <typename T, bool kPair>
 inline void gemv_two_blocks(const T* x, const T* w, int64_t K, int64_t a, int64_t b, const T* bias, T* o) {
+  constexpr int64_t kStride = kPair ? 32 : 16;  // elements of W per step
   const T* wa = w + a * K * 16;
   const T* wb = w + b * K * 16;
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  const int64_t steps = kPair ? K / 2 : K;  // one step: 16 outputs x (a pair of k | one k)
+  const int64_t steps = kPair ? K / 2 : K;
   int64_t i = 0;
   for (; i + 2 <= steps; i += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(wa + i * 16 * (kPair ? 2 : 1)) + 4096, _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + i * 16 * (kPair ? 2 : 1)) + 4096, _MM_HINT_T1);
-    if constexpr (kPair) {
-#ifdef SCHEDKIT_AVX512_BF16
-      const __m512bh x0 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(x + 2 * i)));
-      const __m512bh x1 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(x + 2 * i + 2)));
-      a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512(wa + i * 32));
-      a1 = _mm512_dpbf16_ps(a1, x1, (__m512bh)_mm512_loadu_si512(wa + i * 32 + 32));
-      b0 = _mm512_dpbf16_ps(b0, x0, (__m512bh)_mm512_loadu_si512(wb + i * 32));
-      b1 = _mm512_dpbf16_ps(b1, x1, (__m512bh)_mm512_loadu_si512(wb + i * 32 + 32));
-#endif
-    } else {
-      const float* xf = reinterpret_cast<const float*>(x);
-      const float* fa = reinterpret_cast<const float*>(wa);
-      const float* fb = reinterpret_cast<const float*>(wb);
-      const __m512 x0 = _mm512_set1_ps(xf[i]), x1 = _mm512_set1_ps(xf[i + 1]);
-      a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(fa + i * 16), a0);
-      a1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(fa + i * 16 + 16), a1);
-      b0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(fb + i * 16), b0);
-      b1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(fb + i * 16 + 16), b1);
-    }
+    _mm_prefetch(reinterpret_cast<const char*>(wa + i * kStride) + 4096, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + i * kStride) + 4096, _MM_HINT_T1);
+    a0 = gemv_step<T, kPair>(x, wa, i, a0);
+    a1 = gemv_step<T, kPair>(x, wa, i + 1, a1);
+    b0 = gemv_step<T, kPair>(x, wb, i, b0);
+    b1 = gemv_step<T, kPair>(x, wb, i + 1, b1);
   }
   if (i < steps) {  // an odd number of steps
-    if constexpr (kPair) {
-#ifdef SCHEDKIT_AVX512_BF16
-      const __m512bh x0 = (__m512bh)_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(x + 2 * i)));
-      a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512(wa + i * 32));
-      b0 = _mm512_dpbf16_ps(b0, x0, (__m512bh)_mm512_loadu_si512(wb + i * 32));
-#endif
-    } else {
-      const float* xf = reinterpret_cast<const float*>(x);
-      const __m512 x0 = _mm512_set1_ps(xf[i]);
-      a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(reinterpret_cast<const float*>(wa) + i * 16), a0);
-      b0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(reinterpret_cast<const float*>(wb) + i * 16), b0);
-    }
+    a0 = gemv_step<T, kPair>(x, wa, i, a0);
+    b0 = gemv_step<T, kPair>(x, wb, i, b0);
   }
   gemv_store(o, bias, a, _mm512_add_ps(a0, a1));
   if (b != a) gemv_store(o, bias, b, _mm512_add_ps(b0, b1));

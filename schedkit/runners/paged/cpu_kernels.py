@@ -39,6 +39,7 @@ _error: str | None = None
 _tried = False
 _amx = False
 _bf16_tiles = False
+_float_tiles = False
 
 
 def _compiler() -> str | None:
@@ -121,16 +122,19 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             "schedkit_argmax_rows": ([p, i64, i64, i64, p, i32], None),
             "schedkit_amx_enable": ([i32], ctypes.c_int),
             "schedkit_bf16_tiles_enable": ([i32], ctypes.c_int),
+            "schedkit_float_tiles_enable": ([i32], ctypes.c_int),
             "schedkit_gemv": ([p, i32, i64, p, p, i64, p, i32], ctypes.c_int),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         _lib, _error = lib, None
-        global _amx, _bf16_tiles
+        global _amx, _bf16_tiles, _float_tiles
         _amx = bool(lib.schedkit_amx_enable(int(os.environ.get("SCHEDKIT_CPU_AMX", "1") != "0")))
         _bf16_tiles = bool(lib.schedkit_bf16_tiles_enable(
             int(os.environ.get("SCHEDKIT_CPU_BF16_TILES", "1") != "0")))
+        _float_tiles = bool(lib.schedkit_float_tiles_enable(
+            int(os.environ.get("SCHEDKIT_CPU_FLOAT_TILES", "1") != "0")))
         return lib
 
 
@@ -279,6 +283,22 @@ def set_bf16_tiles(on: bool) -> bool:
     global _bf16_tiles
     _bf16_tiles = bool(cpu_kernels().schedkit_bf16_tiles_enable(int(on)))
     return _bf16_tiles
+
+
+def float_tiles_enabled() -> bool:
+    """Whether prefill chunks of 8+ rows that no bfloat16 tile engine takes (float32
+    caches; bfloat16 / float16 caches without AVX512-BF16) run as float32 tiles: each
+    chunk of keys transposed once and shared by 16 rows' query vectors.
+    ``$SCHEDKIT_CPU_FLOAT_TILES=0`` turns them off."""
+    return _float_tiles
+
+
+def set_float_tiles(on: bool) -> bool:
+    """Turn the float32 prefill tiles on or off (tests compare both paths); returns
+    whether they are on."""
+    global _float_tiles
+    _float_tiles = bool(cpu_kernels().schedkit_float_tiles_enable(int(on)))
+    return _float_tiles
 
 
 def build_error() -> str | None:

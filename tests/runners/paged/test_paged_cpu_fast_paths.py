@@ -96,6 +96,55 @@ def test_float32_prefill_and_decode_match_the_reference_tightly() -> None:
                                    atol=2e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float32_prefill_tiles_match_the_reference(dtype: torch.dtype, amx_off_after: Any) -> None:
+    """Prefill chunks of 8+ rows as float32 tiles (keys transposed once per 16, shared by
+    16 rows' query vectors; causal masks inside a chunk, chunks cut at block edges, GQA
+    and MQA, context before the chunk) against the reference: float32 to 2e-5, the
+    16-bit caches within their precision; the same whatever the thread count; and not
+    the item path's bits, so the tiles really ran."""
+    if dtype == torch.float16 and not cpu_kernels.supports_float16():
+        pytest.skip("no float16 caches in this build")
+    cpu_kernels.set_amx(False)
+    cpu_kernels.set_bf16_tiles(False)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    try:
+        for name, (specs, bs, heads, kv_heads, head_dim) in PREFILL_CASES.items():
+            q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
+                                                head_dim=head_dim, dtype=dtype, seed=len(name) + 1)
+            ref = paged_attention_ref(q, k, v, meta, 0.3).float()
+            assert cpu_kernels.set_float_tiles(True)
+            one = paged_attention_cpu(q, k, v, meta, 0.3, num_threads=1)
+            torch.testing.assert_close(one.float(), ref, **tol, msg=name)
+            assert torch.equal(paged_attention_cpu(q, k, v, meta, 0.3, num_threads=2), one), name
+            assert not cpu_kernels.set_float_tiles(False)
+            items = paged_attention_cpu(q, k, v, meta, 0.3, num_threads=1)
+            torch.testing.assert_close(items.float(), ref, **tol, msg=name)
+            if dtype == torch.float32 and head_dim % 16 == 0:
+                assert not torch.equal(items, one), f"{name}: the float32 tiles did not run"
+    finally:
+        cpu_kernels.set_float_tiles(True)
+
+
+def test_float32_tiles_in_the_fused_call_keep_the_cache_and_the_answer() -> None:
+    """The fused call in float32 keeps its rotated queries in ``out`` until each item
+    replaces its rows: with the tiles (one KV head's rows at a time) the answer is the
+    item path's, within float32 rounding, and the cache the same."""
+    specs, heads, kv_heads, head_dim, bs = [(0, 40), (24, 33), (9, 1), (0, 7), (3, 16)], 6, 2, 64, 16
+    qkv, positions, cos, sin, k1, v1, meta = _fused_inputs(specs, heads, kv_heads, head_dim, bs, torch.float32)
+    k2, v2 = k1.clone(), v1.clone()
+    try:
+        assert cpu_kernels.set_float_tiles(True)
+        tiles = rope_store_attention_cpu(qkv, positions, cos, sin, k1, v1, meta, heads, 0.125)
+        cpu_kernels.set_float_tiles(False)
+        items = rope_store_attention_cpu(qkv, positions, cos, sin, k2, v2, meta, heads, 0.125)
+    finally:
+        cpu_kernels.set_float_tiles(True)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    torch.testing.assert_close(tiles, items, atol=2e-5, rtol=1e-5)
+    assert not torch.equal(tiles, items)
+
+
 def _fused_inputs(specs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, bs: int,
                   dtype: torch.dtype) -> tuple[Any, ...]:
     import numpy as np
@@ -274,12 +323,15 @@ from schedkit.runners.paged.testing import make_attention_case
 assert cpu_kernels.load_cpu_attention() is not None, cpu_kernels.build_error()
 assert not cpu_kernels.amx_enabled() and not cpu_kernels.bf16_tiles_enabled()
 specs = [(0, 70), (33, 20), (5, 1), (17, 1), (0, 16)]
-for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
-    for bs, d in ((16, 64), (5, 32)):
-        q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=6, num_kv_heads=2,
-                                            head_dim=d, dtype=dtype, seed=3)
-        torch.testing.assert_close(paged_attention_cpu(q, k, v, meta, 0.2).float(),
-                                   paged_attention_ref(q, k, v, meta, 0.2).float(), atol=tol, rtol=tol)
+assert cpu_kernels.float_tiles_enabled()
+for tiles in (True, False):
+    cpu_kernels.set_float_tiles(tiles)
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        for bs, d in ((16, 64), (5, 32)):
+            q, k, v, meta = make_attention_case(specs, block_size=bs, num_heads=6, num_kv_heads=2,
+                                                head_dim=d, dtype=dtype, seed=3)
+            torch.testing.assert_close(paged_attention_cpu(q, k, v, meta, 0.2).float(),
+                                       paged_attention_ref(q, k, v, meta, 0.2).float(), atol=tol, rtol=tol)
 x = torch.randn(5, 96).bfloat16(); r = torch.randn(5, 96).bfloat16(); r2 = r.clone()
 cpu_kernels.add_rms_norm(x, r2, torch.ones(96), 1e-5)
 assert torch.equal(r2, x + r)

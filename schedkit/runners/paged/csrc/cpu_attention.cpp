@@ -27,8 +27,10 @@
 #include <unistd.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define SCHEDKIT_AVX512 1  // 16-wide item path (run_item_avx512)
 #if defined(__AVX512BF16__)
 #define SCHEDKIT_AVX512_BF16 1  // bfloat16 keys read in place by vdpbf16ps
@@ -45,6 +47,7 @@ constexpr float kNegBig = -1e30f;  // finite: the kernel is built with -ffast-ma
 
 struct Item {
   int32_t seq, row_begin, row_end;
+  int64_t layout = -1;  // float32 tiles: the index of the sequence's laid-out keys and values
 };
 
 struct Problem {
@@ -481,6 +484,276 @@ void run_item_avx512(const Problem& p, const KT* k_cache, const KT* v_cache, con
 }
 #endif
 
+// Prefill tiles in float32, for every cache dtype where no bfloat16 tile engine runs
+// (float32 caches everywhere; bfloat16 / float16 caches on CPUs without AVX512-BF16).
+// Before the items run, each such sequence's keys are laid out once per KV head as
+// chunks of 16 transposed (Kt: [D][16] float32) and its values as float32 rows, so that
+// no item transposes or widens a key again. An item is up to kFloatTileRows query rows
+// of one sequence; per KV head, its rows x G query vectors share each chunk. Scores come
+// from a register-blocked product (kQB query vectors x 16 keys, one broadcast of q per
+// dimension) rather than a dot product and a horizontal sum per key and query; the
+// online softmax runs on 16 scores at a time with a vector exp; values are accumulated
+// kPB query vectors x kVB vectors of dimensions at a time.
+std::atomic<bool> g_float_tiles{true};  // schedkit_float_tiles_enable
+constexpr int64_t kFloatTileRows = 16;
+constexpr int64_t kFloatTileMinRows = 8;  // shorter chunks (decodes) take the item path
+
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vw __attribute__((vector_size(4 * kW)));
+typedef int32_t vwi __attribute__((vector_size(4 * kW)));
+constexpr int kNV = 16 / kW;       // vectors per row of 16 scores
+constexpr int kQB = 12 / kNV;      // query vectors per score block: 12 accumulators
+constexpr int kPB = 2;             // query vectors per value block (with kVB: 8 accumulators, kVB values in registers)
+constexpr int kVB = 4;             // vectors of dimensions per value block: 8 accumulators
+constexpr int64_t kQPad = 12;      // query vectors are padded to a multiple of kQB and kPB
+
+inline vw loadw(const float* p) {
+  vw v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storew(float* p, vw v) { std::memcpy(p, &v, sizeof v); }
+inline vw splat(float x) { return vw{} + x; }
+inline vw maxw(vw a, vw b) { return a > b ? a : b; }
+// the largest and the sum of a vector's lanes, halves folded
+inline float hmaxw(vw v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(v);
+#elif defined(__AVX__)
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+#else
+  float x = v[0];
+  for (int i = 1; i < kW; ++i) x = std::max(x, v[i]);
+  return x;
+#endif
+}
+inline float hsumw(vw v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#elif defined(__AVX__)
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#else
+  float x = v[0];
+  for (int i = 1; i < kW; ++i) x = x + v[i];
+  return x;
+#endif
+}
+
+// exp of kW floats (x <= 0 here): 2^n p(r) as exp16, in portable vectors
+inline vw expw(vw x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const vw t = x * 1.44269504088896341f;
+  const vwi n = __builtin_convertvector(t + (t < splat(0.0f) ? splat(-0.5f) : splat(0.5f)), vwi);
+  const vw nf = __builtin_convertvector(n, vw);
+  vw r = x - nf * 0.693145751953125f;
+  r = r - nf * 1.428606765330187045e-06f;
+  vw y = splat(1.0f / 5040);
+  y = y * r + 1.0f / 720;
+  y = y * r + 1.0f / 120;
+  y = y * r + 1.0f / 24;
+  y = y * r + 1.0f / 6;
+  y = y * r + 0.5f;
+  y = y * r + 1.0f;
+  y = y * r + 1.0f;
+  const vwi bits = (n + 127) << 23;
+  vw two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// Where the float32 tiles take a problem's prefill chunks (head_dim a multiple of 2 kW).
+inline bool float_tiles_fit(const Problem& p) {
+  return g_float_tiles.load(std::memory_order_relaxed) && p.head_dim % (2 * kW) == 0 && p.head_dim <= 256;
+}
+
+// One sequence's keys and values as the tiles read them: per KV head, ceil(keys / 16)
+// chunks of Kt [D][16] (zero past the last key), then the values as [keys][D] rows.
+inline int64_t float_tile_layout_size(int64_t keys, int64_t kv_heads, int64_t D) {
+  return kv_heads * ((keys + 15) / 16 * 16 * D + keys * D);
+}
+
+template <typename KT>
+void float_tile_layout(const Problem& p, const KT* k_cache, const KT* v_cache, int64_t seq, int64_t g,
+                       float* dst, float* row) {
+  const int64_t D = p.head_dim, BS = p.block_size, KVH = p.num_kv_heads;
+  const int64_t keys = p.seq_lens[seq];
+  const int64_t chunks = (keys + 15) / 16;
+  float* kt = dst + g * (chunks * 16 * D + keys * D);
+  float* vrows = kt + chunks * 16 * D;
+  const int32_t* blocks = p.block_table + seq * p.block_table_stride;
+  for (int64_t t = 0; t < chunks * 16; ++t) {
+    float* col = kt + (t / 16) * 16 * D + t % 16;
+    if (t >= keys) {
+      for (int64_t d = 0; d < D; ++d) col[16 * d] = 0.0f;
+      continue;
+    }
+    const int64_t off = ((static_cast<int64_t>(blocks[t / BS]) * BS + t % BS) * KVH + g) * D;
+    const float* kr;
+    if constexpr (std::is_same_v<KT, float>) {
+      kr = k_cache + off;
+      std::memcpy(vrows + t * D, v_cache + off, D * sizeof(float));
+    } else {
+      widen(k_cache + off, D, row);
+      kr = row;
+      widen(v_cache + off, D, vrows + t * D);
+    }
+    for (int64_t d = 0; d < D; ++d) col[16 * d] = kr[d];
+  }
+}
+
+struct FloatTileScratch {
+  float* q;      // [nqp][D]: one KV head's query vectors, scaled
+  float* acc;    // [nqp][D]
+  float* m;      // [nqp]
+  float* l;      // [nqp]
+  float* alpha;  // [nqp]
+  int32_t* pos;  // [nqp]: each vector's position (-1 for padding)
+  float* s;      // [nqp][16]: scores, then probabilities
+  float* rows;   // [kFloatTileRows][H][D]: the item's queries, scaled
+};
+
+inline int64_t float_tile_vectors(int64_t rows, int64_t G) { return (rows * G + kQPad - 1) / kQPad * kQPad; }
+
+// S[j][0..16) = q_j . Kt for kQB query vectors
+inline void float_tile_scores(const float* q, const float* kt, int64_t D, float* s) {
+  vw a[kQB][kNV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vw k[kNV];
+    for (int v = 0; v < kNV; ++v) k[v] = loadw(kt + 16 * d + kW * v);
+    for (int j = 0; j < kQB; ++j) {
+      const vw b = splat(q[j * D + d]);
+      for (int v = 0; v < kNV; ++v) a[j][v] += b * k[v];
+    }
+  }
+  for (int j = 0; j < kQB; ++j)
+    for (int v = 0; v < kNV; ++v) storew(s + 16 * j + kW * v, a[j][v]);
+}
+
+// acc[j] = acc[j] * alpha[j] + P[j] V over n value rows, kPB vectors, NVD vectors of
+// dimensions at a time
+template <int NVD>
+inline void float_tile_values(const float* pj, const float* vrows, int64_t n, int64_t D, const float* alpha,
+                              float* acc) {
+  for (int64_t dc = 0; dc < D; dc += NVD * kW) {
+    vw x[kPB][NVD];
+    for (int i = 0; i < kPB; ++i)
+      for (int c = 0; c < NVD; ++c) x[i][c] = loadw(acc + i * D + dc + kW * c) * alpha[i];
+    const float* vr = vrows + dc;
+    for (int64_t t = 0; t < n; ++t, vr += D) {
+      vw v[NVD];
+      for (int c = 0; c < NVD; ++c) v[c] = loadw(vr + kW * c);
+      for (int i = 0; i < kPB; ++i) {
+        const vw w = splat(pj[16 * i + t]);
+        for (int c = 0; c < NVD; ++c) x[i][c] += w * v[c];
+      }
+    }
+    for (int i = 0; i < kPB; ++i)
+      for (int c = 0; c < NVD; ++c) storew(acc + i * D + dc + kW * c, x[i][c]);
+  }
+}
+
+// layout: this sequence's float_tile_layout
+void run_item_float_tiles(const Problem& p, const float* layout, const Item& it, const FloatTileScratch& sc) {
+  const int64_t D = p.head_dim, H = p.num_heads, KVH = p.num_kv_heads, G = H / KVH;
+  const int64_t q0 = p.query_start_loc[it.seq];
+  const int64_t q_len = p.query_start_loc[it.seq + 1] - q0;
+  const int64_t keys = p.seq_lens[it.seq];
+  const int64_t context = keys - q_len;
+  const int64_t rows = it.row_end - it.row_begin;
+  const int64_t nqv = rows * G, nqp = float_tile_vectors(rows, G);
+  const int64_t num_keys = context + it.row_end;
+  const int64_t first_pos = context + it.row_begin;
+  const int64_t chunks = (keys + 15) / 16;
+  const vwi lane = [] {
+    vwi x;
+    for (int i = 0; i < kW; ++i) x[i] = i;
+    return x;
+  }();
+  {  // the item's queries, every head, scaled: one pass over contiguous rows
+    const float* src = p.q + (q0 + it.row_begin) * H * D;
+    for (int64_t x = 0; x < rows * H * D; ++x) sc.rows[x] = src[x] * p.scale;
+  }
+  for (int64_t g = 0; g < KVH; ++g) {
+    const float* kt = layout + g * (chunks * 16 * D + keys * D);
+    const float* vrows = kt + chunks * 16 * D;
+    for (int64_t j = 0; j < nqp; ++j) {
+      float* dst = sc.q + j * D;
+      if (j < nqv) {
+        const float* row = sc.rows + ((j / G) * H + g * G + j % G) * D;
+        std::memcpy(dst, row, D * sizeof(float));
+        sc.pos[j] = static_cast<int32_t>(first_pos + j / G);
+      } else {
+        std::fill(dst, dst + D, 0.0f);
+        sc.pos[j] = -1;
+      }
+    }
+    std::fill(sc.acc, sc.acc + nqp * D, 0.0f);
+    std::fill(sc.m, sc.m + nqp, kNegBig);
+    std::fill(sc.l, sc.l + nqp, 0.0f);
+    for (int64_t base = 0; base < num_keys; base += 16) {
+      const int64_t n = std::min<int64_t>(16, num_keys - base);
+      const float* ktc = kt + base * D;  // chunk base / 16
+      // the first vectors, whose rows see none of these keys, are skipped
+      const int64_t j0 = std::max<int64_t>(0, base - first_pos) * G / kQPad * kQPad;
+      for (int64_t j = j0; j < nqp; j += kQB) float_tile_scores(sc.q + j * D, ktc, D, sc.s + 16 * j);
+      for (int64_t j = j0; j < nqp; ++j) {  // the online softmax, 16 keys at a time
+        vw sv[kNV];
+        vwi live[kNV];
+        const bool whole = base + 16 <= sc.pos[j] + 1;  // all 16 keys real and visible
+        if (!whole && base > sc.pos[j]) {  // no key of this chunk is visible to this vector
+          sc.alpha[j] = 1.0f;
+          for (int v = 0; v < kNV; ++v) storew(sc.s + 16 * j + kW * v, splat(0.0f));
+          continue;
+        }
+        vw mv = splat(kNegBig);
+        for (int v = 0; v < kNV; ++v) {
+          sv[v] = loadw(sc.s + 16 * j + kW * v);
+          if (!whole) {
+            const vwi key = lane + static_cast<int32_t>(base + kW * v);
+            live[v] = (key <= sc.pos[j]) & (key < static_cast<int32_t>(base + n));
+            sv[v] = live[v] ? sv[v] : splat(kNegBig);
+          }
+          mv = maxw(mv, sv[v]);
+        }
+        const float m_new = std::max(sc.m[j], hmaxw(mv));
+        const float alpha = m_new == sc.m[j] ? 1.0f : std::exp(sc.m[j] - m_new);
+        vw sum = {};
+        for (int v = 0; v < kNV; ++v) {
+          vw pv = expw(sv[v] - m_new);
+          if (!whole) pv = live[v] ? pv : splat(0.0f);
+          storew(sc.s + 16 * j + kW * v, pv);
+          sum += pv;
+        }
+        const float total = hsumw(sum);
+        sc.l[j] = sc.l[j] * alpha + total;
+        sc.m[j] = m_new;
+        sc.alpha[j] = alpha;
+      }
+      const float* vc = vrows + base * D;
+      for (int64_t j = j0; j < nqp; j += kPB) {
+        if (D % (kVB * kW) == 0)
+          float_tile_values<kVB>(sc.s + 16 * j, vc, n, D, sc.alpha + j, sc.acc + j * D);
+        else
+          float_tile_values<2>(sc.s + 16 * j, vc, n, D, sc.alpha + j, sc.acc + j * D);
+      }
+    }
+    for (int64_t j = 0; j < nqv; ++j) {
+      float* a = sc.acc + j * D;
+      const float inv = 1.0f / sc.l[j];
+      for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+      store_row(p.out, p.out_dtype, ((q0 + it.row_begin + j / G) * H + g * G + j % G) * D, a, D);
+    }
+  }
+}
+
 #ifdef SCHEDKIT_AVX512_BF16
 // Prefill tiles for bfloat16 caches: items of 32 query rows (two 16-row sub-tiles),
 // computed transposed so that the online softmax runs across 16 rows in vector lanes:
@@ -868,13 +1141,29 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
   std::vector<Item> items;
   const Tiles tiles = tile_engine<KT>(p);
   const bool tiled = tiles != Tiles::kNone;
+  // float32 tiles: every prefill chunk of kFloatTileMinRows+ rows that no bfloat16 engine takes
+  const bool float_tiled = !tiled && float_tiles_fit(p);
+  auto float_item = [&](int64_t q_len) { return float_tiled && q_len >= kFloatTileMinRows; };
+  // their sequences' keys and values, laid out once for every item: (sequence, offset)
+  std::vector<std::pair<int32_t, int64_t>> layouts;
+  std::vector<int64_t> layout_of(float_tiled ? num_seqs : 0, -1);
+  int64_t layout_size = 0;
   for (int64_t j = 0; j < num_seqs; ++j) {
     const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
     const int32_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-    const int32_t step = static_cast<int32_t>(tiled && q_len >= 16 ? kTileItemRows : rows_per_item);
+    const int32_t step = static_cast<int32_t>(tiled && q_len >= 16 ? kTileItemRows
+                                              : float_item(q_len)    ? kFloatTileRows
+                                                                     : rows_per_item);
+    if (float_item(q_len)) {
+      layout_of[j] = static_cast<int64_t>(layouts.size());
+      layouts.push_back({seq, layout_size});
+      layout_size += float_tile_layout_size(p.seq_lens[seq], p.num_kv_heads, p.head_dim);
+    }
     for (int32_t r = 0; r < q_len; r += step)
-      items.push_back({seq, r, std::min<int32_t>(q_len, r + step)});
+      items.push_back({seq, r, std::min<int32_t>(q_len, r + step), float_item(q_len) ? layout_of[j] : -1});
   }
+  std::vector<float> layout(layout_size);
+  const int64_t layout_work = static_cast<int64_t>(layouts.size()) * p.num_kv_heads;
   // longest items first: tiles late in a long sequence see the most keys
   auto keys = [&](const Item& a) {
     return p.seq_lens[a.seq] - (p.query_start_loc[a.seq + 1] - p.query_start_loc[a.seq]) + a.row_end;
@@ -883,7 +1172,7 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
   const int64_t D = p.head_dim, BS = p.block_size;
   const int64_t nq = rows_per_item * p.num_heads;
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t work = rs ? std::max(n_items, rs->num_tokens) : n_items;
+  const int64_t work = std::max(rs ? std::max(n_items, rs->num_tokens) : n_items, layout_work);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, work)));
 #pragma omp parallel num_threads(threads)
   {
@@ -908,6 +1197,15 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     alignas(64) float tile_s[512], tile_pv[512];
     tile_sc.s = tile_s, tile_sc.pv = tile_pv;
 #endif
+    std::vector<float> ft_buf;
+    FloatTileScratch ft{};
+    if (float_tiled) {
+      const int64_t nqp = float_tile_vectors(kFloatTileRows, p.num_heads / p.num_kv_heads);
+      ft_buf.resize(2 * nqp * D + 4 * nqp + nqp * 16 + kFloatTileRows * p.num_heads * D);
+      ft.q = ft_buf.data(), ft.acc = ft.q + nqp * D, ft.m = ft.acc + nqp * D, ft.l = ft.m + nqp;
+      ft.alpha = ft.l + nqp, ft.pos = reinterpret_cast<int32_t*>(ft.alpha + nqp), ft.s = ft.alpha + 2 * nqp;
+      ft.rows = ft.s + nqp * 16;
+    }
     float* qbuf = buf.data();
     float* acc = qbuf + nq * D;
     float* m = acc + nq * D;
@@ -922,6 +1220,13 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < rs->num_tokens; ++t) rope_store_token(p, *rs, k_cache, v_cache, t, tmp, wide);
     }  // the implicit barrier: every key is in the cache before any item reads it
+    if (layout_work > 0) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < layout_work; ++w) {
+        const auto& [seq, offset] = layouts[w / p.num_kv_heads];
+        float_tile_layout(p, k_cache, v_cache, seq, w % p.num_kv_heads, layout.data() + offset, tmp);
+      }
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w) {
 #ifdef SCHEDKIT_TILES
@@ -937,7 +1242,12 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
         }
       }
 #endif
-      dispatch_item(p, k_cache, v_cache, items[w], qbuf, acc, m, l, kb, vb, s, qbh);
+      const Item& it = items[w];
+      if (it.layout >= 0) {
+        run_item_float_tiles(p, layout.data() + layouts[it.layout].second, it, ft);
+        continue;
+      }
+      dispatch_item(p, k_cache, v_cache, it, qbuf, acc, m, l, kb, vb, s, qbh);
     }
   }
 }
@@ -1141,6 +1451,13 @@ int schedkit_bf16_tiles_enable(int on) {
   (void)on;
   return 0;
 #endif
+}
+
+// The float32 prefill tiles (every cache dtype where no bfloat16 tile engine runs): on = 1
+// turns them on (the default), 0 off. Returns whether they are on.
+int schedkit_float_tiles_enable(int on) {
+  g_float_tiles.store(on != 0);
+  return on != 0 ? 1 : 0;
 }
 
 // Bit 0: float16 caches are supported (the compiler has _Float16). Bit 1: the one-row

@@ -489,11 +489,11 @@ void run_item_avx512(const Problem& p, const KT* k_cache, const KT* v_cache, con
 // Before the items run, each such sequence's keys are laid out once per KV head as
 // chunks of 16 transposed (Kt: [D][16] float32) and its values as float32 rows, so that
 // no item transposes or widens a key again. An item is up to kFloatTileRows query rows
-// of one sequence; per KV head, its rows x G query vectors share each chunk. Scores come
-// from a register-blocked product (kQB query vectors x 16 keys, one broadcast of q per
-// dimension) rather than a dot product and a horizontal sum per key and query; the
-// online softmax runs on 16 scores at a time with a vector exp; values are accumulated
-// kPB query vectors x kVB vectors of dimensions at a time.
+// of one sequence; per KV head, its rows x G query vectors go through the keys a span of
+// kSpan at a time: the scores of the whole span from a register-blocked product (kQB
+// query vectors x 16 keys, one broadcast of q per dimension; no horizontal sum per key),
+// one online-softmax rescale per vector and span, a vector exp, then the values kSub
+// keys at a time (they stay in L1 while every block of kPB vectors reads them).
 std::atomic<bool> g_float_tiles{true};  // schedkit_float_tiles_enable
 constexpr int64_t kFloatTileRows = 16;
 constexpr int64_t kFloatTileMinRows = 8;  // shorter chunks (decodes) take the item path
@@ -609,6 +609,9 @@ void float_tile_layout(const Problem& p, const KT* k_cache, const KT* v_cache, i
   }
 }
 
+constexpr int64_t kSpan = 256;  // keys per span: scores for a span, then one softmax rescale
+constexpr int64_t kSub = 64;    // keys per pass over the values
+
 struct FloatTileScratch {
   float* q;      // [nqp][D]: one KV head's query vectors, scaled
   float* acc;    // [nqp][D]
@@ -616,14 +619,15 @@ struct FloatTileScratch {
   float* l;      // [nqp]
   float* alpha;  // [nqp]
   int32_t* pos;  // [nqp]: each vector's position (-1 for padding)
-  float* s;      // [nqp][16]: scores, then probabilities
+  int32_t* vis;  // [nqp]: keys of the span each vector sees
+  float* s;      // [nqp][kSpan]: scores, then probabilities
   float* rows;   // [kFloatTileRows][H][D]: the item's queries, scaled
 };
 
 inline int64_t float_tile_vectors(int64_t rows, int64_t G) { return (rows * G + kQPad - 1) / kQPad * kQPad; }
 
-// S[j][0..16) = q_j . Kt for kQB query vectors
-inline void float_tile_scores(const float* q, const float* kt, int64_t D, float* s) {
+// S[j][0..16) = q_j . Kt for kQB query vectors (rows of s `ls` floats apart)
+inline void float_tile_scores(const float* q, const float* kt, int64_t D, float* s, int64_t ls) {
   vw a[kQB][kNV] = {};
   for (int64_t d = 0; d < D; ++d) {
     vw k[kNV];
@@ -634,30 +638,70 @@ inline void float_tile_scores(const float* q, const float* kt, int64_t D, float*
     }
   }
   for (int j = 0; j < kQB; ++j)
-    for (int v = 0; v < kNV; ++v) storew(s + 16 * j + kW * v, a[j][v]);
+    for (int v = 0; v < kNV; ++v) storew(s + ls * j + kW * v, a[j][v]);
 }
 
 // acc[j] = acc[j] * alpha[j] + P[j] V over n value rows, kPB vectors, NVD vectors of
-// dimensions at a time
+// dimensions at a time (rows of p `ls` floats apart)
 template <int NVD>
-inline void float_tile_values(const float* pj, const float* vrows, int64_t n, int64_t D, const float* alpha,
-                              float* acc) {
+inline void float_tile_values(const float* pj, int64_t ls, const float* vrows, int64_t n, int64_t D,
+                              const float* alpha, float* acc) {
   for (int64_t dc = 0; dc < D; dc += NVD * kW) {
     vw x[kPB][NVD];
     for (int i = 0; i < kPB; ++i)
-      for (int c = 0; c < NVD; ++c) x[i][c] = loadw(acc + i * D + dc + kW * c) * alpha[i];
+      for (int c = 0; c < NVD; ++c) {
+        x[i][c] = loadw(acc + i * D + dc + kW * c);
+        if (alpha) x[i][c] *= alpha[i];
+      }
     const float* vr = vrows + dc;
     for (int64_t t = 0; t < n; ++t, vr += D) {
       vw v[NVD];
       for (int c = 0; c < NVD; ++c) v[c] = loadw(vr + kW * c);
       for (int i = 0; i < kPB; ++i) {
-        const vw w = splat(pj[16 * i + t]);
+        const vw w = splat(pj[ls * i + t]);
         for (int c = 0; c < NVD; ++c) x[i][c] += w * v[c];
       }
     }
     for (int i = 0; i < kPB; ++i)
       for (int c = 0; c < NVD; ++c) storew(acc + i * D + dc + kW * c, x[i][c]);
   }
+}
+
+// The online softmax of one vector over the first `vis` of its span's scores (s, rounded
+// up to whole vectors past vis with zeros up to `len`): the probabilities replace the
+// scores, m and l are updated, and the rescale of the older accumulator is returned.
+inline float float_tile_softmax(float* s, int64_t vis, int64_t len, float& m, float& l) {
+  const vwi lane = [] {
+    vwi x;
+    for (int i = 0; i < kW; ++i) x[i] = i;
+    return x;
+  }();
+  vw mv = splat(kNegBig);
+  int64_t t = 0;
+  for (; t + kW <= vis; t += kW) mv = maxw(mv, loadw(s + t));
+  if (t < vis) {
+    const vwi live = lane < static_cast<int32_t>(vis - t);
+    mv = maxw(mv, live ? loadw(s + t) : splat(kNegBig));
+  }
+  const float m_new = std::max(m, hmaxw(mv));
+  const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);
+  vw sum = {};
+  for (t = 0; t + kW <= vis; t += kW) {
+    const vw pv = expw(loadw(s + t) - m_new);
+    storew(s + t, pv);
+    sum += pv;
+  }
+  if (t < vis) {
+    const vwi live = lane < static_cast<int32_t>(vis - t);
+    const vw pv = live ? expw(loadw(s + t) - m_new) : splat(0.0f);
+    storew(s + t, pv);
+    sum += pv;
+    t += kW;
+  }
+  for (; t < len; t += kW) storew(s + t, splat(0.0f));
+  l = l * alpha + hsumw(sum);
+  m = m_new;
+  return alpha;
 }
 
 // layout: this sequence's float_tile_layout
@@ -672,11 +716,6 @@ void run_item_float_tiles(const Problem& p, const float* layout, const Item& it,
   const int64_t num_keys = context + it.row_end;
   const int64_t first_pos = context + it.row_begin;
   const int64_t chunks = (keys + 15) / 16;
-  const vwi lane = [] {
-    vwi x;
-    for (int i = 0; i < kW; ++i) x[i] = i;
-    return x;
-  }();
   {  // the item's queries, every head, scaled: one pass over contiguous rows
     const float* src = p.q + (q0 + it.row_begin) * H * D;
     for (int64_t x = 0; x < rows * H * D; ++x) sc.rows[x] = src[x] * p.scale;
@@ -698,51 +737,36 @@ void run_item_float_tiles(const Problem& p, const float* layout, const Item& it,
     std::fill(sc.acc, sc.acc + nqp * D, 0.0f);
     std::fill(sc.m, sc.m + nqp, kNegBig);
     std::fill(sc.l, sc.l + nqp, 0.0f);
-    for (int64_t base = 0; base < num_keys; base += 16) {
-      const int64_t n = std::min<int64_t>(16, num_keys - base);
-      const float* ktc = kt + base * D;  // chunk base / 16
+    for (int64_t base = 0; base < num_keys; base += kSpan) {
+      const int64_t len = std::min<int64_t>(kSpan, num_keys - base);
       // the first vectors, whose rows see none of these keys, are skipped
       const int64_t j0 = std::max<int64_t>(0, base - first_pos) * G / kQPad * kQPad;
-      for (int64_t j = j0; j < nqp; j += kQB) float_tile_scores(sc.q + j * D, ktc, D, sc.s + 16 * j);
-      for (int64_t j = j0; j < nqp; ++j) {  // the online softmax, 16 keys at a time
-        vw sv[kNV];
-        vwi live[kNV];
-        const bool whole = base + 16 <= sc.pos[j] + 1;  // all 16 keys real and visible
-        if (!whole && base > sc.pos[j]) {  // no key of this chunk is visible to this vector
-          sc.alpha[j] = 1.0f;
-          for (int v = 0; v < kNV; ++v) storew(sc.s + 16 * j + kW * v, splat(0.0f));
-          continue;
-        }
-        vw mv = splat(kNegBig);
-        for (int v = 0; v < kNV; ++v) {
-          sv[v] = loadw(sc.s + 16 * j + kW * v);
-          if (!whole) {
-            const vwi key = lane + static_cast<int32_t>(base + kW * v);
-            live[v] = (key <= sc.pos[j]) & (key < static_cast<int32_t>(base + n));
-            sv[v] = live[v] ? sv[v] : splat(kNegBig);
-          }
-          mv = maxw(mv, sv[v]);
-        }
-        const float m_new = std::max(sc.m[j], hmaxw(mv));
-        const float alpha = m_new == sc.m[j] ? 1.0f : std::exp(sc.m[j] - m_new);
-        vw sum = {};
-        for (int v = 0; v < kNV; ++v) {
-          vw pv = expw(sv[v] - m_new);
-          if (!whole) pv = live[v] ? pv : splat(0.0f);
-          storew(sc.s + 16 * j + kW * v, pv);
-          sum += pv;
-        }
-        const float total = hsumw(sum);
-        sc.l[j] = sc.l[j] * alpha + total;
-        sc.m[j] = m_new;
-        sc.alpha[j] = alpha;
+      for (int64_t c = 0; c < len; c += 16) {  // scores, one chunk of 16 keys for every vector
+        const float* ktc = kt + (base + c) * D;
+        for (int64_t j = j0; j < nqp; j += kQB)
+          float_tile_scores(sc.q + j * D, ktc, D, sc.s + j * kSpan + c, kSpan);
       }
-      const float* vc = vrows + base * D;
-      for (int64_t j = j0; j < nqp; j += kPB) {
-        if (D % (kVB * kW) == 0)
-          float_tile_values<kVB>(sc.s + 16 * j, vc, n, D, sc.alpha + j, sc.acc + j * D);
-        else
-          float_tile_values<2>(sc.s + 16 * j, vc, n, D, sc.alpha + j, sc.acc + j * D);
+      for (int64_t j = j0; j < nqp; ++j) {
+        const int64_t vis = std::clamp<int64_t>(sc.pos[j] + 1 - base, 0, len);
+        sc.vis[j] = static_cast<int32_t>(vis);
+        sc.alpha[j] = vis > 0 ? float_tile_softmax(sc.s + j * kSpan, vis, len, sc.m[j], sc.l[j]) : 1.0f;
+        if (vis == 0) std::fill(sc.s + j * kSpan, sc.s + j * kSpan + len, 0.0f);
+      }
+      // values kSub keys at a time, so that they stay in L1 while every block reads them;
+      // the first pass rescales the accumulators
+      for (int64_t c0 = 0; c0 < len; c0 += kSub) {
+        const float* vc = vrows + (base + c0) * D;
+        for (int64_t j = j0; j < nqp; j += kPB) {
+          int64_t n = 0;  // the keys any vector of the block sees (the others' are zero)
+          for (int i = 0; i < kPB; ++i) n = std::max<int64_t>(n, sc.vis[j + i]);
+          n = std::min<int64_t>(kSub, n - c0);
+          if (n <= 0) continue;
+          const float* alpha = c0 == 0 ? sc.alpha + j : nullptr;
+          if (D % (kVB * kW) == 0)
+            float_tile_values<kVB>(sc.s + j * kSpan + c0, kSpan, vc, n, D, alpha, sc.acc + j * D);
+          else
+            float_tile_values<2>(sc.s + j * kSpan + c0, kSpan, vc, n, D, alpha, sc.acc + j * D);
+        }
       }
     }
     for (int64_t j = 0; j < nqv; ++j) {
@@ -1201,10 +1225,10 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     FloatTileScratch ft{};
     if (float_tiled) {
       const int64_t nqp = float_tile_vectors(kFloatTileRows, p.num_heads / p.num_kv_heads);
-      ft_buf.resize(2 * nqp * D + 4 * nqp + nqp * 16 + kFloatTileRows * p.num_heads * D);
+      ft_buf.resize(2 * nqp * D + 5 * nqp + nqp * kSpan + kFloatTileRows * p.num_heads * D);
       ft.q = ft_buf.data(), ft.acc = ft.q + nqp * D, ft.m = ft.acc + nqp * D, ft.l = ft.m + nqp;
-      ft.alpha = ft.l + nqp, ft.pos = reinterpret_cast<int32_t*>(ft.alpha + nqp), ft.s = ft.alpha + 2 * nqp;
-      ft.rows = ft.s + nqp * 16;
+      ft.alpha = ft.l + nqp, ft.pos = reinterpret_cast<int32_t*>(ft.alpha + nqp);
+      ft.vis = ft.pos + nqp, ft.s = ft.alpha + 3 * nqp, ft.rows = ft.s + nqp * kSpan;
     }
     float* qbuf = buf.data();
     float* acc = qbuf + nq * D;

@@ -210,7 +210,8 @@ GEMV_DTYPES = {torch.float32: (0, 2), torch.bfloat16: (1, 4)}
 
 def gemv_supported(dtype: torch.dtype) -> bool:
     """Whether the built library has the one-row GEMM for ``dtype`` weights (float32 on
-    AVX-512, bfloat16 on AVX512-BF16) and ``$SCHEDKIT_CPU_GEMV`` is not ``0``."""
+    AVX-512 or AVX2 with FMA, bfloat16 on AVX512-BF16) and ``$SCHEDKIT_CPU_GEMV`` is not
+    ``0``."""
     if dtype not in GEMV_DTYPES or os.environ.get("SCHEDKIT_CPU_GEMV", "1") == "0" \
             or load_cpu_attention() is None:
         return False

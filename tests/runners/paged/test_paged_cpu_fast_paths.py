@@ -338,11 +338,12 @@ assert torch.equal(r2, x + r)
 logits = torch.randn(4, 1000)
 assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(-1))
 from schedkit.runners.paged.cpu_linear import PackedLinear
-assert not cpu_kernels.gemv_supported(torch.float32) and not cpu_kernels.gemv_supported(torch.bfloat16)
-w, x = torch.randn(64, 96), torch.randn(1, 96)
-lin = PackedLinear(w, None)
-assert lin.gemv_weight is None
-torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+assert cpu_kernels.gemv_supported(torch.float32) and not cpu_kernels.gemv_supported(torch.bfloat16)
+for n, k in ((64, 96), (48, 7), (960, 576)):  # the AVX2 one-row GEMM: odd blocks, odd K
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(1, k)
+    lin = PackedLinear(w, b)
+    assert lin.gemv_weight is not None
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 print("ok")
 """
 

@@ -1432,6 +1432,48 @@ void gemv_run(const T* x, const T* w, int64_t K, int64_t blocks, const T* bias, 
     else gemv_two_blocks<T, kPair>(x, w, K, blocks - 1, blocks - 1, bias, o);  // the odd block
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// float32 on AVX2: the same layout and the same two streams, each block of 16 outputs
+// in two 8-wide halves, two accumulators per half (even and odd k).
+#define SCHEDKIT_GEMV_AVX2 1
+inline void gemv_store8x2(float* o, const float* bias, int64_t block, v8f lo, v8f hi) {
+  if (bias != nullptr) lo += load8(bias + block * 16), hi += load8(bias + block * 16 + 8);
+  store8(o + block * 16, lo);
+  store8(o + block * 16 + 8, hi);
+}
+
+inline void gemv_two_blocks_avx2(const float* x, const float* w, int64_t K, int64_t a, int64_t b,
+                                 const float* bias, float* o) {
+  const float* wa = w + a * K * 16;
+  const float* wb = w + b * K * 16;
+  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  int64_t i = 0;
+  for (; i + 2 <= K; i += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(wa + i * 16) + 4096, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + i * 16) + 4096, _MM_HINT_T1);
+    const float x0 = x[i], x1 = x[i + 1];
+    const float* pa = wa + i * 16;
+    const float* pb = wb + i * 16;
+    a0 += x0 * load8(pa), a1 += x0 * load8(pa + 8), a2 += x1 * load8(pa + 16), a3 += x1 * load8(pa + 24);
+    b0 += x0 * load8(pb), b1 += x0 * load8(pb + 8), b2 += x1 * load8(pb + 16), b3 += x1 * load8(pb + 24);
+  }
+  if (i < K) {  // an odd K
+    a0 += x[i] * load8(wa + i * 16), a1 += x[i] * load8(wa + i * 16 + 8);
+    b0 += x[i] * load8(wb + i * 16), b1 += x[i] * load8(wb + i * 16 + 8);
+  }
+  gemv_store8x2(o, bias, a, a0 + a2, a1 + a3);
+  if (b != a) gemv_store8x2(o, bias, b, b0 + b2, b1 + b3);
+}
+
+void gemv_run_avx2(const float* x, const float* w, int64_t K, int64_t blocks, const float* bias, float* o,
+                   int threads) {
+  const int64_t half = blocks / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < half + (blocks & 1); ++i) {
+    if (i < half) gemv_two_blocks_avx2(x, w, K, i, i + half, bias, o);
+    else gemv_two_blocks_avx2(x, w, K, blocks - 1, blocks - 1, bias, o);  // the odd block
+  }
+}
 #endif
 
 }  // namespace
@@ -1485,13 +1527,14 @@ int schedkit_float_tiles_enable(int on) {
 }
 
 // Bit 0: float16 caches are supported (the compiler has _Float16). Bit 1: the one-row
-// GEMM (schedkit_gemv) takes float32 weights (AVX-512); bit 2: bfloat16 (AVX512-BF16).
+// GEMM (schedkit_gemv) takes float32 weights (AVX-512, or AVX2 with FMA); bit 2: bfloat16
+// (AVX512-BF16).
 int schedkit_kernel_features() {
   int bits = 0;
 #ifdef SCHEDKIT_HAVE_FLOAT16
   bits |= 1;
 #endif
-#ifdef SCHEDKIT_AVX512
+#if defined(SCHEDKIT_AVX512) || defined(SCHEDKIT_GEMV_AVX2)
   bits |= 2;
 #endif
 #ifdef SCHEDKIT_AVX512_BF16
@@ -1751,9 +1794,13 @@ int schedkit_gemv(const void* x, int dtype, int64_t K, const void* wp, const voi
   const int64_t blocks = N / 16;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, (blocks + 1) / 2)));
   if (dtype == 0) {
-#ifdef SCHEDKIT_AVX512
+#if defined(SCHEDKIT_AVX512)
     gemv_run<float, false>(static_cast<const float*>(x), static_cast<const float*>(wp), K, blocks,
                            static_cast<const float*>(bias), static_cast<float*>(out), threads);
+    return 0;
+#elif defined(SCHEDKIT_GEMV_AVX2)
+    gemv_run_avx2(static_cast<const float*>(x), static_cast<const float*>(wp), K, blocks,
+                  static_cast<const float*>(bias), static_cast<float*>(out), threads);
     return 0;
 #endif
   } else if (dtype == 1) {

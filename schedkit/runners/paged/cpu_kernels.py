@@ -37,9 +37,10 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _tried = False
-_amx = False
-_bf16_tiles = False
-_float_tiles = False
+_SWITCHES = {"amx": "SCHEDKIT_CPU_AMX", "bf16_tiles": "SCHEDKIT_CPU_BF16_TILES",
+             "float_tiles": "SCHEDKIT_CPU_FLOAT_TILES"}
+"""The kernel's path switches (``schedkit_<name>_enable``) and the variable that turns each off."""
+_on = dict.fromkeys(_SWITCHES, False)
 
 
 def _compiler() -> str | None:
@@ -129,13 +130,14 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         _lib, _error = lib, None
-        global _amx, _bf16_tiles, _float_tiles
-        _amx = bool(lib.schedkit_amx_enable(int(os.environ.get("SCHEDKIT_CPU_AMX", "1") != "0")))
-        _bf16_tiles = bool(lib.schedkit_bf16_tiles_enable(
-            int(os.environ.get("SCHEDKIT_CPU_BF16_TILES", "1") != "0")))
-        _float_tiles = bool(lib.schedkit_float_tiles_enable(
-            int(os.environ.get("SCHEDKIT_CPU_FLOAT_TILES", "1") != "0")))
+        for name, var in _SWITCHES.items():
+            _set_switch(lib, name, os.environ.get(var, "1") != "0")
         return lib
+
+
+def _set_switch(lib: ctypes.CDLL, name: str, on: bool) -> bool:
+    _on[name] = bool(getattr(lib, f"schedkit_{name}_enable")(int(on)))
+    return _on[name]
 
 
 def cpu_kernels() -> ctypes.CDLL:
@@ -260,46 +262,40 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def amx_enabled() -> bool:
     """Whether the kernel runs bfloat16 prefill tiles on AMX: built for a CPU with AMX, the
     OS granted the tile state, and ``$SCHEDKIT_CPU_AMX`` is not ``0``."""
-    return _amx
+    return _on["amx"]
 
 
 def set_amx(on: bool) -> bool:
     """Turn the AMX prefill tiles on or off (tests compare both paths); returns whether
     they are on."""
-    global _amx
-    _amx = bool(cpu_kernels().schedkit_amx_enable(int(on)))
-    return _amx
+    return _set_switch(cpu_kernels(), "amx", on)
 
 
 def bf16_tiles_enabled() -> bool:
     """Whether the kernel runs bfloat16 prefill tiles by ``vdpbf16ps`` where it has no AMX
     (AVX512-BF16, e.g. AMD Zen 4): built for such a CPU and ``$SCHEDKIT_CPU_BF16_TILES``
     is not ``0``. AMX tiles, where enabled, take precedence."""
-    return _bf16_tiles
+    return _on["bf16_tiles"]
 
 
 def set_bf16_tiles(on: bool) -> bool:
     """Turn the ``vdpbf16ps`` prefill tiles on or off (tests compare both paths); returns
     whether they are on."""
-    global _bf16_tiles
-    _bf16_tiles = bool(cpu_kernels().schedkit_bf16_tiles_enable(int(on)))
-    return _bf16_tiles
+    return _set_switch(cpu_kernels(), "bf16_tiles", on)
 
 
 def float_tiles_enabled() -> bool:
     """Whether prefill chunks of 8+ rows that no bfloat16 tile engine takes (float32
     caches; bfloat16 / float16 caches without AVX512-BF16) run as float32 tiles: each
-    chunk of keys transposed once and shared by 16 rows' query vectors.
+    sequence's keys laid out once, transposed, and shared by 16 rows' query vectors.
     ``$SCHEDKIT_CPU_FLOAT_TILES=0`` turns them off."""
-    return _float_tiles
+    return _on["float_tiles"]
 
 
 def set_float_tiles(on: bool) -> bool:
     """Turn the float32 prefill tiles on or off (tests compare both paths); returns
     whether they are on."""
-    global _float_tiles
-    _float_tiles = bool(cpu_kernels().schedkit_float_tiles_enable(int(on)))
-    return _float_tiles
+    return _set_switch(cpu_kernels(), "float_tiles", on)
 
 
 def build_error() -> str | None:

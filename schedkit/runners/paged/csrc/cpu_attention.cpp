@@ -519,30 +519,19 @@ inline vw loadw(const float* p) {
 inline void storew(float* p, vw v) { std::memcpy(p, &v, sizeof v); }
 inline vw splat(float x) { return vw{} + x; }
 inline vw maxw(vw a, vw b) { return a > b ? a : b; }
-// the largest and the sum of a vector's lanes, halves folded
-inline float hmaxw(vw v) {
+// the largest (kMax) or the sum of a vector's lanes, halves folded
+template <bool kMax>
+inline float hfold(vw v) {
 #if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(v);
+  return kMax ? _mm512_reduce_max_ps(v) : _mm512_reduce_add_ps(v);
 #elif defined(__AVX__)
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  auto op = [](__m128 a, __m128 b) { return kMax ? _mm_max_ps(a, b) : _mm_add_ps(a, b); };
+  __m128 x = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = op(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(op(x, _mm_movehdup_ps(x)));
 #else
   float x = v[0];
-  for (int i = 1; i < kW; ++i) x = std::max(x, v[i]);
-  return x;
-#endif
-}
-inline float hsumw(vw v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(v);
-#elif defined(__AVX__)
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-#else
-  float x = v[0];
-  for (int i = 1; i < kW; ++i) x = x + v[i];
+  for (int i = 1; i < kW; ++i) x = kMax ? std::max(x, v[i]) : x + v[i];
   return x;
 #endif
 }
@@ -683,7 +672,7 @@ inline float float_tile_softmax(float* s, int64_t vis, int64_t len, float& m, fl
     const vwi live = lane < static_cast<int32_t>(vis - t);
     mv = maxw(mv, live ? loadw(s + t) : splat(kNegBig));
   }
-  const float m_new = std::max(m, hmaxw(mv));
+  const float m_new = std::max(m, hfold<true>(mv));
   const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);
   vw sum = {};
   for (t = 0; t + kW <= vis; t += kW) {
@@ -699,7 +688,7 @@ inline float float_tile_softmax(float* s, int64_t vis, int64_t len, float& m, fl
     t += kW;
   }
   for (; t < len; t += kW) storew(s + t, splat(0.0f));
-  l = l * alpha + hsumw(sum);
+  l = l * alpha + hfold<false>(sum);
   m = m_new;
   return alpha;
 }

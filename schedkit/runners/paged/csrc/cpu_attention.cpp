@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -565,20 +566,19 @@ inline bool float_tiles_fit(const Problem& p) {
 
 // One sequence's keys and values as the tiles read them: per KV head, ceil(keys / 16)
 // chunks of Kt [D][16] (zero past the last key), then the values as [keys][D] rows.
-inline int64_t float_tile_layout_size(int64_t keys, int64_t kv_heads, int64_t D) {
-  return kv_heads * ((keys + 15) / 16 * 16 * D + keys * D);
-}
+// Floats per KV head; the values start at float_tile_keys_size.
+inline int64_t float_tile_keys_size(int64_t keys, int64_t D) { return (keys + 15) / 16 * 16 * D; }
+inline int64_t float_tile_head_size(int64_t keys, int64_t D) { return float_tile_keys_size(keys, D) + keys * D; }
 
 template <typename KT>
 void float_tile_layout(const Problem& p, const KT* k_cache, const KT* v_cache, int64_t seq, int64_t g,
                        float* dst, float* row) {
   const int64_t D = p.head_dim, BS = p.block_size, KVH = p.num_kv_heads;
   const int64_t keys = p.seq_lens[seq];
-  const int64_t chunks = (keys + 15) / 16;
-  float* kt = dst + g * (chunks * 16 * D + keys * D);
-  float* vrows = kt + chunks * 16 * D;
+  float* kt = dst + g * float_tile_head_size(keys, D);
+  float* vrows = kt + float_tile_keys_size(keys, D);
   const int32_t* blocks = p.block_table + seq * p.block_table_stride;
-  for (int64_t t = 0; t < chunks * 16; ++t) {
+  for (int64_t t = 0; t < (keys + 15) / 16 * 16; ++t) {
     float* col = kt + (t / 16) * 16 * D + t % 16;
     if (t >= keys) {
       for (int64_t d = 0; d < D; ++d) col[16 * d] = 0.0f;
@@ -704,14 +704,13 @@ void run_item_float_tiles(const Problem& p, const float* layout, const Item& it,
   const int64_t nqv = rows * G, nqp = float_tile_vectors(rows, G);
   const int64_t num_keys = context + it.row_end;
   const int64_t first_pos = context + it.row_begin;
-  const int64_t chunks = (keys + 15) / 16;
   {  // the item's queries, every head, scaled: one pass over contiguous rows
     const float* src = p.q + (q0 + it.row_begin) * H * D;
     for (int64_t x = 0; x < rows * H * D; ++x) sc.rows[x] = src[x] * p.scale;
   }
   for (int64_t g = 0; g < KVH; ++g) {
-    const float* kt = layout + g * (chunks * 16 * D + keys * D);
-    const float* vrows = kt + chunks * 16 * D;
+    const float* kt = layout + g * float_tile_head_size(keys, D);
+    const float* vrows = kt + float_tile_keys_size(keys, D);
     for (int64_t j = 0; j < nqp; ++j) {
       float* dst = sc.q + j * D;
       if (j < nqv) {
@@ -1159,7 +1158,6 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
   auto float_item = [&](int64_t q_len) { return float_tiled && q_len >= kFloatTileMinRows; };
   // their sequences' keys and values, laid out once for every item: (sequence, offset)
   std::vector<std::pair<int32_t, int64_t>> layouts;
-  std::vector<int64_t> layout_of(float_tiled ? num_seqs : 0, -1);
   int64_t layout_size = 0;
   for (int64_t j = 0; j < num_seqs; ++j) {
     const int32_t seq = seqs ? seqs[j] : static_cast<int32_t>(j);
@@ -1167,15 +1165,15 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
     const int32_t step = static_cast<int32_t>(tiled && q_len >= 16 ? kTileItemRows
                                               : float_item(q_len)    ? kFloatTileRows
                                                                      : rows_per_item);
-    if (float_item(q_len)) {
-      layout_of[j] = static_cast<int64_t>(layouts.size());
+    const int64_t layout = float_item(q_len) ? static_cast<int64_t>(layouts.size()) : -1;
+    if (layout >= 0) {
       layouts.push_back({seq, layout_size});
-      layout_size += float_tile_layout_size(p.seq_lens[seq], p.num_kv_heads, p.head_dim);
+      layout_size += p.num_kv_heads * float_tile_head_size(p.seq_lens[seq], p.head_dim);
     }
-    for (int32_t r = 0; r < q_len; r += step)
-      items.push_back({seq, r, std::min<int32_t>(q_len, r + step), float_item(q_len) ? layout_of[j] : -1});
+    for (int32_t r = 0; r < q_len; r += step) items.push_back({seq, r, std::min<int32_t>(q_len, r + step), layout});
   }
-  std::vector<float> layout(layout_size);
+  // every float of it is written by float_tile_layout, so it is not zero-filled first
+  const std::unique_ptr<float[]> layout(layout_size > 0 ? new float[layout_size] : nullptr);
   const int64_t layout_work = static_cast<int64_t>(layouts.size()) * p.num_kv_heads;
   // longest items first: tiles late in a long sequence see the most keys
   auto keys = [&](const Item& a) {
@@ -1237,7 +1235,7 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
 #pragma omp for schedule(dynamic, 1)
       for (int64_t w = 0; w < layout_work; ++w) {
         const auto& [seq, offset] = layouts[w / p.num_kv_heads];
-        float_tile_layout(p, k_cache, v_cache, seq, w % p.num_kv_heads, layout.data() + offset, tmp);
+        float_tile_layout(p, k_cache, v_cache, seq, w % p.num_kv_heads, layout.get() + offset, tmp);
       }
     }
 #pragma omp for schedule(dynamic, 1)
@@ -1257,7 +1255,7 @@ void run(const Problem& p, KT* k_cache, KT* v_cache, const int32_t* seqs, int64_
 #endif
       const Item& it = items[w];
       if (it.layout >= 0) {
-        run_item_float_tiles(p, layout.data() + layouts[it.layout].second, it, ft);
+        run_item_float_tiles(p, layout.get() + layouts[it.layout].second, it, ft);
         continue;
       }
       dispatch_item(p, k_cache, v_cache, it, qbuf, acc, m, l, kb, vb, s, qbh);
@@ -1363,6 +1361,18 @@ namespace {
 // prefetched 4 KB ahead into L2. Two accumulators per block break the dependency chain.
 // Float32 arithmetic; a bfloat16 result is rounded to nearest even.
 
+// The blocks of 16 outputs over the threads, two half the matrix apart per call of
+// two_blocks(a, b); an odd last block alone (a == b).
+template <typename F>
+void gemv_split(int64_t blocks, int threads, F two_blocks) {
+  const int64_t half = blocks / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < half + (blocks & 1); ++i) {
+    if (i < half) two_blocks(i, i + half);
+    else two_blocks(blocks - 1, blocks - 1);
+  }
+}
+
 #ifdef SCHEDKIT_AVX512
 template <typename T>
 inline void gemv_store(T* o, const T* bias, int64_t block, __m512 acc) {
@@ -1414,12 +1424,7 @@ inline void gemv_two_blocks(const T* x, const T* w, int64_t K, int64_t a, int64_
 
 template <typename T, bool kPair>
 void gemv_run(const T* x, const T* w, int64_t K, int64_t blocks, const T* bias, T* o, int threads) {
-  const int64_t half = blocks / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < half + (blocks & 1); ++i) {
-    if (i < half) gemv_two_blocks<T, kPair>(x, w, K, i, i + half, bias, o);
-    else gemv_two_blocks<T, kPair>(x, w, K, blocks - 1, blocks - 1, bias, o);  // the odd block
-  }
+  gemv_split(blocks, threads, [&](int64_t a, int64_t b) { gemv_two_blocks<T, kPair>(x, w, K, a, b, bias, o); });
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // float32 on AVX2: the same layout and the same two streams, each block of 16 outputs
@@ -1456,12 +1461,7 @@ inline void gemv_two_blocks_avx2(const float* x, const float* w, int64_t K, int6
 
 void gemv_run_avx2(const float* x, const float* w, int64_t K, int64_t blocks, const float* bias, float* o,
                    int threads) {
-  const int64_t half = blocks / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < half + (blocks & 1); ++i) {
-    if (i < half) gemv_two_blocks_avx2(x, w, K, i, i + half, bias, o);
-    else gemv_two_blocks_avx2(x, w, K, blocks - 1, blocks - 1, bias, o);  // the odd block
-  }
+  gemv_split(blocks, threads, [&](int64_t a, int64_t b) { gemv_two_blocks_avx2(x, w, K, a, b, bias, o); });
 }
 #endif
 

@@ -58,17 +58,45 @@ for port in $VPORT $SPORT; do
 done
 
 bench() {  # bench NAME PORT RATE SEED
+  curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$1-rate$3.metrics-before.txt"
   VENV=$VENV bash ../shared/bench/vllm_serve.sh bench "http://127.0.0.1:$2" smollm2 "$MODEL" \
     --request-rate "$3" --num-prompts "$N" --random-input-len "$IN" --random-output-len "$OUT_LEN" \
     --seed "$4" \
     --save-result --result-dir "$OUT" --result-filename "$1-rate$3.json" > "$OUT/$1-rate$3.txt" 2>&1
-  "$PY" - "$OUT/$1-rate$3.json" "$1" "$3" <<'PY'
+  curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$1-rate$3.metrics-after.txt"
+  "$PY" - "$OUT/$1-rate$3" "$1" "$3" <<'PY'
 import json, sys
-r = json.load(open(sys.argv[1]))
-print(json.dumps({"server": sys.argv[2], "rate": sys.argv[3], "completed": r["completed"],
-                  "out_tok_per_s": round(r["output_throughput"], 1),
-                  "ttft_p50_ms": round(r["median_ttft_ms"], 1), "ttft_p99_ms": round(r["p99_ttft_ms"], 1),
-                  "tpot_p50_ms": round(r["median_tpot_ms"], 1), "itl_p50_ms": round(r["median_itl_ms"], 1)}))
+from prometheus_client.parser import text_string_to_metric_families
+
+def sums(path):  # histogram name (no prefix) -> (sum, count), over all label sets
+    out = {}
+    for fam in text_string_to_metric_families(open(path).read()):
+        for s in fam.samples:
+            name = s.name.split(":", 1)[-1]
+            for suffix in ("_sum", "_count"):
+                if name.endswith("_seconds" + suffix):
+                    key = name[: -len(suffix)]
+                    total, count = out.get(key, (0.0, 0.0))
+                    out[key] = (total + s.value, count) if suffix == "_sum" else (total, count + s.value)
+    return out
+
+base = sys.argv[1]
+r = json.load(open(base + ".json"))
+line = {"server": sys.argv[2], "rate": sys.argv[3], "completed": r["completed"],
+        "out_tok_per_s": round(r["output_throughput"], 1),
+        "ttft_p50_ms": round(r["median_ttft_ms"], 1), "ttft_mean_ms": round(r["mean_ttft_ms"], 1), "ttft_p99_ms": round(r["p99_ttft_ms"], 1),
+        "tpot_p50_ms": round(r["median_tpot_ms"], 1), "itl_p50_ms": round(r["median_itl_ms"], 1)}
+# The server's own view, mean per request over this run: where a TTFT goes (queue wait,
+# prefill) and what the server counts as TTFT (the rest of the client's is HTTP + tokenizing).
+before, after = sums(base + ".metrics-before.txt"), sums(base + ".metrics-after.txt")
+for key, short in (("time_to_first_token_seconds", "srv_ttft"), ("request_queue_time_seconds", "srv_queue"),
+                   ("request_prefill_time_seconds", "srv_prefill")):
+    if key in after:
+        total = after[key][0] - before.get(key, (0.0, 0.0))[0]
+        count = after[key][1] - before.get(key, (0.0, 0.0))[1]
+        if count:
+            line[short + "_mean_ms"] = round(1000 * total / count, 1)
+print(json.dumps(line))
 PY
 }
 

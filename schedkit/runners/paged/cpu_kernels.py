@@ -124,7 +124,7 @@ def load_cpu_attention() -> ctypes.CDLL | None:
             "schedkit_amx_enable": ([i32], ctypes.c_int),
             "schedkit_bf16_tiles_enable": ([i32], ctypes.c_int),
             "schedkit_float_tiles_enable": ([i32], ctypes.c_int),
-            "schedkit_gemv": ([p, i32, i64, p, p, i64, p, i32], ctypes.c_int),
+            "schedkit_gemm": ([p, i32, i64, i64, i64, p, p, i64, p, i32], ctypes.c_int),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
@@ -229,20 +229,31 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
 
 
+def gemm_supported(dtype: torch.dtype) -> bool:
+    """Whether :func:`gemv` also takes several rows of ``dtype`` (float32 on AVX2 builds:
+    there it beats oneDNN's matmul, see docs/model-runner.md) and ``$SCHEDKIT_CPU_GEMM`` is
+    not ``0``."""
+    return dtype == torch.float32 and os.environ.get("SCHEDKIT_CPU_GEMM", "1") != "0" \
+        and gemv_supported(dtype) and bool(cpu_kernels().schedkit_kernel_features() & 8)
+
+
 def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for one row ``x`` ([1, K], the weight's dtype) against ``W``
-    packed by :func:`pack_gemv_weight`: the decode step of one sequence, without
-    oneDNN's per-call setup. Returns [1, out_features]."""
-    if x.dtype != packed.dtype or x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu" \
-            or x.stride(-1) != 1:
-        raise ValueError(f"gemv takes one {packed.dtype} CPU row with unit stride, got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
-    out = torch.empty(1, out_features, dtype=x.dtype)
-    rc = cpu_kernels().schedkit_gemv(x.data_ptr(), GEMV_DTYPES[x.dtype][0], x.shape[1], packed.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out_features,
-                                     out.data_ptr(), torch.get_num_threads())
+    """``x @ W.T (+ bias)`` for rows ``x`` ([M, K], the weight's dtype, unit stride along
+    K) against ``W`` packed by :func:`pack_gemv_weight`. One row (the decode step of one
+    sequence) streams the weight once, without oneDNN's per-call setup; several rows
+    (where :func:`gemm_supported`) run register tiles of 6 rows x 16 outputs. Returns
+    [M, out_features]."""
+    if x.dtype != packed.dtype or x.dim() != 2 or x.device.type != "cpu" or x.stride(-1) != 1 \
+            or x.shape[0] < 1 or x.shape[1] != packed.shape[1] * (2 if x.dtype == torch.bfloat16 else 1):
+        raise ValueError(f"gemv takes [rows, {packed.shape[1]}] {packed.dtype} CPU rows with unit stride, "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    rows = x.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    rc = cpu_kernels().schedkit_gemm(x.data_ptr(), GEMV_DTYPES[x.dtype][0], rows, x.stride(0) if rows > 1 else x.shape[1],
+                                     x.shape[1], packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     out_features, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"schedkit_gemv: {'no path for this dtype' if rc == -1 else 'unsupported shape'}")
+        raise RuntimeError(f"schedkit_gemm: {'no path for this dtype and row count' if rc == -1 else 'unsupported shape'}")
     return out
 
 

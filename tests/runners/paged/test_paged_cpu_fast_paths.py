@@ -290,7 +290,54 @@ def test_a_one_row_linear_matches_the_reference(dtype: torch.dtype) -> None:
         assert one.dtype == dtype and one.shape == (1, n)
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else BF16_TOL
         torch.testing.assert_close(one.float(), ref[1:2], **tol)
-        torch.testing.assert_close(lin(x).float(), ref, **tol)  # three rows: oneDNN
+        torch.testing.assert_close(lin(x).float(), ref, **tol)  # three rows: the tiles (AVX2) or oneDNN
+
+
+GEMM_ROWS = [2, 5, 6, 7, 13, 150, 301]
+"""Row counts of the multi-row kernel: tails of 1-5 rows after full tiles of 6, more than
+one panel of 144 rows."""
+
+
+@pytest.mark.parametrize("n, k, has_bias", [(960, 576, False), (48, 10, True), (16, 7, True), (80, 1536, True),
+                                            (32, 600, False)])
+def test_several_rows_through_the_packed_kernel_match_the_reference(n: int, k: int, has_bias: bool) -> None:
+    """The multi-row float32 GEMM (AVX2 builds) against float64, for row tails, K in one,
+    several and uneven chunks (7, 576 = 2 x 288, 600 = 3 x 200, 1536 = 6 x 256), rows read
+    with a stride, and the same bits on one thread as on two (each output is summed by one
+    thread in one order)."""
+    from schedkit.runners.paged.cpu_linear import PackedLinear
+
+    if not cpu_kernels.gemm_supported(torch.float32):
+        pytest.skip("this build has no multi-row GEMM (AVX2 builds only; the AVX2 subprocess test runs it)")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if has_bias else None
+    lin = PackedLinear(w, b)
+    assert lin._many_rows
+    wide = torch.randn(max(GEMM_ROWS), k + 9, generator=g)
+    threads = torch.get_num_threads()
+    for rows in GEMM_ROWS:
+        x = wide[:rows, 3:3 + k]  # a row stride of k + 9
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        got = lin(x)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, atol=1e-4 * max(1.0, k ** 0.5), rtol=1e-4)
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(lin(x.contiguous()), got)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_the_multi_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schedkit.runners.paged.cpu_linear import PackedLinear
+
+    monkeypatch.setenv("SCHEDKIT_CPU_GEMM", "0")
+    assert not cpu_kernels.gemm_supported(torch.float32)
+    w, x = torch.randn(32, 16), torch.randn(4, 16)
+    lin = PackedLinear(w, None)
+    assert not lin._many_rows
+    torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_the_one_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,10 +355,14 @@ def test_gemv_refuses_a_row_of_another_dtype() -> None:
     if not cpu_kernels.gemv_supported(torch.float32):
         pytest.skip("this build has no one-row GEMM")
     packed = cpu_kernels.pack_gemv_weight(torch.randn(16, 8))
-    with pytest.raises(ValueError, match="gemv takes one"):
+    with pytest.raises(ValueError, match="gemv takes"):
         cpu_kernels.gemv(torch.randn(1, 8).bfloat16(), packed, None, 16)
-    with pytest.raises(ValueError, match="gemv takes one"):
-        cpu_kernels.gemv(torch.randn(2, 8), packed, None, 16)
+    with pytest.raises(ValueError, match="gemv takes"):
+        cpu_kernels.gemv(torch.randn(1, 9), packed, None, 16)  # K other than the weight's
+    with pytest.raises(ValueError, match="gemv takes"):
+        cpu_kernels.gemv(torch.randn(0, 8), packed, None, 16)
+    with pytest.raises(ValueError, match="gemv takes"):
+        cpu_kernels.gemv(torch.randn(8, 2).t(), packed, None, 16)  # no unit stride along K
 
 
 AVX2_SCRIPT = r"""
@@ -344,6 +395,12 @@ for n, k in ((64, 96), (48, 7), (960, 576)):  # the AVX2 one-row GEMM: odd block
     lin = PackedLinear(w, b)
     assert lin.gemv_weight is not None
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+assert cpu_kernels.gemm_supported(torch.float32)
+for rows, n, k in ((2, 64, 96), (7, 48, 7), (150, 960, 576), (13, 32, 600)):  # the multi-row tiles
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    lin = PackedLinear(w, b)
+    assert lin._many_rows
+    torch.testing.assert_close(lin(x).double(), F.linear(x.double(), w.double(), b.double()), atol=3e-3, rtol=1e-4)
 print("ok")
 """
 

@@ -72,7 +72,7 @@ def bench_shapes(shapes: list[str], reps: int) -> None:
 def bench_steps(a: argparse.Namespace) -> None:
     ns = argparse.Namespace(model=a.model, dtype="float32", hf_init=False, device="cpu", threads=a.threads,
                             eager=True, block_size=16, num_blocks=8192, max_batch_tokens=2048, max_num_seqs=128)
-    engine = bench_paged.build_engine(ns, 2048)
+    engine = bench_paged.build_engine(ns, 4096)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
     rng = random.Random(0)
     counter = iter(range(1 << 30))

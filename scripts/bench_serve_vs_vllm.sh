@@ -61,7 +61,7 @@ bench() {  # bench NAME PORT RATE SEED
   curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$1-rate$3.metrics-before.txt"
   VENV=$VENV bash ../shared/bench/vllm_serve.sh bench "http://127.0.0.1:$2" smollm2 "$MODEL" \
     --request-rate "$3" --num-prompts "$N" --random-input-len "$IN" --random-output-len "$OUT_LEN" \
-    --seed "$4" \
+    --seed "$4" --save-detailed \
     --save-result --result-dir "$OUT" --result-filename "$1-rate$3.json" > "$OUT/$1-rate$3.txt" 2>&1
   curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$1-rate$3.metrics-after.txt"
   "$PY" - "$OUT/$1-rate$3" "$1" "$3" <<'PY'

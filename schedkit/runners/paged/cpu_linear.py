@@ -20,7 +20,7 @@ docs/results.md). Where the kernel is built for float32 (AVX-512) or bfloat16
 
 On AVX2 builds (no AVX-512) the same kernel also takes float32 steps of several rows, in
 register tiles of 6 rows x 16 outputs over that second copy: a 128-token prefill of
-SmolLM2 about 1.1x, decode steps of 4-64 sequences 1.1-1.3x faster than through oneDNN
+SmolLM2 about 1.17x, a decode step of 32 sequences 1.19x faster than through oneDNN
 (docs/model-runner.md). ``SCHEDKIT_CPU_GEMM=0`` keeps oneDNN for them.
 """
 

@@ -299,10 +299,10 @@ one panel of 144 rows."""
 
 
 @pytest.mark.parametrize("n, k, has_bias", [(960, 576, False), (48, 10, True), (16, 7, True), (80, 1536, True),
-                                            (32, 600, False)])
+                                            (32, 1600, False)])
 def test_several_rows_through_the_packed_kernel_match_the_reference(n: int, k: int, has_bias: bool) -> None:
     """The multi-row float32 GEMM (AVX2 builds) against float64, for row tails, K in one,
-    several and uneven chunks (7, 576 = 2 x 288, 600 = 3 x 200, 1536 = 6 x 256), rows read
+    several and uneven chunks (7 and 576 in one, 1536 = 2 x 768, 1600 = 534 + 534 + 532), rows read
     with a stride, and the same bits on one thread as on two (each output is summed by one
     thread in one order)."""
     from schedkit.runners.paged.cpu_linear import PackedLinear
@@ -396,7 +396,7 @@ for n, k in ((64, 96), (48, 7), (960, 576)):  # the AVX2 one-row GEMM: odd block
     assert lin.gemv_weight is not None
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 assert cpu_kernels.gemm_supported(torch.float32)
-for rows, n, k in ((2, 64, 96), (7, 48, 7), (150, 960, 576), (13, 32, 600)):  # the multi-row tiles
+for rows, n, k in ((2, 64, 96), (7, 48, 7), (150, 960, 576), (13, 32, 1600)):  # the multi-row tiles
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     lin = PackedLinear(w, b)
     assert lin._many_rows

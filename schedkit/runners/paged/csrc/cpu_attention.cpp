@@ -1522,20 +1522,22 @@ void gemm_run_avx2(const float* x, int64_t M, int64_t ldx, const float* w, int64
                    const float* bias, float* o, int threads) {
   const int64_t chunks = (K + kMaxChunk - 1) / kMaxChunk;
   const int64_t kc_max = (K + chunks - 1) / chunks;  // even chunks: 1536 -> 768 + 768
+  // the panel's copy, shared by the threads, kept by the calling thread from call to call
+  static thread_local std::vector<float> panel;
+  if (panel.size() < static_cast<size_t>(std::min(M, kRowPanel) * kc_max))
+    panel.resize(static_cast<size_t>(std::min(M, kRowPanel) * kc_max));
+  float* const packed = panel.data();
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t nb0 = blocks * t / nt, nb1 = blocks * (t + 1) / nt;
-    // the panel's copy, kept by each pool thread from call to call
-    static thread_local std::vector<float> panel;
-    if (panel.size() < static_cast<size_t>(std::min(M, kRowPanel) * kc_max))
-      panel.resize(static_cast<size_t>(std::min(M, kRowPanel) * kc_max));
-    float* const packed = panel.data();
     for (int64_t m0 = 0; m0 < M; m0 += kRowPanel) {
       const int64_t m1 = std::min(M, m0 + kRowPanel);
       for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, K - k0);
         const bool first = k0 == 0, last = k0 + kc == K;
+#pragma omp barrier  // nobody still reads the last chunk's copy
+#pragma omp for schedule(static)  // (its implicit barrier: the copy is whole before use)
         for (int64_t m = m0; m < m1; m += kTileRows) {  // the tiles of the panel's chunk, [kc][rows] each
           const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
           float* dst = packed + (m - m0) * kc;

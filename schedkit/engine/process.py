@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import Request
 from schedkit.engine.core import EngineCore
+from schedkit.engine.gc_heap import freeze_startup_heap
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
     AbortRequests,
@@ -329,7 +331,8 @@ class EngineCoreProc:
         method = call.method
         try:
             if method == "stats":
-                result: Any = self.engine.stats() | {"num_malformed_messages": self.num_malformed}
+                result: Any = self.engine.stats() | {"num_malformed_messages": self.num_malformed,
+                                                     "num_gc_frozen_objects": gc.get_freeze_count()}
             elif method == "reset_prefix_cache":
                 if len(call.args) > 1 or not all(isinstance(x, bool) for x in call.args):
                     return UtilityResult(call.call_id, error="reset_prefix_cache takes one optional "
@@ -579,6 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
         return
+    freeze_startup_heap()  # the model and imports: never garbage, so no GC pass walks them
     threading.Thread(target=_exit_when_parent_goes, args=(sys.stdin, addrs), daemon=True).start()
     print(f"ready {os.getpid()}", flush=True)
     try:

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from schedkit.engine.gc_heap import freeze_startup_heap
 from schedkit.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -205,6 +206,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state["server"] = await server_factory()
+        freeze_startup_heap()  # imports, tokenizer, app: never garbage, so no GC pass walks them
         try:
             yield
         finally:

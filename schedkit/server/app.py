@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -48,6 +49,14 @@ def _error_response(e: APIError, request_id: str | None = None) -> JSONResponse:
     if request_id is not None:
         headers["X-Request-Id"] = request_id
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _valid_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id to echo on an error, unless it is itself what was wrong."""
+    try:
+        return None if value is None else request_id_from_header(value, "")
+    except APIError:
+        return None
 
 
 class LimitsMiddleware:
@@ -123,11 +132,50 @@ class LimitsMiddleware:
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    # JSON may spell a lone UTF-16 surrogate (\ud800), which no tokenizer, log or reply can
+    # encode: the strings are searched only when the body has such an escape at all.
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        try:
+            where = _lone_surrogate(body, "")
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
+        if where is not None:
+            param = where or None
+            raise APIError(400, f"{where or 'a key'}: not valid Unicode text (a lone UTF-16 surrogate)",
+                           param=param)
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` that does not
+    encode as UTF-8, "" for such a key, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if _lone_surrogate(k, "") is not None:
+                return path
+            found = _lone_surrogate(v, f"{path}.{k}" if path else k)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -225,13 +273,13 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         state["server"].metrics.http_error(e.status)
-        return _error_response(e, request.headers.get("x-request-id"))
+        return _error_response(e, _valid_request_id(request.headers.get("x-request-id")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         # an unknown route (404) or method (405): OpenAI's error shape, like every other error
         return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: "
-                                                  f"{e.detail}"))
+                                                  f"{e.detail}", headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
@@ -256,12 +304,16 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
                            "sampled token ids only", param=param)
         rid = request_id_from_header(request.headers.get("x-request-id"), prefix)
         if kind == "chat":
+            s.check_capacity(req.n, req.n, "n")
             prompts = [await s.chat_prompt(req.messages, req.add_generation_prompt)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         else:
-            prompts = [await s.encode(p, f"prompt[{i}]" if not isinstance(req.prompt, str) and len(req.prompts()) > 1
-                                else "prompt") for i, p in enumerate(req.prompts())]
+            texts = req.prompts()
+            # before any work per prompt: a batch the pending limit can never take is refused whole
+            s.check_capacity(req.n, len(texts) * req.n, "prompt" if len(texts) > 1 else "n")
+            prompts = [await s.encode(p, f"prompt[{i}]" if len(texts) > 1 else "prompt")
+                       for i, p in enumerate(texts)]
             max_tokens, param = req.max_tokens, "max_tokens"
         choices = s.make_choices(req, rid, prompts, max_tokens, param)
         gen = Generation(s, kind, rid, req, prompts, choices, arrival)
@@ -295,7 +347,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
         s = srv()
         return {"object": "list", "data": [{
@@ -325,7 +377,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []
         return {"prompt": await s.off_loop(tok.decode, ids)}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         s = srv()
         if not s.llm_alive():

@@ -46,7 +46,7 @@ class APIError(Exception):
         headers: Extra response headers (``Retry-After``).
     """
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
              413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 

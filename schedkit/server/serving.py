@@ -46,6 +46,8 @@ log = logging.getLogger("schedkit.server")
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 512
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` one request may send (each choice copies them into the engine)."""
 """Stop strings are searched on every delta, on the event loop: bounded, so one request
 cannot slow every stream."""
 
@@ -144,13 +146,19 @@ class Server:
             ids = list(await self.off_loop(self._need_tokenizer("a text prompt").encode, prompt))
         else:
             ids = prompt
-            bad = next((i for i, t in enumerate(ids) if t >= self.vocab_size), None)
-            if bad is not None:
-                raise APIError(400, f"{param}[{bad}] = {ids[bad]} is not a token of this model "
-                               f"(vocabulary size {self.vocab_size})", param=param)
+            self.check_token_ids(ids, param)
         if not ids:
             raise APIError(400, f"{param} is empty", param=param)
         return ids
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Raises:
+            APIError: 400 naming the first id outside the vocabulary (``param[i]``).
+        """
+        bad = next((i for i, t in enumerate(ids) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{param}[{bad}] = {ids[bad]} is not a token of this model "
+                           f"(vocabulary size {self.vocab_size})", param=f"{param}[{bad}]")
 
     async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """The chat template applied to ``messages``, tokenized.
@@ -165,6 +173,8 @@ class Server:
         try:
             text = await self.off_loop(tok.apply_chat_template, convo, tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
+        except ImportError as e:  # the server's installation lacks jinja2: not the client's fault
+            raise APIError(500, f"the chat template cannot run on this server: {e}") from None
         except Exception as e:  # a template that raises on this conversation (jinja's raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         ids = await self.off_loop(tok.encode, text, add_special_tokens=False)
@@ -191,13 +201,33 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model")
 
-    def _admit(self, count: int) -> None:
+    def check_capacity(self, req_n: int, count: int, param: str) -> None:
+        """Refuse, before any work, a request of ``count`` engine requests (prompts x n)
+        that the pending limit can never take (400), or that finds it full now (503).
+
+        Raises:
+            APIError: 400 over ``server.max_n`` or ``server.max_pending_requests`` alone;
+                503 as :meth:`start` would.
+        """
+        self._check_n(req_n)
+        self._admit(count, param)
+
+    def _check_n(self, n: int) -> None:
+        if n > self.config.server.max_n:
+            raise APIError(400, f"n={n} exceeds the limit of {self.config.server.max_n} "
+                           "(server.max_n)", param="n")
+
+    def _admit(self, count: int, param: str | None = None) -> None:
+        limit = self.config.server.max_pending_requests
+        if count > limit:  # waiting cannot help: no Retry-After
+            raise APIError(400, f"this request asks for {count} completions (prompts x n); the "
+                           f"server takes at most {limit} at a time (server.max_pending_requests)",
+                           param=param)
         if self.draining:
             raise APIError(503, "the server is shutting down",
                            headers={"Retry-After": str(self.config.server.retry_after_s)})
         if not self.llm_alive():
             raise APIError(503, "the engine is not running")
-        limit = self.config.server.max_pending_requests
         if self.num_pending + count > limit:
             raise APIError(503, f"too many pending requests: {self.num_pending} in flight, this "
                            f"request adds {count}, the limit is {limit} (server.max_pending_requests)",
@@ -214,13 +244,16 @@ class Server:
     # -- choices -------------------------------------------------------------------------
     def make_choices(self, req: _Sampling, request_id: str, prompts: list[list[int]],
                      max_tokens: int | None, max_tokens_param: str) -> list[Choice]:
-        if req.n > self.config.server.max_n:
-            raise APIError(400, f"n={req.n} exceeds the limit of {self.config.server.max_n} "
-                           "(server.max_n)", param="n")
+        self._check_n(req.n)
         stop = req.stop_strings()
         if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_LEN for x in stop):
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most "
                            f"{MAX_STOP_STRING_LEN} characters each", param="stop")
+        if req.stop_token_ids:
+            if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
+                               f"{len(req.stop_token_ids)}", param="stop_token_ids")
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer, and this model has none; "
                            "use stop_token_ids", param="stop")

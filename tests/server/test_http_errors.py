@@ -319,7 +319,12 @@ COMPLETION_BAD: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("prompt-empty-token-list", _c(prompt=[[]]), 400, "prompt", ("empty",)),
     ("prompt-batch-with-empty", _c(prompt=["w7", ""]), 400, "prompt[1]", ("empty",)),
     ("prompt-token-neg", _c(prompt=[7, -1]), 400, "prompt", ()),
-    ("prompt-token-vocab", _c(prompt=[7, 512]), 400, "prompt", ("512", "vocabulary")),
+    ("prompt-token-vocab", _c(prompt=[7, 512]), 400, "prompt[1]", ("512", "vocabulary")),
+    ("prompt-lone-surrogate", b'{"prompt": "w7 \\ud800", "max_tokens": 2}', 400, "prompt", ("surrogate",)),
+    ("prompt-batch-lone-surrogate", b'{"prompt": ["w7", "\\udfff w8"]}', 400, "prompt[1]", ("surrogate",)),
+    ("stop-lone-surrogate", b'{"prompt": "w7", "stop": ["w9", "\\udc00"]}', 400, "stop[1]", ("surrogate",)),
+    ("key-lone-surrogate", b'{"prompt": "w7", "\\ud800": 1}', 400, None, ("surrogate",)),
+    ("stop_token_ids-vocab", _c(stop_token_ids=[3, 512]), 400, "stop_token_ids[1]", ("512", "vocabulary")),
     ("prompt-batch-token-vocab", _c(prompt=[[7], [8, 9999]]), 400, "prompt[1]", ("9999",)),
     ("prompt-mixed-list", _c(prompt=[7, "w8"]), 400, "prompt", ()),
     ("prompt-over-max_model_len", _c(prompt=[7] * MAX_MODEL_LEN, max_tokens=None), 400, "prompt",
@@ -368,6 +373,8 @@ CHAT_BAD: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("n-zero", _m(n=0), 400, "n", ()),
     ("n-over-max_n", _m(n=MAX_N + 1), 400, "n", ("server.max_n",)),
     ("stop-non-string", _m(stop=[None]), 400, "stop", ()),
+    ("message-lone-surrogate", b'{"messages": [{"role": "user", "content": "w7 \\ud800"}]}', 400,
+     "messages[0].content", ("surrogate",)),
     ("stop_token_ids-neg", _m(stop_token_ids=[3, -7]), 400, "stop_token_ids", ()),
     ("min_tokens-over-max_tokens", _m(min_tokens=3, max_tokens=1), 400, "min_tokens", ()),
     ("unknown-field", _m(prompt="w7"), 400, "prompt", ("unknown field",)),
@@ -419,9 +426,38 @@ def test_bad_request_id_header(client, value):
     raw = value.encode("utf-8")  # httpx would refuse to send some of these itself
     r = client.post("/v1/completions", json=GOOD, headers=[(b"X-Request-Id", raw)])
     assert_error(r, 400, param="X-Request-Id", says=("256",))
+    assert "x-request-id" not in r.headers  # an id that is itself the mistake is not echoed
     ok = client.post("/v1/completions", json=GOOD, headers={"X-Request-Id": "x" * 256})
     assert ok.status_code == 200 and ok.json()["id"] == "x" * 256
     assert ok.headers["x-request-id"] == "x" * 256
+
+
+def test_limits_on_a_request_too_large_to_ever_fit(slow):
+    # (on the server with the default body limit: these bodies are over the api server's)
+    with slow.client() as c:
+        r = c.post("/v1/completions", json=_c(prompt=[[7]] * 3000))  # pending limit 2
+        assert_error(r, 400, param="prompt", says=("3000", "server.max_pending_requests"))
+        assert "retry-after" not in r.headers
+        r = c.post("/v1/completions", json=_c(stop_token_ids=[7] * 1025))
+        assert_error(r, 400, param="stop_token_ids", says=("1024",))
+        assert_serves(c)
+
+
+def test_a_valid_surrogate_pair_is_text(client):
+    # an emoji spelt as a JSON surrogate pair is one character, not a lone surrogate
+    r = _post(client, "/v1/completions", b'{"prompt": "w7 \\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
+    r = _post(client, "/tokenize", b'{"prompt": "w7 \\ud800"}')
+    assert_error(r, 400, param="prompt", says=("surrogate",))
+    assert_serves(client)
+
+
+def test_a_wrong_method_says_which_are_allowed(client):
+    r = client.get("/v1/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST" and r.json()["error"]["type"] == "MethodNotAllowedError"
+    assert client.head("/health").status_code == 200
+    assert client.head("/v1/models").status_code == 200
 
 
 def test_bad_requests_are_counted(api, client):
@@ -562,9 +598,12 @@ def test_pending_limit_is_a_503_with_retry_after(slow):
                 assert status == 200 and events[-1] == "[DONE]"
                 assert finish_reasons(events) == ["length"]
             assert_serves(c)
-            # n counts: n=3 alone is over the limit of 2
-            assert_error(c.post("/v1/completions", json={**GOOD, "n": 3}), 503,
-                         says=("adds 3", "server.max_pending_requests"))
+            # n counts: n=3 alone can never fit the limit of 2, so waiting cannot help: a 400
+            r = c.post("/v1/completions", json={**GOOD, "n": 3})
+            assert_error(r, 400, param="n", says=("3", "server.max_pending_requests"))
+            assert "retry-after" not in r.headers
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w7"}], "n": 3})
+            assert_error(r, 400, param="n", says=("server.max_pending_requests",))
             assert_serves(c)
     finally:
         a.close()

@@ -129,8 +129,21 @@ class LimitsMiddleware:
 
 
 
-async def _json_body(request: Request) -> Any:
+OFF_LOOP_BODY_BYTES = 256 * 1024
+"""Bodies at least this large are decoded and validated on a worker thread: a body at the
+8 MB limit takes seconds of Python, which on the event loop would stall every stream (on a
+thread the loop still gets the interpreter every few milliseconds)."""
+
+
+async def _request_of(request: Request, model: type[Any]) -> Any:
+    """The request body decoded and validated as ``model`` (see :func:`parse_body`)."""
     raw = await request.body()
+    if len(raw) < OFF_LOOP_BODY_BYTES:
+        return parse_body(model, _decode_json(raw))
+    return await asyncio.to_thread(lambda: parse_body(model, _decode_json(raw)))
+
+
+def _decode_json(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -289,12 +302,11 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     async def _generate(request: Request, kind: str) -> Response:
         arrival = time.perf_counter()  # the latencies recorded count from here
         s = srv()
-        body = await _json_body(request)
         if kind == "chat":
-            req: Any = parse_body(ChatCompletionRequest, body)
+            req: Any = await _request_of(request, ChatCompletionRequest)
             prefix = "chatcmpl"
         else:
-            req = parse_body(CompletionRequest, body)
+            req = await _request_of(request, CompletionRequest)
             prefix = "cmpl"
         s.check_model(req.model)
         wants_logprobs = req.logprobs is not None and req.logprobs is not False
@@ -357,7 +369,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         s = srv()
-        req = parse_body(TokenizeRequest, await _json_body(request))
+        req = await _request_of(request, TokenizeRequest)
         s.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
@@ -371,7 +383,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         s = srv()
-        req = parse_body(DetokenizeRequest, await _json_body(request))
+        req = await _request_of(request, DetokenizeRequest)
         s.check_model(req.model)
         tok = s._need_tokenizer("detokenize")
         ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []

@@ -443,6 +443,22 @@ def test_limits_on_a_request_too_large_to_ever_fit(slow):
         assert_serves(c)
 
 
+def test_large_bodies_parsed_off_the_event_loop_answer_alike(slow):
+    from schedkit.server.app import OFF_LOOP_BODY_BYTES
+
+    pad = b" " * OFF_LOOP_BODY_BYTES  # JSON whitespace: the same request, a body over the threshold
+    with slow.client() as c:
+        r = _post(c, "/v1/completions", b'{"prompt": "w7", "max_tokens": 2' + pad + b"}")
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert_error(_post(c, "/v1/completions", b'{"prompt": "w7", "top_k": -2' + pad + b"}"), 400, param="top_k")
+        assert_error(_post(c, "/v1/completions", b'{"prompt": "w7 \\ud800"' + pad + b"}"), 400, param="prompt",
+                     says=("surrogate",))
+        assert_error(_post(c, "/v1/completions", b'{"prompt": "w7", ' + pad), 400, says=("not valid JSON",))
+        r = _post(c, "/tokenize", b'{"prompt": "w7 w8"' + pad + b"}")
+        assert r.status_code == 200 and r.json()["tokens"] == [7, 8]
+        assert_serves(c)
+
+
 def test_a_valid_surrogate_pair_is_text(client):
     # an emoji spelt as a JSON surrogate pair is one character, not a lone surrogate
     r = _post(client, "/v1/completions", b'{"prompt": "w7 \\ud83d\\ude00", "max_tokens": 2}')

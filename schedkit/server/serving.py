@@ -217,12 +217,20 @@ class Server:
             raise APIError(400, f"n={n} exceeds the limit of {self.config.server.max_n} "
                            "(server.max_n)", param="n")
 
-    def _admit(self, count: int, param: str | None = None) -> None:
+    def check_never_fits(self, count: int, param: str | None) -> None:
+        """Raises:
+            APIError: 400 for ``count`` engine requests the pending limit can never hold
+                (waiting cannot help, so no ``Retry-After``).
+        """
         limit = self.config.server.max_pending_requests
-        if count > limit:  # waiting cannot help: no Retry-After
+        if count > limit:
             raise APIError(400, f"this request asks for {count} completions (prompts x n); the "
                            f"server takes at most {limit} at a time (server.max_pending_requests)",
                            param=param)
+
+    def _admit(self, count: int, param: str | None = None) -> None:
+        self.check_never_fits(count, param)
+        limit = self.config.server.max_pending_requests
         if self.draining:
             raise APIError(503, "the server is shutting down",
                            headers={"Retry-After": str(self.config.server.retry_after_s)})

@@ -314,14 +314,14 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
                            "sampled token ids only", param=param)
         rid = request_id_from_header(request.headers.get("x-request-id"), prefix)
         if kind == "chat":
-            s.check_capacity(req.n, req.n, "n")
+            s.check_capacity(req.n, 1, "n")
             prompts = [await s.chat_prompt(req.messages, req.add_generation_prompt)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         else:
             texts = req.prompts()
             # before any work per prompt: a batch the pending limit can never take is refused whole
-            s.check_capacity(req.n, len(texts) * req.n, "prompt" if len(texts) > 1 else "n")
+            s.check_capacity(req.n, len(texts), "prompt" if len(texts) > 1 else "n")
             prompts = [await s.encode(p, f"prompt[{i}]" if len(texts) > 1 else "prompt")
                        for i, p in enumerate(texts)]
             max_tokens, param = req.max_tokens, "max_tokens"

@@ -201,21 +201,19 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model")
 
-    def check_capacity(self, req_n: int, count: int, param: str) -> None:
-        """Refuse, before any work, a request of ``count`` engine requests (prompts x n)
-        that the pending limit can never take (400), or that finds it full now (503).
+    def check_capacity(self, n: int, num_prompts: int, param: str) -> None:
+        """Refuse, before any work, a request of ``num_prompts`` prompts x ``n`` choices
+        that the limits can never take (400), or that finds the server full now (503).
+        Called before :meth:`make_choices`.
 
         Raises:
             APIError: 400 over ``server.max_n`` or ``server.max_pending_requests`` alone;
                 503 as :meth:`start` would.
         """
-        self._check_n(req_n)
-        self._admit(count, param)
-
-    def _check_n(self, n: int) -> None:
         if n > self.config.server.max_n:
             raise APIError(400, f"n={n} exceeds the limit of {self.config.server.max_n} "
                            "(server.max_n)", param="n")
+        self._admit(num_prompts * n, param)
 
     def check_never_fits(self, count: int, param: str | None) -> None:
         """Raises:
@@ -252,7 +250,6 @@ class Server:
     # -- choices -------------------------------------------------------------------------
     def make_choices(self, req: _Sampling, request_id: str, prompts: list[list[int]],
                      max_tokens: int | None, max_tokens_param: str) -> list[Choice]:
-        self._check_n(req.n)
         stop = req.stop_strings()
         if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_LEN for x in stop):
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most "

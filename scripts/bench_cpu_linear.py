@@ -120,7 +120,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if cpu_kernels.load_cpu_attention() is None or not cpu_kernels.gemm_supported(torch.float32):
-        sys.exit("this machine's kernel build has no multi-row GEMM (float32 on AVX2 builds)")
+        sys.exit("this build of the kernels has no multi-row GEMM (it needs AVX2 and FMA)")
     print(f"threads {a.threads}, median of {a.reps} alternating calls")
     bench_shapes(a.shapes, a.reps)
     if a.prefill or a.decode:

@@ -10,9 +10,16 @@
 # per run goes to OUT (vLLM's --save-result format), one summary line per run to
 # OUT/summary.jsonl.
 #
+# ORDER=abba measures each rate twice, mirrored: vLLM then schedkit on the rate's seed,
+# then schedkit then vLLM on a second seed (rate seed + 100), so that a drift in the
+# machine's speed that is linear over the four runs costs both servers alike (this VM's
+# speed moves by 10-40% over minutes). It then adds one pooled line per server and rate
+# ("pooled": true): the percentiles over both runs' requests together, throughput the
+# mean of the two.
+#
 #   bash scripts/bench_serve_vs_vllm.sh [OUT] [VLLM_VENV] [MODEL_DIR]
 #
-# Env: RATES (default "0.25 0.5 1 inf"), N prompts per rate (16), IN / OUT_LEN tokens
+# Env: RATES (default "0.25 0.5 1 inf"), ORDER (ab, or abba), N prompts per rate (16), IN / OUT_LEN tokens
 # (128 / 32), DTYPE (bfloat16, or float32), THREADS (1: vLLM then keeps the second core
 # for its front end, as ../shared/bench/vllm_serve.sh runs it; 2: both cores compute).
 set -euo pipefail
@@ -26,6 +33,7 @@ N=${N:-16}
 IN=${IN:-128}
 OUT_LEN=${OUT_LEN:-32}
 THREADS=${THREADS:-1}
+ORDER=${ORDER:-ab}
 DTYPE=${DTYPE:-bfloat16}
 VPORT=8811
 SPORT=8812
@@ -57,14 +65,15 @@ for port in $VPORT $SPORT; do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server on $port did not start"; exit 1; }
 done
 
-bench() {  # bench NAME PORT RATE SEED
-  curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$1-rate$3.metrics-before.txt"
+bench() {  # bench NAME PORT RATE SEED [SUFFIX of the file names]
+  local tag="$1-rate$3${5:-}"
+  curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$tag.metrics-before.txt"
   VENV=$VENV bash ../shared/bench/vllm_serve.sh bench "http://127.0.0.1:$2" smollm2 "$MODEL" \
     --request-rate "$3" --num-prompts "$N" --random-input-len "$IN" --random-output-len "$OUT_LEN" \
     --seed "$4" --save-detailed \
-    --save-result --result-dir "$OUT" --result-filename "$1-rate$3.json" > "$OUT/$1-rate$3.txt" 2>&1
-  curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$1-rate$3.metrics-after.txt"
-  "$PY" - "$OUT/$1-rate$3" "$1" "$3" <<'PY'
+    --save-result --result-dir "$OUT" --result-filename "$tag.json" > "$OUT/$tag.txt" 2>&1
+  curl -s "http://127.0.0.1:$2/metrics" > "$OUT/$tag.metrics-after.txt"
+  "$PY" - "$OUT/$tag" "$1" "$3${5:-}" <<'PY'
 import json, sys
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -106,9 +115,37 @@ for port in $VPORT $SPORT; do
     -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8}' > /dev/null
 done
 # A seed per rate: the prompts of one rate are not in the prefix cache from the last one.
+pooled() {  # pooled NAME RATE: one line over NAME-rateRATE.json and NAME-rateRATE-b.json
+  "$PY" - "$OUT/$1-rate$2" "$1" "$2" <<'PY'
+import json, statistics, sys
+runs = [json.load(open(sys.argv[1] + suffix + ".json")) for suffix in ("", "-b")]
+ttft = sorted(t for r in runs for t in r["ttfts"])
+# TPOT as vLLM's load generator defines it: (latency - TTFT) / (output tokens - 1)
+tpot = sorted((lat - t) / (n - 1) for r in runs for lat, t, n in zip(r["latencies"], r["ttfts"], r["output_lens"])
+              if n > 1)
+
+def pct(xs, p):  # numpy's default (linear) percentile, as vLLM reports
+    k = (len(xs) - 1) * p / 100
+    lo = int(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+print(json.dumps({"server": sys.argv[2], "rate": sys.argv[3], "pooled": True,
+                  "completed": sum(r["completed"] for r in runs),
+                  "out_tok_per_s": round(statistics.mean(r["output_throughput"] for r in runs), 1),
+                  "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1), "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1),
+                  "tpot_p50_ms": round(1e3 * pct(tpot, 50), 1)}))
+PY
+}
+
 seed=0
 for rate in $RATES; do
   seed=$((seed + 1))
   bench vllm $VPORT "$rate" $seed | tee -a "$OUT/summary.jsonl"
   bench schedkit $SPORT "$rate" $seed | tee -a "$OUT/summary.jsonl"
+  if [ "$ORDER" = abba ]; then
+    bench schedkit $SPORT "$rate" $((seed + 100)) -b | tee -a "$OUT/summary.jsonl"
+    bench vllm $VPORT "$rate" $((seed + 100)) -b | tee -a "$OUT/summary.jsonl"
+    pooled vllm "$rate" | tee -a "$OUT/summary.jsonl"
+    pooled schedkit "$rate" | tee -a "$OUT/summary.jsonl"
+  fi
 done

@@ -35,6 +35,7 @@ gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole p
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_lib_path: Path | None = None
 _error: str | None = None
 _tried = False
 _SWITCHES = {"amx": "SCHEDKIT_CPU_AMX", "bf16_tiles": "SCHEDKIT_CPU_BF16_TILES",
@@ -92,7 +93,7 @@ def _build(compiler: str, target: Path) -> None:
 
 def load_cpu_attention() -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use), or None where it cannot be built."""
-    global _lib, _error, _tried
+    global _lib, _lib_path, _error, _tried
     with _lock:
         if _tried:
             return _lib
@@ -129,7 +130,7 @@ def load_cpu_attention() -> ctypes.CDLL | None:
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
-        _lib, _error = lib, None
+        _lib, _lib_path, _error = lib, path, None
         for name, var in _SWITCHES.items():
             _set_switch(lib, name, os.environ.get(var, "1") != "0")
         return lib
@@ -138,6 +139,21 @@ def load_cpu_attention() -> ctypes.CDLL | None:
 def _set_switch(lib: ctypes.CDLL, name: str, on: bool) -> bool:
     _on[name] = bool(getattr(lib, f"schedkit_{name}_enable")(int(on)))
     return _on[name]
+
+
+def library_path() -> Path | None:
+    """The loaded library's file (None before :func:`load_cpu_attention` succeeded)."""
+    return _lib_path
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (``avx512f`` among /proc/cpuinfo's flags), whatever
+    ``-march`` the library was built for: oneDNN picks its kernels from the CPU itself."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
 
 
 def cpu_kernels() -> ctypes.CDLL:
@@ -230,9 +246,9 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_supported(dtype: torch.dtype) -> bool:
-    """Whether :func:`gemv` also takes several rows of ``dtype`` (float32 on AVX2 builds:
-    there it beats oneDNN's matmul, see docs/model-runner.md) and ``$SCHEDKIT_CPU_GEMM`` is
-    not ``0``."""
+    """Whether :func:`gemv` also takes several rows of ``dtype`` (float32, built wherever
+    AVX2 and FMA are) and ``$SCHEDKIT_CPU_GEMM`` is not ``0``. Whether the linear layers
+    use it is :func:`cpu_linear.multi_row_gemm`'s call."""
     return dtype == torch.float32 and os.environ.get("SCHEDKIT_CPU_GEMM", "1") != "0" \
         and gemv_supported(dtype) and bool(cpu_kernels().schedkit_kernel_features() & 8)
 

@@ -18,14 +18,25 @@ bfloat16 decode step took 23.0 instead of 25.3 ms on one Sapphire Rapids core,
 docs/results.md). Where the kernel is built for float32 (AVX-512) or bfloat16
 (AVX512-BF16), the weights are kept twice; ``SCHEDKIT_CPU_GEMV=0`` turns it off.
 
-On AVX2 builds (no AVX-512) the same kernel also takes float32 steps of several rows, in
-register tiles of 6 rows x 16 outputs over that second copy: a 128-token prefill of
-SmolLM2 about 1.17x, a decode step of 32 sequences 1.19x faster than through oneDNN
-(docs/model-runner.md). ``SCHEDKIT_CPU_GEMM=0`` keeps oneDNN for them.
+The same kernel also takes float32 steps of several rows, in register tiles of 6 rows x
+16 outputs over that second copy, where :func:`multi_row_gemm` says so: always on CPUs
+without AVX-512 (a 128-token prefill of SmolLM2 about 1.17x, a decode step of 32
+sequences 1.19x faster than through oneDNN on Zen 3, docs/model-runner.md), on AVX-512
+CPUs where it beat oneDNN in a probe on the machine. ``SCHEDKIT_CPU_GEMM=0`` keeps oneDNN
+for them, ``1`` the tiles.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +85,96 @@ def cpu_compute_dtype(model_dtype: torch.dtype, setting: str) -> torch.dtype:
     return torch.float32
 
 
+GEMM_PROBE_SHAPES = ((128, 576, 3072), (32, 576, 3072))
+"""[rows, in, out] of the probe that decides :func:`multi_row_gemm` on AVX-512 CPUs: a
+prefill chunk and a decode batch at a small model's widest projection."""
+GEMM_PROBE_REPS = 9
+
+logger = logging.getLogger(__name__)
+_choice_lock = threading.Lock()
+_choices: dict[int, bool] = {}
+"""Thread count -> the verdict, once known in this process."""
+
+
+def probe_gemm(shapes: tuple[tuple[int, int, int], ...] = GEMM_PROBE_SHAPES,
+               reps: int = GEMM_PROBE_REPS) -> tuple[float, float]:
+    """Seconds of oneDNN's matmul and of the multi-row kernel on float32 ``shapes`` at
+    torch's thread count: per shape the median of ``reps`` calls of each, taken in turn
+    (so drift in the machine's speed hits both alike) after a warm-up, summed over the
+    shapes. The kernel must be built (:func:`cpu_kernels.gemm_supported`)."""
+    g = torch.Generator().manual_seed(0)
+    t_dnn = t_ours = 0.0
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+        dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+        ours_w = cpu_kernels.pack_gemv_weight(w)
+        calls = (partial(_LINEAR, x, dnn_w, None, "none", [], ""),
+                 partial(cpu_kernels.gemv, x, ours_w, None, n))
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(reps + 1):
+            for call, into in zip(calls, times, strict=True):
+                t = time.perf_counter()
+                call()
+                if i:  # the first round warms up
+                    into.append(time.perf_counter() - t)
+        t_dnn += statistics.median(times[0])
+        t_ours += statistics.median(times[1])
+    return t_dnn, t_ours
+
+
+def _choice_file() -> Path | None:
+    lib = cpu_kernels.library_path()
+    return None if lib is None else lib.with_name(lib.name + ".gemm.json")
+
+
+def _decide(threads: int) -> bool:
+    """The verdict for ``threads`` on an AVX-512 CPU: kept beside the library (one probe
+    per machine, library build and thread count), else probed now and written there."""
+    path = _choice_file()
+    saved: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            return bool(saved[str(threads)]["multi_row"])
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = saved if isinstance(saved, dict) else {}
+    t_dnn, t_ours = probe_gemm()
+    verdict = t_ours < t_dnn
+    logger.info("multi-row float32 GEMM on %d threads: oneDNN %.2f ms, schedkit %.2f ms: %s", threads,
+                1e3 * t_dnn, 1e3 * t_ours, "schedkit" if verdict else "oneDNN")
+    if path is not None:
+        saved[str(threads)] = {"multi_row": verdict, "onednn_ms": round(1e3 * t_dnn, 3),
+                               "schedkit_ms": round(1e3 * t_ours, 3), "shapes": [list(s) for s in GEMM_PROBE_SHAPES]}
+        try:
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(saved, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: probe again next time
+    return verdict
+
+
+def multi_row_gemm(dtype: torch.dtype) -> bool:
+    """Whether several rows of ``dtype`` go to the multi-row kernel rather than oneDNN.
+    ``$SCHEDKIT_CPU_GEMM``: ``0`` never, ``1`` wherever the kernel is built, otherwise
+    (unset, ``auto``) on CPUs without AVX-512 always (oneDNN runs AVX2 code there too, and
+    the tiles measured faster), on AVX-512 CPUs if :func:`probe_gemm` found the tiles
+    faster at this thread count (the tiles are 256 bits wide: on cores with two 512-bit
+    FMA units oneDNN's AVX-512 kernels can outrun them; on Zen 4, which splits 512-bit
+    operations in two, perhaps not)."""
+    if not cpu_kernels.gemm_supported(dtype):
+        return False
+    if os.environ.get("SCHEDKIT_CPU_GEMM") == "1" or not cpu_kernels.cpu_has_avx512():
+        return True
+    threads = torch.get_num_threads()
+    with _choice_lock:
+        if threads not in _choices:
+            _choices[threads] = _decide(threads)
+        return _choices[threads]
+
+
 class PackedLinear(nn.Module):
     """A linear layer whose weight lives in oneDNN's blocked layout (inference only).
 
@@ -89,8 +190,8 @@ class PackedLinear(nn.Module):
                              torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.register_buffer("gemv_weight", _gemv_weight(weight, bias))
-        # several rows through the same kernel too where it has them (float32 on AVX2)
-        self._many_rows = self.gemv_weight is not None and cpu_kernels.gemm_supported(weight.dtype)
+        # several rows through the same kernel too where it is the faster (multi_row_gemm)
+        self._many_rows = self.gemv_weight is not None and multi_row_gemm(weight.dtype)
         # a plain tuple: no buffer lookup (module __getattr__) per call
         self._operands: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
             self.packed_weight, self.bias, self.gemv_weight)  # type: ignore[assignment]

@@ -300,15 +300,17 @@ one panel of 144 rows."""
 
 @pytest.mark.parametrize("n, k, has_bias", [(960, 576, False), (48, 10, True), (16, 7, True), (80, 1536, True),
                                             (32, 1600, False)])
-def test_several_rows_through_the_packed_kernel_match_the_reference(n: int, k: int, has_bias: bool) -> None:
-    """The multi-row float32 GEMM (AVX2 builds) against float64, for row tails, K in one,
-    several and uneven chunks (7 and 576 in one, 1536 = 2 x 768, 1600 = 534 + 534 + 532), rows read
+def test_several_rows_through_the_packed_kernel_match_the_reference(n: int, k: int, has_bias: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi-row float32 GEMM against float64, for row tails, K in one, several and
+    uneven chunks (7 and 576 in one, 1536 = 2 x 768, 1600 = 534 + 534 + 532), rows read
     with a stride, and the same bits on one thread as on two (each output is summed by one
     thread in one order)."""
     from schedkit.runners.paged.cpu_linear import PackedLinear
 
     if not cpu_kernels.gemm_supported(torch.float32):
-        pytest.skip("this build has no multi-row GEMM (AVX2 builds only; the AVX2 subprocess test runs it)")
+        pytest.skip("this build has no multi-row GEMM (it needs AVX2 and FMA)")
+    monkeypatch.setenv("SCHEDKIT_CPU_GEMM", "1")  # the tiles, even where oneDNN is the faster
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if has_bias else None
@@ -338,6 +340,81 @@ def test_the_multi_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -
     lin = PackedLinear(w, None)
     assert not lin._many_rows
     torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def probe_beside(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """multi_row_gemm as on an AVX-512 CPU, its verdicts kept beside a library file in
+    tmp_path and forgotten by the process before and after."""
+    from schedkit.runners.paged import cpu_linear
+
+    if not cpu_kernels.gemm_supported(torch.float32):
+        pytest.skip("this build has no multi-row GEMM (it needs AVX2 and FMA)")
+    monkeypatch.delenv("SCHEDKIT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda: tmp_path / "lib.so")
+    monkeypatch.setattr(cpu_linear, "_choices", {})
+    return tmp_path / "lib.so.gemm.json"
+
+
+def test_on_avx512_the_multi_row_path_is_chosen_by_a_probe_kept_per_machine(
+        probe_beside: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has AVX-512 the tiles are used only if they ran the probe shapes
+    faster; the verdict is measured once, written beside the library, and read from there
+    by the next process (no probe), per thread count."""
+    import json
+
+    from schedkit.runners.paged import cpu_linear
+
+    threads = torch.get_num_threads()
+    verdict = cpu_linear.multi_row_gemm(torch.float32)
+    saved = json.loads(probe_beside.read_text())[str(threads)]
+    assert saved["multi_row"] is verdict
+    assert saved["onednn_ms"] > 0 and saved["schedkit_ms"] > 0
+    assert verdict is (saved["schedkit_ms"] < saved["onednn_ms"])
+    assert cpu_linear.PackedLinear(torch.randn(32, 16), None)._many_rows is verdict
+
+    def no_probe(*_: Any, **__: Any) -> Any:
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(cpu_linear, "probe_gemm", no_probe)
+    monkeypatch.setattr(cpu_linear, "_choices", {})  # a new process
+    assert cpu_linear.multi_row_gemm(torch.float32) is verdict
+    # the file decides, whatever it says
+    probe_beside.write_text(json.dumps({str(threads): {"multi_row": not verdict}}))
+    monkeypatch.setattr(cpu_linear, "_choices", {})
+    assert cpu_linear.multi_row_gemm(torch.float32) is (not verdict)
+    # SCHEDKIT_CPU_GEMM overrides it both ways
+    for setting, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("SCHEDKIT_CPU_GEMM", setting)
+        assert cpu_linear.multi_row_gemm(torch.float32) is want
+    assert not cpu_linear.multi_row_gemm(torch.bfloat16)
+
+
+def test_a_damaged_verdict_file_is_probed_again(probe_beside: Any) -> None:
+    import json
+
+    from schedkit.runners.paged import cpu_linear
+
+    probe_beside.write_text("{not json")
+    verdict = cpu_linear.multi_row_gemm(torch.float32)
+    assert json.loads(probe_beside.read_text())[str(torch.get_num_threads())]["multi_row"] is verdict
+
+
+def test_without_avx512_the_multi_row_path_needs_no_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schedkit.runners.paged import cpu_linear
+
+    if not cpu_kernels.gemm_supported(torch.float32):
+        pytest.skip("this build has no multi-row GEMM (it needs AVX2 and FMA)")
+
+    def no_probe(*_: Any, **__: Any) -> Any:
+        raise AssertionError("probed")
+
+    monkeypatch.delenv("SCHEDKIT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(cpu_linear, "probe_gemm", no_probe)
+    monkeypatch.setattr(cpu_linear, "_choices", {})
+    assert cpu_linear.multi_row_gemm(torch.float32)
 
 
 def test_the_one_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,6 +473,8 @@ for n, k in ((64, 96), (48, 7), (960, 576)):  # the AVX2 one-row GEMM: odd block
     assert lin.gemv_weight is not None
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 assert cpu_kernels.gemm_supported(torch.float32)
+import os
+os.environ["SCHEDKIT_CPU_GEMM"] = "1"  # the tiles, even where oneDNN (AVX-512 here) is the faster
 for rows, n, k in ((2, 64, 96), (7, 48, 7), (150, 960, 576), (13, 32, 1600)):  # the multi-row tiles
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     lin = PackedLinear(w, b)

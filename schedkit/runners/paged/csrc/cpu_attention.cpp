@@ -1464,21 +1464,28 @@ void gemv_run_avx2(const float* x, const float* w, int64_t K, int64_t blocks, co
   gemv_split(blocks, threads, [&](int64_t a, int64_t b) { gemv_two_blocks_avx2(x, w, K, a, b, bias, o); });
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Built wherever AVX2 and FMA are, AVX-512 builds included: whether it or oneDNN takes
+// several rows on a given machine is decided at run time (cpu_linear.multi_row_gemm).
+#define SCHEDKIT_GEMM_AVX2 1
+
 // Several rows (a prefill chunk, a decode batch) times the same packed float32 weight,
 // out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]). oneDNN reaches 60-65% of this AVX2
 // core's FMA peak at SmolLM2's shapes (128 x 576 x 3072: 106 GFLOP/s on two cores); a
 // tile of 6 rows x 16 outputs keeps 12 accumulators in registers, each k step reading
 // one row of the block's packed weights (two vectors) and broadcasting 6 activations.
-// Blocking as in BLIS: the rows in panels of kRowPanel, k in chunks of at most kMaxChunk;
-// each thread copies a panel's chunk of x into tiles of 6 rows interleaved along k (one
-// stream from L2 instead of six), then for each of its 16-output blocks runs every tile
+// Blocking as in BLIS: the rows in panels of kGemmRowPanel, k in chunks of at most
+// kGemmMaxChunk; each thread copies a panel's chunk of x into tiles of 6 rows interleaved
+// along k (one stream from L2 instead of six), then for each of its 16-output blocks runs every tile
 // over the block's weights of the chunk (from L2 at these sizes: at SmolLM2's K of 576
 // one chunk of 36 KB per block was 4-19% faster than two that fit L1, as each extra
 // chunk reads and writes the panel's outputs again). The blocks split over the threads
 // in contiguous ranges.
-constexpr int kTileRows = 6;
-constexpr int64_t kRowPanel = 144;
-constexpr int64_t kMaxChunk = 768;
+constexpr int kGemmTileRows = 6;
+constexpr int64_t kGemmRowPanel = 144;
+constexpr int64_t kGemmMaxChunk = 768;
 
 // R rows over k in [0, kc) of one block: xp the rows' packed chunk ([kc][R]), w the
 // block's packed weights from the chunk's first k; the accumulators start at zero (first
@@ -1515,31 +1522,31 @@ inline void gemm_tile_avx2(const float* xp, const float* w, int64_t kc, float* o
 }
 
 using GemmTile = void (*)(const float*, const float*, int64_t, float*, int64_t, bool, const float*, const float*);
-constexpr GemmTile kGemmTiles[kTileRows + 1] = {nullptr, gemm_tile_avx2<1>, gemm_tile_avx2<2>, gemm_tile_avx2<3>,
+constexpr GemmTile kGemmTiles[kGemmTileRows + 1] = {nullptr, gemm_tile_avx2<1>, gemm_tile_avx2<2>, gemm_tile_avx2<3>,
                                                gemm_tile_avx2<4>, gemm_tile_avx2<5>, gemm_tile_avx2<6>};
 
 void gemm_run_avx2(const float* x, int64_t M, int64_t ldx, const float* w, int64_t K, int64_t blocks,
                    const float* bias, float* o, int threads) {
-  const int64_t chunks = (K + kMaxChunk - 1) / kMaxChunk;
+  const int64_t chunks = (K + kGemmMaxChunk - 1) / kGemmMaxChunk;
   const int64_t kc_max = (K + chunks - 1) / chunks;  // even chunks: 1536 -> 768 + 768
   // the panel's copy, shared by the threads, kept by the calling thread from call to call
   static thread_local std::vector<float> panel;
-  if (panel.size() < static_cast<size_t>(std::min(M, kRowPanel) * kc_max))
-    panel.resize(static_cast<size_t>(std::min(M, kRowPanel) * kc_max));
+  if (panel.size() < static_cast<size_t>(std::min(M, kGemmRowPanel) * kc_max))
+    panel.resize(static_cast<size_t>(std::min(M, kGemmRowPanel) * kc_max));
   float* const packed = panel.data();
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t nb0 = blocks * t / nt, nb1 = blocks * (t + 1) / nt;
-    for (int64_t m0 = 0; m0 < M; m0 += kRowPanel) {
-      const int64_t m1 = std::min(M, m0 + kRowPanel);
+    for (int64_t m0 = 0; m0 < M; m0 += kGemmRowPanel) {
+      const int64_t m1 = std::min(M, m0 + kGemmRowPanel);
       for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, K - k0);
         const bool first = k0 == 0, last = k0 + kc == K;
 #pragma omp barrier  // nobody still reads the last chunk's copy
 #pragma omp for schedule(static)  // (its implicit barrier: the copy is whole before use)
-        for (int64_t m = m0; m < m1; m += kTileRows) {  // the tiles of the panel's chunk, [kc][rows] each
-          const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
+        for (int64_t m = m0; m < m1; m += kGemmTileRows) {  // the tiles of the panel's chunk, [kc][rows] each
+          const int64_t rows = std::min<int64_t>(kGemmTileRows, m1 - m);
           float* dst = packed + (m - m0) * kc;
           for (int64_t k = 0; k < kc; ++k)
             for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = x[(m + r) * ldx + k0 + k];
@@ -1547,8 +1554,8 @@ void gemm_run_avx2(const float* x, int64_t M, int64_t ldx, const float* w, int64
         for (int64_t nb = nb0; nb < nb1; ++nb) {
           const float* wk = w + nb * K * 16 + k0 * 16;
           const float* bk = last && bias != nullptr ? bias + nb * 16 : nullptr;
-          for (int64_t m = m0; m < m1; m += kTileRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
+          for (int64_t m = m0; m < m1; m += kGemmTileRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kGemmTileRows, m1 - m));
             // the first tile of a block fetches the next block's weights of the chunk (a few
             // rows leave the weights bound by memory)
             const float* next = m == m0 && nb + 1 < nb1 ? wk + K * 16 : nullptr;
@@ -1614,7 +1621,8 @@ int schedkit_float_tiles_enable(int on) {
 
 // Bit 0: float16 caches are supported (the compiler has _Float16). Bit 1: the one-row
 // GEMM (schedkit_gemm, M = 1) takes float32 weights (AVX-512, or AVX2 with FMA); bit 2:
-// bfloat16 (AVX512-BF16); bit 3: schedkit_gemm takes several float32 rows (AVX2 builds).
+// bfloat16 (AVX512-BF16); bit 3: schedkit_gemm takes several float32 rows (AVX2 with FMA,
+// AVX-512 builds included).
 int schedkit_kernel_features() {
   int bits = 0;
 #ifdef SCHEDKIT_HAVE_FLOAT16
@@ -1626,7 +1634,7 @@ int schedkit_kernel_features() {
 #ifdef SCHEDKIT_AVX512_BF16
   bits |= 4;
 #endif
-#ifdef SCHEDKIT_GEMV_AVX2
+#ifdef SCHEDKIT_GEMM_AVX2
   bits |= 8;
 #endif
   return bits;
@@ -1876,8 +1884,8 @@ void schedkit_apply_grammar_bitmask(float* logits, int64_t row_stride, const int
 }
 
 // M rows of x ([M, K], row stride ldx) times a weight packed for the one-row GEMM: out
-// [M, N] contiguous. One row: see gemv_run; several: gemm_run_avx2 (float32 on AVX2
-// builds). Returns -1 where this build lacks the path for dtype (0 float32, 1 bfloat16)
+// [M, N] contiguous. One row: see gemv_run; several: gemm_run_avx2 (float32 wherever
+// AVX2 and FMA are). Returns -1 where this build lacks the path for dtype (0 float32, 1 bfloat16)
 // at this row count, -2 for shapes it does not take (N not a multiple of 16; bfloat16 K
 // odd; M < 1; ldx < K).
 int schedkit_gemm(const void* x, int dtype, int64_t M, int64_t ldx, int64_t K, const void* wp, const void* bias,
@@ -1885,7 +1893,7 @@ int schedkit_gemm(const void* x, int dtype, int64_t M, int64_t ldx, int64_t K, c
   if (N % 16 != 0 || K <= 0 || M < 1 || ldx < K || (dtype == 1 && K % 2 != 0)) return -2;
   const int64_t blocks = N / 16;
   if (M > 1) {
-#if defined(SCHEDKIT_GEMV_AVX2)
+#if defined(SCHEDKIT_GEMM_AVX2)
     if (dtype == 0) {
       const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
       gemm_run_avx2(static_cast<const float*>(x), M, ldx, static_cast<const float*>(wp), K, blocks,

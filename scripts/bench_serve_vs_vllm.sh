@@ -34,6 +34,7 @@ IN=${IN:-128}
 OUT_LEN=${OUT_LEN:-32}
 THREADS=${THREADS:-1}
 ORDER=${ORDER:-ab}
+case "$ORDER" in ab | abba) ;; *) echo "ORDER is ab or abba, not '$ORDER'" >&2; exit 2 ;; esac
 DTYPE=${DTYPE:-bfloat16}
 VPORT=8811
 SPORT=8812
@@ -114,29 +115,33 @@ for port in $VPORT $SPORT; do
   curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
     -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8}' > /dev/null
 done
-# A seed per rate: the prompts of one rate are not in the prefix cache from the last one.
 pooled() {  # pooled NAME RATE: one line over NAME-rateRATE.json and NAME-rateRATE-b.json
   "$PY" - "$OUT/$1-rate$2" "$1" "$2" <<'PY'
 import json, statistics, sys
 runs = [json.load(open(sys.argv[1] + suffix + ".json")) for suffix in ("", "-b")]
-ttft = sorted(t for r in runs for t in r["ttfts"])
+# the requests that succeeded (vLLM's own statistics skip the others too)
+ok = [(t, lat, n) for r in runs for t, lat, n, err in zip(r["ttfts"], r["latencies"], r["output_lens"], r["errors"])
+      if not err]
+ttft = sorted(t for t, _, _ in ok)
 # TPOT as vLLM's load generator defines it: (latency - TTFT) / (output tokens - 1)
-tpot = sorted((lat - t) / (n - 1) for r in runs for lat, t, n in zip(r["latencies"], r["ttfts"], r["output_lens"])
-              if n > 1)
+tpot = sorted((lat - t) / (n - 1) for t, lat, n in ok if n > 1)
 
-def pct(xs, p):  # numpy's default (linear) percentile, as vLLM reports
+def pct(xs, p):  # numpy's default (linear) percentile, as vLLM reports; 0 for none, as vLLM
+    if not xs:
+        return 0.0
     k = (len(xs) - 1) * p / 100
     lo = int(k)
     return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
 
 print(json.dumps({"server": sys.argv[2], "rate": sys.argv[3], "pooled": True,
-                  "completed": sum(r["completed"] for r in runs),
+                  "completed": sum(r["completed"] for r in runs), "failed": sum(r["failed"] for r in runs),
                   "out_tok_per_s": round(statistics.mean(r["output_throughput"] for r in runs), 1),
                   "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1), "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1),
                   "tpot_p50_ms": round(1e3 * pct(tpot, 50), 1)}))
 PY
 }
 
+# A seed per rate: the prompts of one rate are not in the prefix cache from the last one.
 seed=0
 for rate in $RATES; do
   seed=$((seed + 1))

@@ -12,6 +12,7 @@ the one the library binds to.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -146,6 +147,7 @@ def library_path() -> Path | None:
     return _lib_path
 
 
+@functools.cache
 def cpu_has_avx512() -> bool:
     """Whether this CPU has AVX-512 (``avx512f`` among /proc/cpuinfo's flags), whatever
     ``-march`` the library was built for: oneDNN picks its kernels from the CPU itself."""

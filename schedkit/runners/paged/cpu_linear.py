@@ -28,6 +28,8 @@ for them, ``1`` the tiles.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -85,10 +87,14 @@ def cpu_compute_dtype(model_dtype: torch.dtype, setting: str) -> torch.dtype:
     return torch.float32
 
 
-GEMM_PROBE_SHAPES = ((128, 576, 3072), (32, 576, 3072))
+GEMM_PROBE_SHAPES = ((128, 576, 3072), (128, 1536, 576), (32, 576, 3072))
 """[rows, in, out] of the probe that decides :func:`multi_row_gemm` on AVX-512 CPUs: a
-prefill chunk and a decode batch at a small model's widest projection."""
+prefill chunk through a small model's widest projection and its down projection (K in
+two chunks), and a decode batch."""
 GEMM_PROBE_REPS = 9
+GEMM_PROBE_MARGIN = 0.95
+"""The tiles are chosen only if they took at most this fraction of oneDNN's time: a
+verdict is kept for good, and a close one is as likely to be noise."""
 
 logger = logging.getLogger(__name__)
 _choice_lock = threading.Lock()
@@ -122,48 +128,79 @@ def probe_gemm(shapes: tuple[tuple[int, int, int], ...] = GEMM_PROBE_SHAPES,
     return t_dnn, t_ours
 
 
-def _choice_file() -> Path | None:
-    lib = cpu_kernels.library_path()
-    return None if lib is None else lib.with_name(lib.name + ".gemm.json")
+def _verdict_key() -> str:
+    """What a saved verdict holds for: oneDNN's side (torch's version) and the probe."""
+    return f"torch {torch.__version__}; shapes {GEMM_PROBE_SHAPES}; reps {GEMM_PROBE_REPS}; margin {GEMM_PROBE_MARGIN}"
+
+
+def _read_verdict(path: Path, threads: int) -> tuple[dict[str, Any], bool | None]:
+    """The file's entries (empty where it is missing or damaged) and the verdict saved for
+    ``threads`` under this key, if any."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except Exception:  # noqa: BLE001 (missing, unreadable, not JSON, nested past the recursion limit)
+        return {}, None
+    if not isinstance(saved, dict):
+        return {}, None
+    entry = saved.get(str(threads))
+    if isinstance(entry, dict) and entry.get("key") == _verdict_key() and isinstance(entry.get("multi_row"), bool):
+        return saved, entry["multi_row"]
+    return saved, None
+
+
+def _write_verdict(path: Path, saved: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(saved, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _decide(threads: int) -> bool:
-    """The verdict for ``threads`` on an AVX-512 CPU: kept beside the library (one probe
-    per machine, library build and thread count), else probed now and written there."""
-    path = _choice_file()
-    saved: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-            return bool(saved[str(threads)]["multi_row"])
-        except (OSError, ValueError, KeyError, TypeError):
-            saved = saved if isinstance(saved, dict) else {}
-    t_dnn, t_ours = probe_gemm()
-    verdict = t_ours < t_dnn
-    logger.info("multi-row float32 GEMM on %d threads: oneDNN %.2f ms, schedkit %.2f ms: %s", threads,
-                1e3 * t_dnn, 1e3 * t_ours, "schedkit" if verdict else "oneDNN")
-    if path is not None:
-        saved[str(threads)] = {"multi_row": verdict, "onednn_ms": round(1e3 * t_dnn, 3),
-                               "schedkit_ms": round(1e3 * t_ours, 3), "shapes": [list(s) for s in GEMM_PROBE_SHAPES]}
-        try:
-            fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(saved, f)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache: probe again next time
-    return verdict
+    """The verdict for ``threads`` on an AVX-512 CPU: the one saved beside the library
+    (same library build, torch version and probe), else probed now and saved there. A
+    lock file keeps two processes from probing at once (each would slow the other's
+    timing). Anything that fails here leaves oneDNN in charge, as before the probe
+    existed, with a warning."""
+    lib = cpu_kernels.library_path()
+    path = None if lib is None else lib.with_name(lib.name + ".gemm.json")
+    try:
+        with contextlib.ExitStack() as stack:
+            if path is not None:
+                lock = stack.enter_context(open(path.with_name(path.name + ".lock"), "a"))
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                saved, verdict = _read_verdict(path, threads)
+                if verdict is not None:
+                    return verdict
+            t_dnn, t_ours = probe_gemm()
+            verdict = t_ours <= GEMM_PROBE_MARGIN * t_dnn
+            logger.info("multi-row float32 GEMM on %d threads: oneDNN %.2f ms, schedkit %.2f ms: %s", threads,
+                        1e3 * t_dnn, 1e3 * t_ours, "schedkit" if verdict else "oneDNN")
+            if path is not None:
+                saved[str(threads)] = {"multi_row": verdict, "key": _verdict_key(),
+                                       "onednn_ms": round(1e3 * t_dnn, 3), "schedkit_ms": round(1e3 * t_ours, 3)}
+                with contextlib.suppress(OSError):  # a read-only cache: probe again next time
+                    _write_verdict(path, saved)
+            return verdict
+    except Exception as e:  # noqa: BLE001 (a failed probe must not fail the model's load)
+        logger.warning("could not compare the multi-row GEMM with oneDNN (%s: %s); several rows go to oneDNN",
+                       type(e).__name__, e)
+        return False
 
 
 def multi_row_gemm(dtype: torch.dtype) -> bool:
     """Whether several rows of ``dtype`` go to the multi-row kernel rather than oneDNN.
-    ``$SCHEDKIT_CPU_GEMM``: ``0`` never, ``1`` wherever the kernel is built, otherwise
-    (unset, ``auto``) on CPUs without AVX-512 always (oneDNN runs AVX2 code there too, and
-    the tiles measured faster), on AVX-512 CPUs if :func:`probe_gemm` found the tiles
-    faster at this thread count (the tiles are 256 bits wide: on cores with two 512-bit
-    FMA units oneDNN's AVX-512 kernels can outrun them; on Zen 4, which splits 512-bit
-    operations in two, perhaps not)."""
+    ``$SCHEDKIT_CPU_GEMM``: ``0`` never, ``1`` wherever the kernel is built (no probe),
+    any other value or none: on CPUs without AVX-512 always (oneDNN runs AVX2 code there
+    too, and the tiles measured faster), on AVX-512 CPUs if :func:`probe_gemm` found the
+    tiles faster by :data:`GEMM_PROBE_MARGIN` at this thread count (the tiles are 256 bits
+    wide: on cores with two 512-bit FMA units oneDNN's AVX-512 kernels can outrun them; on
+    Zen 4, which splits 512-bit operations in two, perhaps not). Decided per layer when it
+    is built, at torch's thread count then: a later ``torch.set_num_threads`` keeps it."""
     if not cpu_kernels.gemm_supported(dtype):
         return False
     if os.environ.get("SCHEDKIT_CPU_GEMM") == "1" or not cpu_kernels.cpu_has_avx512():

@@ -360,8 +360,8 @@ def probe_beside(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_on_avx512_the_multi_row_path_is_chosen_by_a_probe_kept_per_machine(
         probe_beside: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where oneDNN has AVX-512 the tiles are used only if they ran the probe shapes
-    faster; the verdict is measured once, written beside the library, and read from there
-    by the next process (no probe), per thread count."""
+    faster by the margin; the verdict is measured once, written beside the library, and
+    read from there by the next process (no probe), per thread count."""
     import json
 
     from schedkit.runners.paged import cpu_linear
@@ -369,9 +369,9 @@ def test_on_avx512_the_multi_row_path_is_chosen_by_a_probe_kept_per_machine(
     threads = torch.get_num_threads()
     verdict = cpu_linear.multi_row_gemm(torch.float32)
     saved = json.loads(probe_beside.read_text())[str(threads)]
-    assert saved["multi_row"] is verdict
+    assert saved["multi_row"] is verdict and saved["key"] == cpu_linear._verdict_key()
     assert saved["onednn_ms"] > 0 and saved["schedkit_ms"] > 0
-    assert verdict is (saved["schedkit_ms"] < saved["onednn_ms"])
+    assert verdict is (saved["schedkit_ms"] <= cpu_linear.GEMM_PROBE_MARGIN * saved["onednn_ms"] + 1e-3)
     assert cpu_linear.PackedLinear(torch.randn(32, 16), None)._many_rows is verdict
 
     def no_probe(*_: Any, **__: Any) -> Any:
@@ -381,7 +381,8 @@ def test_on_avx512_the_multi_row_path_is_chosen_by_a_probe_kept_per_machine(
     monkeypatch.setattr(cpu_linear, "_choices", {})  # a new process
     assert cpu_linear.multi_row_gemm(torch.float32) is verdict
     # the file decides, whatever it says
-    probe_beside.write_text(json.dumps({str(threads): {"multi_row": not verdict}}))
+    entry = {"multi_row": not verdict, "key": cpu_linear._verdict_key()}
+    probe_beside.write_text(json.dumps({str(threads): entry}))
     monkeypatch.setattr(cpu_linear, "_choices", {})
     assert cpu_linear.multi_row_gemm(torch.float32) is (not verdict)
     # SCHEDKIT_CPU_GEMM overrides it both ways
@@ -391,14 +392,60 @@ def test_on_avx512_the_multi_row_path_is_chosen_by_a_probe_kept_per_machine(
     assert not cpu_linear.multi_row_gemm(torch.bfloat16)
 
 
-def test_a_damaged_verdict_file_is_probed_again(probe_beside: Any) -> None:
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "[" * 100_000 + "]" * 100_000,
+                                     '{"%d": {"multi_row": "false", "key": "KEY"}}',
+                                     '{"%d": {"multi_row": true, "key": "torch 0.0"}}'],
+                         ids=["not-json", "a-list", "deeply-nested", "a-string-verdict", "another-torch"])
+def test_a_damaged_or_stale_verdict_is_probed_again(probe_beside: Any, content: str) -> None:
     import json
 
     from schedkit.runners.paged import cpu_linear
 
-    probe_beside.write_text("{not json")
+    threads = torch.get_num_threads()
+    if "%d" in content:
+        content = content.replace("%d", str(threads)).replace("KEY", cpu_linear._verdict_key())
+    probe_beside.write_text(content)
     verdict = cpu_linear.multi_row_gemm(torch.float32)
-    assert json.loads(probe_beside.read_text())[str(torch.get_num_threads())]["multi_row"] is verdict
+    saved = json.loads(probe_beside.read_text())[str(threads)]
+    assert saved["multi_row"] is verdict and saved["key"] == cpu_linear._verdict_key()
+
+
+def test_verdicts_of_other_thread_counts_are_kept(probe_beside: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from schedkit.runners.paged import cpu_linear
+
+    threads = torch.get_num_threads()
+    other = {"multi_row": True, "key": cpu_linear._verdict_key(), "onednn_ms": 2.0, "schedkit_ms": 1.0}
+    probe_beside.write_text(json.dumps({str(threads + 7): other}))
+    monkeypatch.setattr(cpu_linear, "probe_gemm", lambda: (1.0, 2.0))  # oneDNN twice as fast
+    assert not cpu_linear.multi_row_gemm(torch.float32)
+    saved = json.loads(probe_beside.read_text())
+    assert saved[str(threads + 7)] == other and saved[str(threads)]["multi_row"] is False
+
+
+def test_a_failed_probe_leaves_onednn_in_charge_and_saves_nothing(
+        probe_beside: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from schedkit.runners.paged import cpu_linear
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("schedkit_gemm: unsupported shape")
+
+    monkeypatch.setattr(cpu_linear, "probe_gemm", broken)
+    with caplog.at_level("WARNING", logger="schedkit.runners.paged.cpu_linear"):
+        lin = cpu_linear.PackedLinear(torch.randn(32, 16), None)  # the model still loads
+    assert not lin._many_rows
+    assert "several rows go to oneDNN" in caplog.text and "unsupported shape" in caplog.text
+    assert not probe_beside.exists()
+
+
+def test_an_unwritable_cache_still_decides(probe_beside: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from schedkit.runners.paged import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "probe_gemm", lambda: (2.0, 1.0))  # the tiles twice as fast
+    probe_beside.mkdir()  # a folder where the file goes: the write fails
+    assert cpu_linear.multi_row_gemm(torch.float32)
+    assert [p.name for p in probe_beside.parent.iterdir() if p.suffix == ".json"] == [probe_beside.name]
 
 
 def test_without_avx512_the_multi_row_path_needs_no_probe(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,6 +50,14 @@ scheduler: {policy: fcfs, max_num_batched_tokens: 2048, max_num_seqs: 64, max_mo
 server: {port: $SPORT, served_model_name: smollm2}
 EOF
 
+# On an AVX-512 CPU the first schedkit process probes whether its multi-row GEMM or oneDNN
+# is the faster and keeps the verdict (docs/model-runner.md): take it now, on a quiet
+# machine, rather than in the server while vLLM loads beside it.
+"$PY" -c "import torch; torch.set_num_threads($THREADS)
+from schedkit.runners.paged import cpu_kernels, cpu_linear
+if cpu_kernels.load_cpu_attention() is not None:
+    print('multi-row float32 GEMM:', 'schedkit' if cpu_linear.multi_row_gemm(torch.float32) else 'oneDNN')"
+
 VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=$bind VLLM_CPU_NUM_OF_RESERVED_CPU=$reserved \
   "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype "$DTYPE" \
   --host 127.0.0.1 --port $VPORT --max-model-len 2048 --max-num-seqs 64 --served-model-name smollm2 \

@@ -24,14 +24,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from schedkit.core.request import Request, SamplingParams
 from schedkit.runners.paged import cpu_kernels
-from schedkit.runners.paged.cpu_linear import PackedLinear
+from schedkit.runners.paged.cpu_linear import PackedLinear, time_gemm_paths
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_paged  # noqa: E402
@@ -59,11 +58,7 @@ def bench_shapes(shapes: list[str], reps: int) -> None:
     g = torch.Generator().manual_seed(0)
     for spec in shapes:
         m, k, n = (int(v) for v in spec.split("x"))
-        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        onednn_w = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        ours_w = cpu_kernels.pack_gemv_weight(w)
-        t_dnn, t_ours = alternate(partial(torch.ops.mkldnn._linear_pointwise, x, onednn_w, b, "none", [], ""),
-                                  partial(cpu_kernels.gemv, x, ours_w, b, n), reps)
+        t_dnn, t_ours = time_gemm_paths(m, k, n, reps, g, bias=True)
         flop = 2 * m * k * n
         print(f"{spec:>14}  oneDNN {1e3 * t_dnn:8.3f} ms {flop / t_dnn / 1e9:6.1f} GFLOP/s   "
               f"schedkit {1e3 * t_ours:8.3f} ms {flop / t_ours / 1e9:6.1f} GFLOP/s   {t_dnn / t_ours:.2f}x")

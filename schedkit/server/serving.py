@@ -46,10 +46,10 @@ log = logging.getLogger("schedkit.server")
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 512
-MAX_STOP_TOKEN_IDS = 1024
-"""Most ``stop_token_ids`` one request may send (each choice copies them into the engine)."""
 """Stop strings are searched on every delta, on the event loop: bounded, so one request
 cannot slow every stream."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` one request may send (each choice copies them into the engine)."""
 
 
 def request_id_from_header(value: str | None, prefix: str) -> str:

@@ -102,30 +102,34 @@ _choices: dict[int, bool] = {}
 """Thread count -> the verdict, once known in this process."""
 
 
+def time_gemm_paths(m: int, k: int, n: int, reps: int, generator: torch.Generator,
+                    bias: bool = False) -> tuple[float, float]:
+    """Median seconds of oneDNN's matmul and of the multi-row kernel on one random float32
+    [m, k] x [k, n] product (plus a bias), ``reps`` calls of each taken in turn (so drift
+    in the machine's speed hits both alike) after a warm-up round."""
+    x, w = torch.randn(m, k, generator=generator), torch.randn(n, k, generator=generator)
+    b = torch.randn(n, generator=generator) if bias else None
+    dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+    ours_w = cpu_kernels.pack_gemv_weight(w)
+    calls = (partial(_LINEAR, x, dnn_w, b, "none", [], ""), partial(cpu_kernels.gemv, x, ours_w, b, n))
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(reps + 1):
+        for call, into in zip(calls, times, strict=True):
+            t = time.perf_counter()
+            call()
+            if i:  # the first round warms up
+                into.append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def probe_gemm(shapes: tuple[tuple[int, int, int], ...] = GEMM_PROBE_SHAPES,
                reps: int = GEMM_PROBE_REPS) -> tuple[float, float]:
     """Seconds of oneDNN's matmul and of the multi-row kernel on float32 ``shapes`` at
-    torch's thread count: per shape the median of ``reps`` calls of each, taken in turn
-    (so drift in the machine's speed hits both alike) after a warm-up, summed over the
-    shapes. The kernel must be built (:func:`cpu_kernels.gemm_supported`)."""
+    torch's thread count (:func:`time_gemm_paths` per shape), summed over the shapes. The
+    kernel must be built (:func:`cpu_kernels.gemm_supported`)."""
     g = torch.Generator().manual_seed(0)
-    t_dnn = t_ours = 0.0
-    for m, k, n in shapes:
-        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-        dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        ours_w = cpu_kernels.pack_gemv_weight(w)
-        calls = (partial(_LINEAR, x, dnn_w, None, "none", [], ""),
-                 partial(cpu_kernels.gemv, x, ours_w, None, n))
-        times: tuple[list[float], list[float]] = ([], [])
-        for i in range(reps + 1):
-            for call, into in zip(calls, times, strict=True):
-                t = time.perf_counter()
-                call()
-                if i:  # the first round warms up
-                    into.append(time.perf_counter() - t)
-        t_dnn += statistics.median(times[0])
-        t_ours += statistics.median(times[1])
-    return t_dnn, t_ours
+    per_shape = [time_gemm_paths(m, k, n, reps, g) for m, k, n in shapes]
+    return sum(t for t, _ in per_shape), sum(t for _, t in per_shape)
 
 
 def _verdict_key() -> str:

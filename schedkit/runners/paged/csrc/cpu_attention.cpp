@@ -1894,9 +1894,9 @@ void schedkit_apply_grammar_bitmask(float* logits, int64_t row_stride, const int
 
 // M rows of x ([M, K], row stride ldx) times a weight packed for the one-row GEMM: out
 // [M, N] contiguous. One row: see gemv_run; several: gemm_run_avx2 (float32 wherever
-// AVX2 and FMA are). Returns -1 where this build lacks the path for dtype (0 float32, 1 bfloat16)
-// at this row count, -2 for shapes it does not take (N not a multiple of 16; bfloat16 K
-// odd; M < 1; ldx < K).
+// AVX2 and FMA are). Returns -1 where this build lacks the path for dtype (0 float32,
+// 1 bfloat16) at this row count, -2 for shapes it does not take (N not a multiple of 16;
+// bfloat16 K odd; M < 1; ldx < K).
 int schedkit_gemm(const void* x, int dtype, int64_t M, int64_t ldx, int64_t K, const void* wp, const void* bias,
                   int64_t N, void* out, int num_threads) {
   if (N % 16 != 0 || K <= 0 || M < 1 || ldx < K || (dtype == 1 && K % 2 != 0)) return -2;

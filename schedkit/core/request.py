@@ -101,6 +101,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``): dividing float32
+logits by, say, 1e-40 overflows, and such a temperature means "the top token" anyway."""
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to sample and when to stop. Validated at construction.
@@ -112,7 +117,8 @@ class SamplingParams:
             taken as none, as vLLM does.
         ignore_eos: Do not stop at ``eos_token_id``.
         eos_token_id: End-of-sequence id; None means no EOS stop.
-        temperature: 0 means greedy.
+        temperature: 0 means greedy, and so does anything below
+            ``GREEDY_BELOW_TEMPERATURE`` (1e-5, vLLM's threshold), which is stored as 0.
         top_p: Nucleus mass in (0, 1].
         top_k: Keep the k most likely tokens; -1 or 0 means all.
         seed: Per-request sampling seed.
@@ -160,6 +166,9 @@ class SamplingParams:
             raise bad("ignore_eos", "must be a bool")
         if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise bad("temperature", "must be a finite number >= 0")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            # 1e-40 would overflow float32 logits (logit / t = inf, NaN after the softmax)
+            object.__setattr__(self, "temperature", 0.0)
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:

@@ -71,7 +71,7 @@ class LimitsMiddleware:
 
     async def _reject(self, send: Any, e: APIError) -> None:
         self.on_error(e.status)
-        body = json.dumps(e.body()).encode()
+        body = json.dumps(e.body(), separators=(",", ":")).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
         await send({"type": "http.response.start", "status": e.status, "headers": headers})
@@ -383,7 +383,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         s = srv()
         req = await _request_of(request, DetokenizeRequest, s)
         s.check_model(req.model)
-        tok = s._need_tokenizer("detokenize")
+        tok = s._need_tokenizer("detokenize", "tokens")
         ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []
         return {"prompt": await s.off_loop(tok.decode, ids)}
 

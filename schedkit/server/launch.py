@@ -80,7 +80,15 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
                           timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,
                           timeout_keep_alive=max(1, round(sc.keep_alive_s)))
     server = DrainingServer(ucfg, get_server, sc.drain_grace_s, key is not None)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as e:
+        # uvicorn exits (3) when the lifespan (the engine's start) fails or the address
+        # cannot be bound; ours is the code documented, 1, after closing what started.
+        if e.code in (None, 0):
+            raise
+        log.error("schedkit serve could not start (see above)")
+        return 1
     if server.started_ok:
         return 0
     # SIGTERM / SIGINT while the engine was starting: a requested stop, not a failure

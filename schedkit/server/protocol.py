@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -26,6 +27,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    StringConstraints,
     ValidationError,
 )
 
@@ -34,6 +36,15 @@ from schedkit.errors import RequestError
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
+def _no_control_characters(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("must not contain control characters")
+    return value
+
+
+LabelStr = Annotated[StrictStr, StringConstraints(max_length=256), AfterValidator(_no_control_characters)]
+"""Text that becomes a metric label or a log field: no control characters (a NUL in a
+tenant made ``/metrics`` a binary file to grep)."""
 
 
 class APIError(Exception):
@@ -130,13 +141,14 @@ class _Sampling(_Body):
     return_token_ids: StrictBool = False
     """vLLM's extension: ``prompt_token_ids`` and each choice's ``token_ids``."""
     # schedkit's policy fields
-    user: StrictStr | None = Field(default=None, max_length=256)
+    user: LabelStr | None = None
     """The tenant: what fairness policies (``vtc``) share service by."""
     priority: StrictInt = Field(default=0, ge=-(2**63), le=2**63 - 1)
     """vLLM's priority: smaller is served first under the ``priority`` policy."""
     ttft_slo_s: FiniteFloat | None = Field(default=None, gt=0)
     """This request's time-to-first-token target (``edf``, admission plugins)."""
-    session_id: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+    session_id: Annotated[StrictStr, StringConstraints(min_length=1, max_length=256),
+                          AfterValidator(_no_control_characters)] | None = None
     """A conversation id: with replicas, ``session-affinity`` keeps a session on one
     replica (its history stays in that replica's prefix cache)."""
     # structured outputs
@@ -323,7 +335,8 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
             raise APIError(400, f"unknown field {param!r}", param=param) from None
         if err["type"] == "missing":
             raise APIError(400, f"{param} is required", param=param) from None
-        raise APIError(400, f"{param}: {err['msg']} (got {_describe(err.get('input'))})",
+        why = err["msg"].removeprefix("Value error, ")  # our validators' own words
+        raise APIError(400, f"{param}: {why} (got {_describe(err.get('input'))})",
                        param=param) from None
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name, None)

@@ -40,6 +40,7 @@ from schedkit.server.protocol import (
     _Sampling,
 )
 from schedkit.server.text import TextStream
+from schedkit.structured.plugin import NO_TOKENIZER
 
 log = logging.getLogger("schedkit.server")
 
@@ -123,10 +124,11 @@ class Server:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="schedkit-tokenizer")
 
     # -- prompts -------------------------------------------------------------------------
-    def _need_tokenizer(self, what: str) -> Any:
+    def _need_tokenizer(self, what: str, param: str = "prompt") -> Any:
         if self.tokenizer is None:
+            hint = "; send token ids" if param == "prompt" else ""
             raise APIError(400, f"{what} needs a tokenizer, and this model has none "
-                           "(set model.tokenizer); send token ids", param="prompt")
+                           f"(set model.tokenizer){hint}", param=param)
         return self.tokenizer
 
     async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -166,7 +168,7 @@ class Server:
         Raises:
             APIError: 400 without a tokenizer or a chat template.
         """
-        tok = self._need_tokenizer("chat")
+        tok = self._need_tokenizer("chat", "messages")
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         convo = [{"role": m.role, "content": m.text()} for m in messages]
@@ -354,9 +356,10 @@ class Server:
                     if c.finish_reason is not None:
                         break  # a stop string: closing the generator aborts it in the engine
         except RequestError as e:  # refused when the engine received it
-            message = str(e).removeprefix(f"request {c.request_id!r} failed: ")
+            message = _without_request_id(str(e), c.request_id)
             # a schema, pattern or grammar that does not compile: name the field it came from
-            param = req.structured_outputs_field() if "does not compile" in message else None
+            param = (req.structured_outputs_field()
+                     if "does not compile" in message or message.startswith(NO_TOKENIZER) else None)
             c.error = APIError(400, message, param=param)
         except EngineDeadError as e:
             c.error = APIError(503, f"the engine died: {e}")
@@ -398,7 +401,8 @@ class Server:
             if out.finish_reason == "error" and out.stop_reason == "grammar_compile_failed" and not n_before:
                 # its constraint failed to compile (or matches nothing) before any token: the
                 # client's mistake, found after the request was accepted
-                c.error = APIError(400, out.error or "the constraint does not compile",
+                c.error = APIError(400, _without_request_id(out.error or "the constraint does not compile",
+                                                            c.request_id),
                                    param=c.constraint_field)
             elif out.finish_reason == "error":
                 c.error = APIError(500, f"the request failed in the engine: {out.error}")
@@ -423,6 +427,13 @@ class Server:
         """Cancel every choice in flight (their engine requests are aborted)."""
         for task in list(self.tasks):
             task.cancel()
+
+
+def _without_request_id(message: str, request_id: str) -> str:
+    """An engine error without its ``request 'id' failed: `` / ``request 'id': `` prefixes:
+    the engine's id of a choice (the HTTP id plus a suffix) is no business of the client."""
+    return (message.removeprefix(f"request {request_id!r} failed: ")
+            .removeprefix(f"request {request_id!r}: "))
 
 
 def _param_of(message: str) -> str | None:
@@ -578,7 +589,7 @@ class Generation:
                 for ev in self._merge([first, *self._ready_events()]):
                     c = ev.choice
                     if ev.error is not None:
-                        chunks.append(b"data: " + json.dumps(ev.error.body()).encode() + b"\n\n")
+                        chunks.append(b"data: " + json.dumps(ev.error.body(), separators=(",", ":")).encode() + b"\n\n")
                         failed = True
                         break
                     if c.index in ended or not (ev.text or ev.token_ids or ev.finish_reason):

@@ -150,7 +150,8 @@ them would be served as "stop"): such schemas are refused."""
 
 def unenforced_json_schema_feature(schema: Any, where: str = "schema") -> str | None:
     """What in ``schema`` xgrammar would silently not enforce, or None: the keywords of
-    :data:`UNENFORCED_KEYWORDS`, ``uniqueItems: true``, an ``allOf`` of branches of
+    :data:`UNENFORCED_KEYWORDS`, ``uniqueItems: true``, a ``$ref`` outside the schema
+    (a file or URL, which xgrammar replaces by "any value"), an ``allOf`` of branches of
     different types, and a ``required`` property that ``properties`` does not define
     (xgrammar never generates it)."""
     if isinstance(schema, list):
@@ -166,6 +167,11 @@ def unenforced_json_schema_feature(schema: Any, where: str = "schema") -> str | 
             return f"{where}.{key} is not enforced by the xgrammar backend"
     if schema.get("uniqueItems") is True:
         return f"{where}.uniqueItems is not enforced by the xgrammar backend"
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        # xgrammar warns and allows any value there: no file or URL is ever fetched
+        return (f"{where}.$ref is {ref!r}: the xgrammar backend resolves only references "
+                "inside the schema ('#' or '#/...')")
     branches = schema.get("allOf")
     if isinstance(branches, list):
         types = {json.dumps(b.get("type"), sort_keys=True) for b in branches if isinstance(b, dict) and "type" in b}

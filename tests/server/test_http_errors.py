@@ -200,6 +200,7 @@ def _configs(tok: Path) -> dict[str, tuple[dict[str, Any], tuple[str, ...], dict
                               plugins=[{"name": "edf", "settings": {"ttft_slo_s": 600.0, "on_miss": "reject"}}],
                               server={"max_body_bytes": MAX_BODY, "max_n": MAX_N}), ("--api-key", KEY), None),
         "env-key": (server_config(tok), (), {"SCHEDKIT_API_KEY": "env-key"}),
+        "no-tokenizer": (server_config(None), (), None),
         # 50 ms wall-clock steps, one running request at a time, two pending at most
         "slow": (server_config(tok, runner={"step_time_ms": 50}, scheduler={"max_num_seqs": 1},
                                server={"max_pending_requests": 2}), (), None),
@@ -297,7 +298,11 @@ COMPLETION_BAD: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("min_tokens-over-max_tokens", _c(min_tokens=5, max_tokens=2), 400, "min_tokens", ()),
     ("ignore_eos-int", _c(ignore_eos=1), 400, "ignore_eos", ()),
     ("user-int", _c(user=7), 400, "user", ()),
-    ("user-too-long", _c(user="u" * 300), 400, "user", ()),
+    ("user-too-long", _c(user="u" * 300), 400, "user", ("at most 256 characters",)),
+    ("user-nul", _c(user="a\u0000b"), 400, "user", ("must not contain control characters",)),
+    ("user-newline", _c(user="a\nb"), 400, "user", ("must not contain control characters",)),
+    ("session_id-empty", _c(session_id=""), 400, "session_id", ("at least 1 character",)),
+    ("session_id-escape", _c(session_id="s\u001b[31m"), 400, "session_id", ("control characters",)),
     ("priority-float", _c(priority=1.5), 400, "priority", ()),
     ("ttft_slo_s-zero", _c(ttft_slo_s=0), 400, "ttft_slo_s", ()),
     ("unknown-field", _c(foo=1), 400, "foo", ("unknown field",)),
@@ -518,6 +523,7 @@ def test_body_over_the_limit_with_content_length(client):
     r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert_error(r, 413, says=(str(MAX_BODY), "server.max_body_bytes"))
     assert str(len(body)) in r.json()["error"]["message"]
+    assert r.content == json.dumps(r.json(), separators=(",", ":")).encode()  # compact, like every answer
     assert_serves(client)
 
 
@@ -809,3 +815,49 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return b""
+
+
+@pytest.mark.parametrize("what", ["address in use", "engine fails"])
+def test_a_start_that_fails_exits_1(tmp_path, word_tokenizer, what):
+    """uvicorn itself exits 3 on a failed start-up; docs/serving.md promises 1."""
+    cfg = server_config(word_tokenizer)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    if what == "address in use":
+        cfg["server"]["port"] = taken.getsockname()[1]
+    else:  # the engine process refuses the config at start (no such policy plugin)
+        cfg["scheduler"]["policy"] = "no-such-policy"
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "schedkit.cli", "serve", str(path)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert proc.returncode == 1, proc.stderr
+    assert "listening on" not in proc.stdout
+    if what == "address in use":
+        assert "address already in use" in proc.stderr
+    else:
+        assert "no-such-policy" in proc.stderr
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ("/v1/completions", {"prompt": "hi"}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": [1, 2], "response_format": {"type": "json_object"}}, "response_format"),
+    ("/tokenize", {"prompt": "hi"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ("/detokenize", {"tokens": [1, 2]}, "tokens"),
+], ids=["chat", "text", "regex", "json_object", "tokenize", "tokenize-chat", "detokenize"])
+def test_what_needs_a_tokenizer_names_its_field_on_a_model_without_one(servers, path, body, param):
+    with servers["no-tokenizer"].client() as c:
+        r = c.post(path, json={"max_tokens": 2, **body} if path.startswith("/v1") else body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "tokenizer" in err["message"], err
+        assert ("send token ids" in err["message"]) == (param == "prompt")
+        ok = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

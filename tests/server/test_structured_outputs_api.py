@@ -321,7 +321,9 @@ def test_a_streamed_constrained_request_matches(structured_server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
         "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
      "response_format", "schema.uniqueItems is not enforced by the xgrammar backend"),
-], ids=["regex", "json_schema", "grammar", "matches-nothing", "unenforced-keyword"])
+    ({"structured_outputs": {"json": {"$ref": "file:///etc/passwd"}}}, "structured_outputs",
+     "schema.$ref is 'file:///etc/passwd'"),
+], ids=["regex", "json_schema", "grammar", "matches-nothing", "unenforced-keyword", "outside-ref"])
 def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(structured_server, stream,
                                                                            body, param, needle):
     with structured_server.client() as c:
@@ -329,6 +331,7 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(stru
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param and needle in err["message"] and "failed:" not in err["message"]
+        assert "cmpl-" not in err["message"]  # the engine's request id is no business of the client
     text, reason = _text_of(structured_server, "/v1/completions",
                             {"prompt": "abc", "max_tokens": 8, "structured_outputs": {"choice": ["ok"]}})
     assert (text, reason) == ("ok", "stop")

@@ -243,10 +243,20 @@ def test_through_the_manager_with_drafts(backend, bpe_tokenizer):
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
      "schema.required names 'b'"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "schema.dependentRequired"),
+    ({"$ref": "file:///etc/passwd"}, "schema.$ref is 'file:///etc/passwd'"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://example.com/s.json"}}},
+     "schema.properties.a.$ref is 'http://example.com/s.json'"),
+    ({"type": "array", "items": {"$ref": 7}}, "schema.items.$ref is 7"),
 ])
 def test_schemas_xgrammar_would_not_enforce_are_refused(backend, schema, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         backend.validate(StructuredOutputsParams(json=schema))
+
+
+def test_references_inside_the_schema_are_fine(backend):
+    schema = {"$defs": {"n": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]}
+    backend.validate(StructuredOutputsParams(json=schema))
 
 
 def test_property_names_that_look_like_keywords_are_fine(backend):

@@ -23,6 +23,17 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert _sample(logits, [SamplingParams(temperature=0.0)] * 5) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("tiny", [1e-300, 1e-46, 1e-45, 1e-40, 1e-38, 1e-30, 9.9e-6])
+def test_a_vanishing_temperature_is_greedy(tiny: float) -> None:
+    # float32 logits / 1e-40 overflow (NaN after the softmax: the last id, every step), and
+    # below ~7e-46 the temperature rounds to 0 on the device and sampled at 1.0 instead
+    assert SamplingParams(temperature=tiny).temperature == 0.0
+    logits = torch.randn(6, 300) * 10
+    params = [SamplingParams(temperature=tiny, seed=i) for i in range(3)] + [SamplingParams(temperature=1.0)] * 3
+    assert _sample(logits, params)[:3] == logits[:3].argmax(-1).tolist()
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
 def test_top_k_and_top_p_masks() -> None:
     logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.1, 0.5, 0.15, 0.25]]))
     masked = apply_top_k_top_p(logits, torch.tensor([2, 4]), torch.tensor([1.0, 0.7]))

@@ -200,13 +200,23 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="schedkit")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run the YAML's workload through the engine")
     p.add_argument("config")
     p.add_argument("--output", "-o", help="write per-request results as JSON")
-    p.add_argument("--samples", type=int, default=3, help="sample outputs to print")
+    p.add_argument("--samples", type=_non_negative_int, default=3, help="sample outputs to print")
     p.set_defaults(func=_run)
     p = sub.add_parser("compare", help="run several policy profiles on the YAML's workload")
     p.add_argument("config")

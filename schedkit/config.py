@@ -127,10 +127,16 @@ RunnerConfig = Annotated[
 key the chosen runner does not have is refused."""
 
 
+MAX_NUM_BLOCKS = 1 << 24
+"""16.7M blocks: 268M tokens of 16-token blocks, over 20x what fits in an H200 for a
+0.5B model; the pool's bookkeeping is a Python object per block, so more would only
+exhaust the host's memory."""
+
+
 class CacheConfig(_Strict):
     block_size: int = Field(default=16, ge=1, le=1024)
     """Tokens per KV block."""
-    num_blocks: int = Field(default=2048, ge=2)
+    num_blocks: int = Field(default=2048, ge=2, le=MAX_NUM_BLOCKS)
     """Blocks in the pool, including the reserved null block 0."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose chained hash matches (prefix caching)."""
@@ -463,9 +469,7 @@ class RouterConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
         names = [p.name for p in self.plugins]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"router plugin listed twice: {sorted(dup)}")
+        _check_listed_once(self.plugins, "router plugin")
         bad = {k: v for k, v in self.weights.items() if not (v >= 0 and v < float("inf"))}
         if bad:
             raise ValueError(f"router.weights must be finite and non-negative, got {bad}")
@@ -494,6 +498,17 @@ class ProfileConfig(_Strict):
 class CompareConfig(_Strict):
     profiles: list[ProfileConfig] = Field(default_factory=list, min_length=1)
     """The policy profiles ``schedkit compare`` runs on the same workload."""
+
+    @field_validator("profiles")
+    @classmethod
+    def _names_unique(cls, profiles: list[ProfileConfig]) -> list[ProfileConfig]:
+        seen: set[str] = set()
+        for k, p in enumerate(profiles):
+            if p.name in seen:  # results are keyed by name: one would silently replace the other
+                raise LocatedValueError(f"the name {p.name!r} is taken by an earlier profile: each "
+                                        "profile needs its own (results are keyed by it)", (k, "name"), p.name)
+            seen.add(p.name)
+        return profiles
 
 
 class ServerConfig(_Strict):
@@ -567,10 +582,7 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:
-        names = [p.name for p in self.plugins]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"plugin listed twice: {sorted(dup)}")
+        _check_listed_once(self.plugins, "plugin")
         for k, profile in enumerate(self.compare.profiles if self.compare is not None else ()):
             try:
                 profile_scheduler(self.scheduler, profile)
@@ -586,6 +598,15 @@ class LocatedValueError(ValueError):
     def __init__(self, message: str, loc: tuple[int | str, ...], value: Any):
         super().__init__(message)
         self.loc, self.value = loc, value
+
+
+def _check_listed_once(plugins: list[PluginConfig], what: str) -> None:
+    """Raises LocatedValueError at the second entry of a plugin listed twice."""
+    seen: set[str] = set()
+    for i, p in enumerate(plugins):
+        if p.name in seen:
+            raise LocatedValueError(f"{what} {p.name!r} is listed twice", ("plugins", i, "name"), p.name)
+        seen.add(p.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -768,7 +789,7 @@ def format_validation_error(err: ValidationError, source: str, root: yaml.Node |
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        value, message = e.get("input"), e["msg"]
+        value, message = e.get("input"), e["msg"].removeprefix("Value error, ")
         located = (e.get("ctx") or {}).get("error")
         if isinstance(located, LocatedValueError):
             loc, value = (*loc, *located.loc), located.value
@@ -814,9 +835,13 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start})") from None
     data, root = load_yaml(text, str(path))
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")

@@ -148,3 +148,18 @@ def test_compare_refuses_an_unusable_output_dir_before_running(tmp_path, capsys)
     cfg.write_text("workload: {num_requests: 4}\ncompare:\n  profiles:\n    - {name: a, policy: fcfs}\n")
     assert main(["compare", str(cfg), "-o", str(afile)]) != 0
     assert "--output-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values", ["nan", "1,inf", "0", "-1", "x"])
+def test_compare_refuses_a_sweep_value_that_is_no_load(tmp_path, capsys, values):
+    assert main(["compare", "configs/quickstart.yaml", "--sweep", f"rate={values}",
+                 "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--sweep 'rate={values}'" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_run_refuses_a_negative_sample_count(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "configs/quickstart.yaml", "--samples", "-5"])
+    assert e.value.code == 2 and "must be 0 or more" in capsys.readouterr().err

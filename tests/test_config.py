@@ -181,3 +181,29 @@ def test_runner_config_round_trips_through_json():
     config = Config(runner=PagedRunnerConfig(device="cuda", num_threads=2))
     again = Config.model_validate(config.model_dump(mode="json"))
     assert again.runner == config.runner and type(again.runner) is PagedRunnerConfig
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"scheduler:\n  policy: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=rf"{p}:2: not UTF-8 text \(byte 0xff"):
+        load_config(p)
+
+
+def test_num_blocks_has_a_ceiling_short_of_the_hosts_memory(tmp_path):
+    p = write(tmp_path, "cache: {num_blocks: 100000000000}\n")
+    with pytest.raises(ConfigError, match=r"cache.num_blocks = 100000000000: .*less than or equal to 16777216"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("compare:\n  profiles:\n    - {name: a, policy: fcfs}\n    - {name: a, policy: sjf}\n",
+     ":4: compare.profiles.1.name = 'a': the name 'a' is taken by an earlier profile"),
+    ("plugins:\n  - name: lpm\n  - name: lpm\n", ":3: plugins.1.name = 'lpm': plugin 'lpm' is listed twice"),
+    ("replicas: {count: 2}\nrouter:\n  plugins:\n    - name: x\n    - name: x\n",
+     ":5: router.plugins.1.name = 'x': router plugin 'x' is listed twice"),
+])
+def test_names_that_must_be_unique_point_at_the_second_one(tmp_path, text, where):
+    p = write(tmp_path, text)
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    assert f"{p}{where}" in msg and "Value error" not in msg

@@ -309,6 +309,9 @@ class LLM:
     replicated :class:`AsyncLLM` runs on a background event-loop thread and every request
     streams through it (so a replica's death re-routes the requests that had produced
     no token and fails the others, as with AsyncLLM; docs/cluster.md).
+
+    Threads may share one LLM: with one engine their calls take turns (a ``generate``
+    runs to its end before the next starts; for concurrent streams use AsyncLLM).
     """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc",
@@ -323,6 +326,8 @@ class LLM:
         self._ids = itertools.count()
         self._replicated: tuple[_LoopThread, AsyncLLM] | None = None
         self._closed = False
+        self._turn = threading.Lock()
+        """Held by each call on the one engine's synchronous sockets (not thread-safe)."""
         if self.config.replicas.count > 1:
             loop = _LoopThread()
             try:
@@ -363,6 +368,9 @@ class LLM:
         """
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Sequence):
+            raise RequestError("sampling_params must be a SamplingParams or a list of them (one per "
+                               f"prompt), got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
         for name, values in (("sampling params", params), ("priorities", priorities),
@@ -390,14 +398,17 @@ class LLM:
                 raise EngineDeadError("this LLM was closed")
             self._generate_replicated(replicated, wire, results, use_tqdm)
             return list(results.values())
-        try:
-            self.client.add_requests(wire)
-            self._collect(results, use_tqdm)
-        except EngineDeadError:
-            raise
-        except BaseException:  # KeyboardInterrupt included: free the engine of our requests
-            self.client.abort_quietly([rid for rid, r in results.items() if not r.finished])
-            raise
+        with self._turn:
+            if self._closed:
+                raise EngineDeadError("this LLM was closed")
+            try:
+                self.client.add_requests(wire)
+                self._collect(results, use_tqdm)
+            except EngineDeadError:
+                raise
+            except BaseException:  # KeyboardInterrupt included: free the engine of our requests
+                self.client.abort_quietly([rid for rid, r in results.items() if not r.finished])
+                raise
         return list(results.values())
 
     @staticmethod
@@ -441,7 +452,10 @@ class LLM:
                 raise EngineDeadError("this LLM was closed")
             loop, allm = self._replicated
             return loop.run(allm.call_utility(method, *args))
-        return self.client.call_utility(method, *args)
+        with self._turn:
+            if self._closed:
+                raise EngineDeadError("this LLM was closed")
+            return self.client.call_utility(method, *args)
 
     def close(self) -> None:
         if self._replicated is not None:
@@ -454,8 +468,12 @@ class LLM:
             finally:
                 loop.stop()
             return
-        self.client.close()
-        self.engine.shutdown()
+        with self._turn:  # after the generate another thread runs
+            if self._closed:
+                return
+            self._closed = True
+            self.client.close()
+            self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -567,13 +585,8 @@ class AsyncEngineClient:
         Raises:
             EngineDeadError: The engine died or did not answer in START_TIMEOUT_S.
         """
-        loop = self._loop = asyncio.get_running_loop()
         await self._send(self.out_sock, client_encoder.encode(Hello(load_reports=self._on_load is not None)))
-        self._last_seen = time.monotonic()
-        loop.add_reader(self._fd, _call_weakly, weakref.ref(self), "_read_outputs")
-        self._readers.append((loop, self._fd))
-        self._watch = loop.call_later(WATCH_INTERVAL_S, _call_weakly, weakref.ref(self), "_watch_engine")
-        self._read_outputs()  # the send may have taken the descriptor's edge
+        self._start_reading(asyncio.get_running_loop())  # after the send, which may take the edge
         # The engine's output socket drops messages to a client it does not know yet;
         # its Ready (the answer to our Hello) says it knows us.
         await asyncio.wait_for(self._ready.wait(), START_TIMEOUT_S)
@@ -584,6 +597,32 @@ class AsyncEngineClient:
     def dead(self) -> EngineDeadError | None:
         """Why the engine is considered dead (None while it answers)."""
         return self._dead
+
+    def _start_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._last_seen = time.monotonic()
+        loop.add_reader(self._fd, _call_weakly, weakref.ref(self), "_read_outputs")
+        self._readers.append((loop, self._fd))
+        self._watch = loop.call_later(WATCH_INTERVAL_S, _call_weakly, weakref.ref(self), "_watch_engine")
+        self._read_outputs()  # what arrived before the descriptor was watched
+
+    def _follow_loop(self) -> None:
+        """Streams and calls run on the loop that reads the socket. A client whose loop
+        has ended (``asyncio.run(AsyncLLM.create(...))``, then another ``asyncio.run``)
+        moves its reader to the running loop; a loop that still runs elsewhere (another
+        thread) cannot share it, since its streams' queues belong to that loop.
+
+        Raises:
+            RuntimeError: The client's loop still runs, in another thread.
+        """
+        loop = asyncio.get_running_loop()
+        if loop is self._loop or self._dead is not None:
+            return
+        if self._loop is not None and self._loop.is_running():
+            raise RuntimeError("this AsyncLLM belongs to the event loop it was created on, which is "
+                               "still running (in another thread): create one AsyncLLM per event loop")
+        self._stop_reading()
+        self._start_reading(loop)
 
     def _read_outputs(self) -> None:
         """Read and dispatch every message waiting on the output socket (the loop calls
@@ -703,9 +742,12 @@ class AsyncEngineClient:
         Raises:
             EngineDeadError: The engine died (at once, or while the request ran).
             RequestError: Its id is already streaming in this client.
+            RuntimeError: Called on an event loop other than the client's, which still
+                runs (another thread).
         """
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+        self._follow_loop()
         rid = request.request_id
         if rid in self._queues:
             raise RequestError(f"request {rid!r} is already streaming in this client "
@@ -730,6 +772,7 @@ class AsyncEngineClient:
         """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+        self._follow_loop()
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut

@@ -77,6 +77,9 @@ def sampling_from_wire(fields: dict[str, Any], request_id: str) -> SamplingParam
 def _check_token_ids(ids: Any, request_id: str) -> None:
     if not isinstance(ids, list):
         raise _bad(request_id, "prompt_token_ids", ids, "a list of token ids")
+    if not ids:
+        raise RequestError(f"request {request_id!r}: the prompt is empty (no token ids)",
+                           request_id=request_id)
     try:  # fast path: exact ints, and array("q") checks the 64-bit range at C speed
         if all(type(t) is int for t in ids) and (not ids or min(array("q", ids)) >= 0):
             return

@@ -10,6 +10,7 @@ order either way, so both give the same results, to the byte in ``results.json``
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -318,8 +319,8 @@ def parse_sweep(spec: str) -> tuple[str, list[float]]:
         vals = [float(v) for v in values.split(",")]
     except ValueError as e:
         raise ConfigError(f"--sweep {spec!r}: values must be numbers") from e
-    if any(v <= 0 for v in vals):
-        raise ConfigError(f"--sweep {spec!r}: values must be positive")
+    if not all(0 < v < math.inf for v in vals):  # NaN fails both comparisons
+        raise ConfigError(f"--sweep {spec!r}: values must be positive and finite")
     return knob, sorted(vals)
 
 

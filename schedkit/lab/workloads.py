@@ -23,7 +23,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -174,21 +174,45 @@ def _azure_seconds(stamp: str) -> float:
     return datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp() + float(f"0.{frac or 0}")
 
 
-def _read_azure(path: Path) -> list[tuple[float, int, int]]:
+def _csv_rows(path: Path, needed: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row) of a CSV trace with the ``needed`` columns."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        _require_columns(path, reader.fieldnames, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
-        rows = [(_azure_seconds(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-                for r in reader]
+        _require_columns(path, reader.fieldnames, needed)
+        for row in reader:
+            yield reader.line_num, row
+
+
+def _count(path: Path, line: int, row: dict[str, str], column: str) -> int:
+    """A non-negative token count of a trace row (0 is served as 1 token)."""
+    try:
+        n = int(row[column])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}:{line}: {column} = {row[column]!r}: not a whole number") from None
+    if n < 0:
+        raise ConfigError(f"{path}:{line}: {column} = {n}: a token count cannot be negative")
+    return n
+
+
+def _read_azure(path: Path) -> list[tuple[float, int, int]]:
+    rows: list[tuple[float, int, int]] = []
+    for line, r in _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens")):
+        try:
+            t = _azure_seconds(r["TIMESTAMP"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}:{line}: TIMESTAMP = {r['TIMESTAMP']!r}: not a time like "
+                              "'2023-11-16 18:17:03.9799600'") from None
+        if rows and t < rows[-1][0]:
+            raise ConfigError(f"{path}:{line}: TIMESTAMP = {r['TIMESTAMP']!r} is earlier than the "
+                              "row before it: a trace's rows must be in time order")
+        rows.append((t, _count(path, line, r, "ContextTokens"), _count(path, line, r, "GeneratedTokens")))
     t0 = rows[0][0] if rows else 0.0
     return [(t - t0, p, o) for t, p, o in rows]
 
 
 def _read_vidur(path: Path) -> list[tuple[int, int]]:
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        _require_columns(path, reader.fieldnames, ("num_prefill_tokens", "num_decode_tokens"))
-        return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in reader]
+    return [(_count(path, line, r, "num_prefill_tokens"), _count(path, line, r, "num_decode_tokens"))
+            for line, r in _csv_rows(path, ("num_prefill_tokens", "num_decode_tokens"))]
 
 
 def _read_mooncake(path: Path, start: int, limit: int) -> list[dict[str, Any]]:

@@ -147,6 +147,8 @@ class HookFacade:
         if len(answer) > max_preemptions:
             raise self._bad_answer(name, plugin, answer, f"at most {max_preemptions} preemptions "
                                    "per step (scheduler.max_voluntary_preemptions)")
+        # A step-wide answer: whatever is wrong in it, no request named in it is to blame
+        # (the step is undone; docs/failure-semantics.md).
         chosen: list[Preemption] = []
         seen: set[int] = set()
         live = {id(r) for r in running}
@@ -157,11 +159,11 @@ class HookFacade:
                     or id(req) not in live):
                 raise self._bad_answer(name, plugin, item, "each must be one of the running requests")
             if id(req) in seen:
-                raise self._bad_answer(name, plugin, item, "a request is named twice", req)
+                raise self._bad_answer(name, plugin, item, "a request is named twice")
             if not isinstance(p.reason, str):
-                raise self._bad_answer(name, plugin, item, "a reason must be a string", req)
+                raise self._bad_answer(name, plugin, item, "a reason must be a string")
             if p.save_kv is not None and not isinstance(p.save_kv, bool):
-                raise self._bad_answer(name, plugin, item, "save_kv must be true, false or None", req)
+                raise self._bad_answer(name, plugin, item, "save_kv must be true, false or None")
             seen.add(id(req))
             chosen.append(p)
         return chosen

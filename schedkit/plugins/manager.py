@@ -113,8 +113,10 @@ def _load_installed(installed: Mapping[str, EntryPoint], name: str, at: str, *,
     """
     ep = installed.get(name)
     if ep is None:
+        off = ("; third-party plugins are not loaded while SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD=1"
+               if os.environ.get("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD") == "1" else "")
         raise ConfigError(f"{at}{what} {name!r} is not installed (entry-point group "
-                          f"'{ENTRY_POINT_GROUP}'){builtins}; installed: {sorted(installed) or 'none'}")
+                          f"'{ENTRY_POINT_GROUP}'){builtins}; installed: {sorted(installed) or 'none'}{off}")
     try:
         return ep.load()
     except Exception as e:

@@ -132,6 +132,7 @@ class Greedy:
     (lambda running: "r0", "sequence of running requests"),
     (lambda running: [make_request("x", [1, 2])], "one of the running requests"),
     (lambda running: [Preemption(running[0], 7)], "reason must be a string"),
+    (lambda running: [Preemption(running[0], "r", save_kv="yes")], "save_kv must be"),
 ])
 def test_impossible_answers_fail_the_step_and_undo_it(answer, why):
     sched = make_scheduler(plugins=[Greedy(answer)], max_num_seqs=2,
@@ -141,8 +142,10 @@ def test_impossible_answers_fail_the_step_and_undo_it(answer, why):
         sched.add_request(r)
     step(sched, sampled=7)
     before = [(r.status, r.num_computed_tokens) for r in reqs]
-    with pytest.raises(PluginError, match=why):
+    with pytest.raises(PluginError, match=why) as err:
         sched.schedule()
+    # a step-wide answer: no request named in it is blamed (the engine would fail it)
+    assert err.value.request_id is None and not err.value.request_ids
     assert [(r.status, r.num_computed_tokens) for r in reqs] == before
     assert sched.voluntary_preemptions == {}
     assert_scheduler_consistent(sched, reqs)

@@ -9,6 +9,8 @@ import asyncio
 import gc
 import random
 
+import pytest
+
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import AsyncEngineClient, AsyncLLM
@@ -70,3 +72,47 @@ def test_a_client_dropped_without_close_takes_its_descriptor_off_the_loop():
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         engine.shutdown()
+
+
+def test_an_asyncllm_follows_to_a_new_loop_once_its_own_has_ended():
+    llm = asyncio.run(AsyncLLM.create(config_from_dict(BIG)))  # that loop is closed now
+
+    async def use():
+        deltas = [d async for d in llm.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert sum(len(d.output_token_ids) for d in deltas) == 3
+        assert await llm.call_utility("num_unfinished") == 0
+
+    try:
+        asyncio.run(asyncio.wait_for(use(), 30))
+        asyncio.run(asyncio.wait_for(use(), 30))  # and to the next one
+    finally:
+        asyncio.run(llm.close())
+
+
+def test_an_asyncllm_whose_loop_runs_in_another_thread_refuses_this_one():
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    llm = asyncio.run_coroutine_threadsafe(AsyncLLM.create(config_from_dict(BIG)), loop).result(60)
+    try:
+        async def elsewhere():
+            with pytest.raises(RuntimeError, match="create one AsyncLLM per event loop"):
+                async for _ in llm.generate([1, 2], SamplingParams(max_tokens=2)):
+                    pass
+            with pytest.raises(RuntimeError, match="create one AsyncLLM per event loop"):
+                await llm.call_utility("num_unfinished")
+
+        asyncio.run(asyncio.wait_for(elsewhere(), 30))
+
+        async def at_home():  # its own loop still serves
+            return [d async for d in llm.generate([1, 2], SamplingParams(max_tokens=2, ignore_eos=True))]
+
+        deltas = asyncio.run_coroutine_threadsafe(at_home(), loop).result(30)
+        assert deltas[-1].finish_reason == "length"
+    finally:
+        asyncio.run_coroutine_threadsafe(llm.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

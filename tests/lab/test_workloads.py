@@ -99,3 +99,26 @@ def test_bad_workload_input(tmp_path):
                          (dict(burstiness=0), "burstiness")):
         with pytest.raises(ConfigError, match=needle):
             wl(**spec)
+
+
+AZURE_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+
+
+@pytest.mark.parametrize(("row", "needle"), [
+    ("2023-11-16 18:15:47.1000000,abc,5", r":3: ContextTokens = 'abc': not a whole number"),
+    ("2023-11-16 18:15:47.1000000,12,-5", r":3: GeneratedTokens = -5: a token count cannot be negative"),
+    ("yesterday,12,5", r":3: TIMESTAMP = 'yesterday': not a time"),
+    ("2023-11-16 18:15:45.0000000,12,5", r":3: TIMESTAMP = .* is earlier than the row before it"),
+])
+def test_a_bad_azure_row_is_named_by_file_and_line(tmp_path, row, needle):
+    path = tmp_path / "t.csv"
+    path.write_text(AZURE_HEAD + row + "\n")
+    with pytest.raises(ConfigError, match=needle):
+        generate(wl(kind="trace", trace={"format": "azure", "path": str(path)}))
+
+
+def test_a_bad_vidur_row_is_named_by_file_and_line(tmp_path):
+    path = tmp_path / "v.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n100,20\n100,2.5\n")
+    with pytest.raises(ConfigError, match=r"v.csv:3: num_decode_tokens = '2.5': not a whole number"):
+        generate(wl(kind="trace", trace={"format": "vidur", "path": str(path)}))

@@ -121,3 +121,15 @@ def test_bundled_policies_match_pyproject_and_load_without_install(monkeypatch):
     monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", "1")  # as in a bare source tree
     assert set(ENTRY_POINTS) <= set(manager.discover_plugins())
     get_plugin_manager(config_from_dict({"scheduler": {"policy": "sjf"}}))
+
+
+def test_a_plugin_missing_while_autoload_is_off_names_the_variable(monkeypatch):
+    from schedkit.errors import ConfigError
+
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.raises(ConfigError, match="not loaded while SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD=1"):
+        get_plugin_manager(config_from_dict({"scheduler": {"policy": "somebodys-policy"}}))
+    monkeypatch.setenv("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", "0")
+    with pytest.raises(ConfigError, match="is not installed") as e:
+        get_plugin_manager(config_from_dict({"scheduler": {"policy": "somebodys-policy"}}))
+    assert "AUTOLOAD" not in str(e.value)

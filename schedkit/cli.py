@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     finish = max((m.finish_time or 0.0) for m in metrics) if metrics else 0.0
     start = min(m.arrival_time for m in metrics) if metrics else 0.0
     wl = config.workload
-    summary = summarize(metrics, wl.slo, finish - start, fairness=wl.fairness,
+    summary = summarize(metrics, wl.slo, max(finish - start, 0.0), fairness=wl.fairness,
                         shares=wl.tenant_shares)
     _print_summary(config, summary, wall, stats["num_steps"], stats.get("router"))
     texts = config.workload.prompts
@@ -65,6 +66,11 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _shown(x: float) -> str:
+    """One decimal, or "n/a" where nothing was measured (no request produced a token)."""
+    return f"{x:.1f}" if math.isfinite(x) else "n/a"
+
+
 def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dict | None = None) -> None:
     runner = config.runner
     clock = "virtual" if runner.kind == "simulated" or getattr(runner, "clock", "wall") == "virtual" else "wall"
@@ -72,9 +78,9 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dic
         ("policy", config.scheduler.policy), ("runner", config.runner.kind),
         ("requests", s["requests"]), ("steps", steps),
         (f"duration ({clock} s)", f"{s['duration_s']:.2f}"),
-        ("output tokens/s", f"{s['output_tokens_per_s']:.1f}"),
-        ("TTFT p50 / p99 (ms)", f"{s['ttft_s']['p50'] * 1e3:.1f} / {s['ttft_s']['p99'] * 1e3:.1f}"),
-        ("TPOT p50 / p99 (ms)", f"{s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f}"),
+        ("output tokens/s", _shown(s["output_tokens_per_s"])),
+        ("TTFT p50 / p99 (ms)", f"{_shown(s['ttft_s']['p50'] * 1e3)} / {_shown(s['ttft_s']['p99'] * 1e3)}"),
+        ("TPOT p50 / p99 (ms)", f"{_shown(s['tpot_s']['p50'] * 1e3)} / {_shown(s['tpot_s']['p99'] * 1e3)}"),
         ("rejected", s["rejected"]), ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("wall time (s)", f"{wall:.2f}"),
     ]

@@ -163,3 +163,14 @@ def test_run_refuses_a_negative_sample_count(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "configs/quickstart.yaml", "--samples", "-5"])
     assert e.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
+
+
+def test_run_where_no_request_fits_prints_no_nonsense(tmp_path, capsys):
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text("cache: {block_size: 16, num_blocks: 4}\nscheduler: {max_model_len: 2048}\n"
+                   "workload: {kind: poisson, rate: 5, num_requests: 6, prompt_len: [100, 200], output_len: 10}\n")
+    assert main(["run", str(cfg), "--samples", "0"]) == 1  # every request failed
+    out, err = capsys.readouterr()
+    assert "TTFT p50 / p99 (ms)   n/a / n/a" in out and "rejected              6" in out
+    assert "nan" not in out and "inf" not in out and "duration (virtual s)  0.00" in out
+    assert "must be shorter than max_model_len" in err

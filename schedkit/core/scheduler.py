@@ -1149,7 +1149,7 @@ class Scheduler:
         try:
             self.connector.update_connector_output(kv_out)
         except Exception as e:  # reported once the step's state is complete
-            self._deferred_errors.append(connector_error(self.connector, "update_connector_output", e, None))
+            self._deferred_errors.append(self._connector_error("update_connector_output", e, None))
         if kv_out is None:
             return
         if kv_out.finished_recving:
@@ -1183,7 +1183,7 @@ class Scheduler:
         try:
             delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
         except Exception as e:  # free normally; report once the step's state is complete
-            self._deferred_errors.append(connector_error(self.connector, "request_finished", e, req))
+            self._deferred_errors.append(self._connector_error("request_finished", e, req))
             delay, params = False, None
         self.finished_req_ids.add(rid)
         self.deferred_ids.discard(rid)
@@ -1204,7 +1204,16 @@ class Scheduler:
             return getattr(self.connector, method)(*args)
         except Exception as e:
             req = args[0] if args and isinstance(args[0], Request) else None
-            raise connector_error(self.connector, method, e, req) from e
+            raise self._connector_error(method, e, req) from e
+
+    def _connector_error(self, method: str, e: Exception, req: Request | None) -> PluginError:
+        """The PluginError for a connector method that raised, counted with the hooks'
+        errors (``stats()["num_hook_errors"]``, the server's hook-error metric)."""
+        err = connector_error(self.connector, method, e, req)
+        errors = getattr(self.hooks, "errors", None)
+        if errors is not None:
+            errors[(err.plugin, err.hook)] += 1
+        return err
 
 
 def connector_error(connector: Any, method: str, e: Exception, req: Request | None) -> PluginError:

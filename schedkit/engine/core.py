@@ -123,7 +123,7 @@ class EngineCore:
         processing included (wall time with a real runner; what calibration fits). With
         steps in flight: the time since the previous step's output was processed."""
         self._consecutive_step_failures = 0
-        self._observer_logs: dict[tuple[str | None, str | None], RateLimitedLog] = {}
+        self._hook_logs: dict[tuple[str | None, str | None], RateLimitedLog] = {}
         self._empty_steps = 0
         self._empty_since = 0.0
         self._last_step_empty = False
@@ -362,7 +362,7 @@ class EngineCore:
         try:
             step_outputs = sched.update_from_output(scheduler_output, runner_output)
         except PluginError as e:  # an observer raised after the step was applied
-            self._observer_log(e).error("%s", e)
+            self._hook_log(e).error("%s", e)
             step_outputs = e.outputs or {}
         except Exception as e:  # a bug; fail this step's requests rather than the engine
             log.exception("update_from_output failed")
@@ -378,13 +378,14 @@ class EngineCore:
         self._last_done = done
         return step_outputs
 
-    def _observer_log(self, e: PluginError) -> RateLimitedLog:
+    def _hook_log(self, e: PluginError) -> RateLimitedLog:
         """One rate-limited log per raising (plugin, hook): an observer that raises every
-        step writes a line every OBSERVER_LOG_INTERVAL_S, not one per step."""
+        step, or a hook that raises for every request, writes a line every
+        OBSERVER_LOG_INTERVAL_S, not one per step or request."""
         key = (e.plugin, e.hook)
-        limited = self._observer_logs.get(key)
+        limited = self._hook_logs.get(key)
         if limited is None:
-            limited = self._observer_logs[key] = RateLimitedLog(log, OBSERVER_LOG_INTERVAL_S)
+            limited = self._hook_logs[key] = RateLimitedLog(log, OBSERVER_LOG_INTERVAL_S)
         return limited
 
     def _watch_progress(self, scheduler_output: SchedulerOutput) -> dict[int, EngineCoreOutputs]:
@@ -437,7 +438,9 @@ class EngineCore:
                                   f"runner failed: {type(e).__name__}: {e}")
 
     def _on_plugin_error(self, e: PluginError) -> dict[int, EngineCoreOutputs]:
-        log.error("%s", e)
+        # Every failed request carries the message; the log gets a line per plugin and hook
+        # every OBSERVER_LOG_INTERVAL_S (a hook that raises for each request must not flood it).
+        self._hook_log(e).error("%s", e)
         ids = [r for r in e.request_ids if r in self.scheduler.requests]
         if ids:  # progress: these requests leave; the step-failure count starts over
             self._consecutive_step_failures = 0

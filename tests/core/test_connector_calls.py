@@ -115,6 +115,8 @@ def test_connector_error_rolls_back_the_step_without_duplicating_deferred_reques
     with pytest.raises(PluginError, match="build_connector_meta") as e:
         sched.schedule()
     assert e.value.plugin == "FlakyMetaConnector" and e.value.hook == "KVConnector.build_connector_meta"
+    # counted with the hooks' errors (stats' num_hook_errors, the server's metric)
+    assert sched.hooks.errors == {("FlakyMetaConnector", "KVConnector.build_connector_meta"): 1}
     assert_scheduler_consistent(sched)
     assert [r.request_id for r in sched.waiting] == ["a", "b", "c"]
     out = sched.schedule()

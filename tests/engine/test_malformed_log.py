@@ -69,3 +69,30 @@ def test_an_observer_raising_every_step_is_logged_once_per_interval(caplog):
     assert sorted(finished) == ["r0", "r1", "r2"] and engine.num_steps >= 20
     lines = [r.getMessage() for r in caplog.records if "observer down" in r.getMessage()]
     assert len(lines) == 1
+
+
+class _RefusesEveryone:
+    @staticmethod
+    def schedkit_admit_request(request):
+        raise RuntimeError(f"no room for {request.request_id}")
+
+
+def test_a_hook_raising_for_every_request_fails_each_but_logs_one_line(small_config, caplog):
+    from schedkit.core.request import Request, SamplingParams
+    from schedkit.engine.core import EngineCore
+    from schedkit.hookspecs import hookimpl
+
+    plugin = _RefusesEveryone()
+    plugin.schedkit_admit_request = hookimpl(plugin.schedkit_admit_request)
+    engine = EngineCore(small_config(), extra_plugins=[plugin])
+    with caplog.at_level(logging.ERROR, logger="schedkit.engine"):
+        for i in range(30):
+            engine.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=0.0))
+        errors = {}
+        while engine.has_requests():
+            for outs in engine.step().values():
+                errors.update({o.request_id: o.error for o in outs.outputs if o.error})
+    assert len(errors) == 30 and all("schedkit_admit_request" in e and "no room for" in e
+                                     for e in errors.values())
+    logged = [r for r in caplog.records if "no room for" in r.getMessage()]
+    assert len(logged) == 1  # the rest within the interval are suppressed

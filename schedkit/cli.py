@@ -179,6 +179,10 @@ def _check(args: argparse.Namespace) -> int:
     # Build the scheduler too: its queue and connector come from the plugins' build
     # hooks, and a KV cache smaller than max_model_len is reported (as a warning) here.
     Scheduler(config.scheduler, config.cache, HookFacade(get_plugin_manager(config)))
+    if not config.workload.prompts:  # text prompts need the model's tokenizer: run checks those
+        from schedkit.lab.workloads import generate
+
+        generate(config.workload, config.runner.vocab_size, Path(args.config).parent)  # reads a trace
     profiles = ""
     if config.compare is not None:
         from schedkit.lab.compare import check_profiles

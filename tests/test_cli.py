@@ -174,3 +174,16 @@ def test_run_where_no_request_fits_prints_no_nonsense(tmp_path, capsys):
     assert "TTFT p50 / p99 (ms)   n/a / n/a" in out and "rejected              6" in out
     assert "nan" not in out and "inf" not in out and "duration (virtual s)  0.00" in out
     assert "must be shorter than max_model_len" in err
+
+
+@pytest.mark.parametrize(("workload", "needle"), [
+    ("{kind: poisson, rate: 1.0e-300, num_requests: 3}", "workload.rate: the requests would arrive over"),
+    ("{kind: trace, trace: {format: azure, path: DIR}}", "is a directory, not a trace file"),
+    ("{kind: trace, trace: {format: azure, path: DIR/missing.csv}}", "file not found"),
+])
+def test_check_reads_the_workload_as_run_would(tmp_path, capsys, workload, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"workload: {workload.replace('DIR', str(tmp_path))}\n")
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from schedkit.config import LengthConfig, TraceConfig, WorkloadConfig
+from schedkit.core.request import MAX_ARRIVAL_OFFSET_S
 from schedkit.errors import ConfigError
 
 MOONCAKE_BLOCK = 512
@@ -57,8 +58,8 @@ def generate(cfg: WorkloadConfig, vocab_size: int = 32000,
     """
     if cfg.kind == "trace":
         assert cfg.trace is not None
-        return _from_trace(cfg, cfg.trace, vocab_size, base_dir)
-    reqs = _synthetic(cfg, vocab_size)
+        return _within_the_clock(_from_trace(cfg, cfg.trace, vocab_size, base_dir), "workload.trace.time_scale")
+    reqs = _within_the_clock(_synthetic(cfg, vocab_size), "workload.rate")
     if cfg.prompts:
         if tokenizer is None:
             raise ConfigError("workload.prompts are text: they need a model with a tokenizer "
@@ -66,6 +67,17 @@ def generate(cfg: WorkloadConfig, vocab_size: int = 32000,
         encoded = [encode_prompt(tokenizer, p) for p in cfg.prompts]
         reqs = [WorkloadRequest(r.request_id, r.arrival_time, encoded[i % len(encoded)], r.max_tokens,
                                 r.tenant, r.priority) for i, r in enumerate(reqs)]
+    return reqs
+
+
+def _within_the_clock(reqs: list[WorkloadRequest], knob: str) -> list[WorkloadRequest]:
+    """Raises ConfigError (naming ``knob``) when the last arrival is beyond what the
+    engine accepts (``MAX_ARRIVAL_OFFSET_S``): a rate of 1e-300 is a mistake, not a
+    workload to find out about at the first request."""
+    last = max((r.arrival_time for r in reqs), default=0.0)
+    if not last <= MAX_ARRIVAL_OFFSET_S:
+        raise ConfigError(f"{knob}: the requests would arrive over {last:.3g} s, more than the "
+                          f"engine's {MAX_ARRIVAL_OFFSET_S:g} s")
     return reqs
 
 
@@ -157,6 +169,9 @@ def resolve_path(path: str, base_dir: str | Path | None) -> Path:
     for c in candidates:
         if c.is_file():
             return c
+    folders = [c for c in candidates if c.is_dir()]
+    if folders:
+        raise ConfigError(f"workload.trace.path = {path!r}: {folders[0]} is a directory, not a trace file")
     raise ConfigError(f"workload.trace.path = {path!r}: file not found (looked in: "
                       f"{', '.join(str(c) for c in candidates)})")
 

@@ -71,6 +71,13 @@ DEAD_AFTER_S = 3.0
 WATCH_INTERVAL_S = 0.1
 """How often an asyncio client checks, between messages, that its engine still lives."""
 
+READ_BUDGET = 64
+"""Messages an asyncio client dispatches per turn of the event loop; the rest wait for the
+next turn (a flood of outputs must not hold the loop, its HTTP streams and probes)."""
+
+STALL_GRACE_S = 1.0
+"""A watch timer this late means the client's own process stood still (see _watch_engine)."""
+
 SEND_RETRY_S = 0.001
 """An asyncio send that would block (it cannot with unbounded queues) retries this often."""
 
@@ -567,6 +574,8 @@ class AsyncEngineClient:
                                        self._readers)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.TimerHandle | None = None
+        self._watch_due = 0.0
+        self._more_scheduled = False
         self._last_seen = time.monotonic()
         self._on_load = on_load
         self._on_dead = on_dead
@@ -603,8 +612,12 @@ class AsyncEngineClient:
         self._last_seen = time.monotonic()
         loop.add_reader(self._fd, _call_weakly, weakref.ref(self), "_read_outputs")
         self._readers.append((loop, self._fd))
-        self._watch = loop.call_later(WATCH_INTERVAL_S, _call_weakly, weakref.ref(self), "_watch_engine")
+        self._arm_watch(loop)
         self._read_outputs()  # what arrived before the descriptor was watched
+
+    def _arm_watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._watch_due = time.monotonic() + WATCH_INTERVAL_S
+        self._watch = loop.call_later(WATCH_INTERVAL_S, _call_weakly, weakref.ref(self), "_watch_engine")
 
     def _follow_loop(self) -> None:
         """Streams and calls run on the loop that reads the socket. A client whose loop
@@ -627,17 +640,25 @@ class AsyncEngineClient:
     def _read_outputs(self) -> None:
         """Read and dispatch every message waiting on the output socket (the loop calls
         this when the socket's descriptor signals, and the watch timer between)."""
+        self._more_scheduled = False
         if self._dead is not None:
             return
         sock = self.out_sock
         try:
-            while _has_input(sock):
+            for _ in range(READ_BUDGET):
+                if not _has_input(sock):
+                    return
                 try:
                     frame = sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    break
+                    return
                 self._last_seen = time.monotonic()
                 self._dispatch(engine_decoder.decode(frame.buffer))
+            # Budget spent with messages left: the descriptor will not signal for them
+            # (edges), so come back on the loop's next turn, after what else is ready.
+            if self._loop is not None and not self._more_scheduled:
+                self._more_scheduled = True
+                self._loop.call_soon(_call_weakly, weakref.ref(self), "_read_outputs")
         except Exception as e:  # a bug here, or a closed socket: either way no stream may hang
             self._die(e)
 
@@ -667,8 +688,16 @@ class AsyncEngineClient:
 
     def _watch_engine(self) -> None:
         """Every WATCH_INTERVAL_S: read what waits, then, after a quiet interval, check
-        that the engine process lives and has spoken (a heartbeat) within DEAD_AFTER_S."""
+        that the engine process lives and has spoken (a heartbeat) within DEAD_AFTER_S.
+
+        A timer that fires far behind time means this process itself stood still (a
+        paused container or VM, a stopped process, a swapped-out loop): the engine's
+        heartbeats of that time may not even have crossed ZeroMQ's threads yet, so the
+        silence is measured again from now rather than judged."""
         self._watch = None
+        now = time.monotonic()
+        if now - self._watch_due > STALL_GRACE_S:
+            self._last_seen = max(self._last_seen, now)
         self._read_outputs()
         if self._dead is not None or self._loop is None:
             return
@@ -681,7 +710,7 @@ class AsyncEngineClient:
         except Exception as e:
             self._die(e)
             return
-        self._watch = self._loop.call_later(WATCH_INTERVAL_S, _call_weakly, weakref.ref(self), "_watch_engine")
+        self._arm_watch(self._loop)
 
     def _stop_reading(self) -> None:
         if self._watch is not None:
@@ -695,13 +724,19 @@ class AsyncEngineClient:
 
     def _die(self, e: Exception) -> None:
         """The engine is dead (``EngineDeadError``) or its connection broke (anything
-        else): stop reading, fail every stream and call, tell ``on_dead`` once."""
+        else): stop reading, fail every stream and call, shut an owned engine down if
+        its process still runs, tell ``on_dead`` once."""
         dead = e if isinstance(e, EngineDeadError) else EngineDeadError(
             f"the connection to the engine failed: {type(e).__name__}: {e}")
         self._stop_reading()
         if self._dead is not None:
             return
         self._fail_all(dead)
+        if self.owns_engine and self.engine.is_alive():
+            # Silent but running (stopped, wedged): this client is done with it, and its
+            # requests would run on for nobody. Stopped off the loop (it may take seconds).
+            threading.Thread(target=self.engine.shutdown, name="schedkit-engine-shutdown",
+                             daemon=True).start()
         if self._on_dead is not None:
             try:
                 self._on_dead(dead)

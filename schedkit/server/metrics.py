@@ -112,9 +112,12 @@ class EngineStatsCollector(Collector):
         m, st = self.model_name, self.stats
         labels = ["model_name"]
 
+        dead = bool(st.get("dead"))
         for family, name, doc, key in _ENGINE_SERIES:
             metric = family(PREFIX + name, doc, labels=labels)
-            metric.add_metric([m], st.get(key, 0))
+            # a dead engine runs nothing and holds no KV: its gauges read 0, not the last
+            # snapshot (counters keep their totals)
+            metric.add_metric([m], 0 if dead and family is GaugeMetricFamily else st.get(key, 0))
             yield metric
         info = GaugeMetricFamily(PREFIX + "policy_info", "The scheduling policy and the plugins "
                                  "switched on (value 1).", labels=["model_name", "policy", "plugins"])

@@ -116,3 +116,92 @@ def test_an_asyncllm_whose_loop_runs_in_another_thread_refuses_this_one():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_a_flood_is_dispatched_a_budget_at_a_time_and_the_rest_next_turn(monkeypatch):
+    import time
+
+    import schedkit.engine.client as client_mod
+
+    monkeypatch.setattr(client_mod, "READ_BUDGET", 8)
+    virtual = {**BIG, "runner": {"kind": "fake", "vocab_size": 1000, "clock": "virtual"}}
+
+    async def main():
+        async with await AsyncLLM.create(config_from_dict(virtual)) as llm:
+            core = llm.core
+            dispatched: list[int] = []
+            real = core._dispatch
+            monkeypatch.setattr(core, "_dispatch", lambda msg: (dispatched.append(1), real(msg)))
+
+            async def one(i):
+                return [d async for d in llm.generate([i + 1, 2], SamplingParams(max_tokens=30, ignore_eos=True))]
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(20)]
+            for _ in range(5):  # each task runs to its send (synchronous), no further
+                await asyncio.sleep(0)
+            time.sleep(1.0)  # the loop stands still while the engine floods the socket
+            dispatched.clear()
+            core._read_outputs()  # one turn of the reader
+            assert len(dispatched) == 8 and core._more_scheduled  # the rest: next turn
+            outs = await asyncio.gather(*tasks)
+            assert all(sum(len(d.output_token_ids) for d in o) == 30 for o in outs)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_watch_timer_far_behind_time_measures_the_silence_again():
+    """The client's own process stood still (a paused container): the engine's heartbeats
+    of that time may still be in ZeroMQ's threads, so that silence is no verdict."""
+    import time
+
+    engine = EngineProcess(config_from_dict(BIG))
+    try:
+        async def main():
+            client = AsyncEngineClient(engine, owns_engine=False)
+            await client.connect()
+            client._watch.cancel()
+            now = time.monotonic()
+            client._last_seen = now - 30.0  # silent for 30 s, as the clock sees it...
+            client._watch_due = now - 10.0  # ...because this timer is 10 s late
+            client._watch_engine()
+            assert client.dead is None and client._last_seen >= now
+            client._watch.cancel()
+            client._last_seen = time.monotonic() - 30.0
+            client._watch_due = time.monotonic()  # on time: the silence is real
+            client._watch_engine()
+            assert client.dead is not None and "no message from the engine" in str(client.dead)
+            await client.close()
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_found_silent_is_shut_down_not_left_running(monkeypatch):
+    import os
+    import signal
+    import time
+
+    import schedkit.engine.client as client_mod
+    from schedkit.errors import EngineDeadError
+
+    monkeypatch.setattr(client_mod, "DEAD_AFTER_S", 1.0)
+
+    async def main():
+        llm = await AsyncLLM.create(config_from_dict(BIG))
+        proc = llm.engine.proc
+        try:
+            os.kill(proc.pid, signal.SIGSTOP)  # alive, but says nothing
+            with pytest.raises(EngineDeadError, match="no message from the engine"):
+                async for _ in llm.generate([1, 2], SamplingParams(max_tokens=5)):
+                    pass
+            deadline = time.monotonic() + 20
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert proc.poll() is not None  # its requests would otherwise run on for nobody
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            await llm.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

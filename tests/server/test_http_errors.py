@@ -718,6 +718,7 @@ def test_engine_death_mid_stream(servers):
     s = servers["doomed"]
     raw = Raw(s.url, "/v1/completions", _long(300))
     raw.read_until(b'"text"')
+    assert metric(s.stats(), "schedkit:num_requests_running") == 1  # a snapshot with it running
     pid = engine_pid(s)
     os.kill(pid, signal.SIGKILL)
     status, events = raw.events(timeout=5)
@@ -734,7 +735,11 @@ def test_engine_death_mid_stream(servers):
             assert_error(c.post(path, json=body), 503, says=("engine",))
         m = c.get("/metrics")
         assert m.status_code == 200
-        assert metric(s.stats(), "schedkit:engine_healthy") == 0
+        stats = s.stats()
+        assert metric(stats, "schedkit:engine_healthy") == 0
+        # a dead engine runs nothing: not the last snapshot's running request
+        assert metric(stats, "schedkit:num_requests_running") == 0
+        assert metric(stats, "schedkit:kv_cache_usage_perc") == 0
     assert s.proc.poll() is None  # the HTTP server itself lives on to say so
 
 

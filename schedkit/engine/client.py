@@ -71,9 +71,11 @@ DEAD_AFTER_S = 3.0
 WATCH_INTERVAL_S = 0.1
 """How often an asyncio client checks, between messages, that its engine still lives."""
 
-READ_BUDGET = 64
-"""Messages an asyncio client dispatches per turn of the event loop; the rest wait for the
-next turn (a flood of outputs must not hold the loop, its HTTP streams and probes)."""
+READ_BUDGET = 32
+"""Request outputs (a message carries one step's, for many requests) an asyncio client
+hands out per turn of the event loop; the rest wait for the next turn. Each wakes a
+stream, whose work runs in the loop's next iteration: a flood of outputs must not make
+that iteration hold the loop, its other streams and its probes, for long."""
 
 STALL_GRACE_S = 1.0
 """A watch timer this late means the client's own process stood still (see _watch_engine)."""
@@ -645,7 +647,8 @@ class AsyncEngineClient:
             return
         sock = self.out_sock
         try:
-            for _ in range(READ_BUDGET):
+            spent = 0
+            while spent < READ_BUDGET:
                 if not _has_input(sock):
                     return
                 try:
@@ -653,7 +656,7 @@ class AsyncEngineClient:
                 except zmq.Again:
                     return
                 self._last_seen = time.monotonic()
-                self._dispatch(engine_decoder.decode(frame.buffer))
+                spent += self._dispatch(engine_decoder.decode(frame.buffer))
             # Budget spent with messages left: the descriptor will not signal for them
             # (edges), so come back on the loop's next turn, after what else is ready.
             if self._loop is not None and not self._more_scheduled:
@@ -662,7 +665,8 @@ class AsyncEngineClient:
         except Exception as e:  # a bug here, or a closed socket: either way no stream may hang
             self._die(e)
 
-    def _dispatch(self, msg: Any) -> None:
+    def _dispatch(self, msg: Any) -> int:
+        """Hand one message to whom it concerns; returns its weight (outputs, at least 1)."""
         if isinstance(msg, OutputBatch):
             for o in msg.outputs:
                 q = self._queues.get(o.request_id)
@@ -685,6 +689,7 @@ class AsyncEngineClient:
         elif isinstance(msg, Ready):
             self.client_index = msg.client_index
             self._ready.set()
+        return max(1, len(msg.outputs)) if isinstance(msg, OutputBatch) else 1
 
     def _watch_engine(self) -> None:
         """Every WATCH_INTERVAL_S: read what waits, then, after a quiet interval, check

@@ -539,10 +539,11 @@ class AsyncEngineClient:
     socket read by the event loop itself, which hands each request's outputs to its stream.
 
     The output socket's descriptor is registered with the loop (``add_reader``): when it
-    signals, every message waiting is read and dispatched in that callback, with no task
+    signals, the messages waiting are read and dispatched in that callback, with no task
     or future between the socket and the streams' queues (pyzmq's asyncio sockets cost
     about twice the CPU and latency per message). ZeroMQ signals that descriptor on
-    edges, so each callback reads until the socket is empty, and a timer every
+    edges, so each callback reads until the socket is empty or READ_BUDGET outputs are
+    handed out (then it calls itself again on the loop's next turn), and a timer every
     ``WATCH_INTERVAL_S`` reads again (nothing can wait longer than that) and checks that
     the engine lives. Sends never block: the sockets' queues are unbounded.
 
@@ -640,8 +641,9 @@ class AsyncEngineClient:
         self._start_reading(loop)
 
     def _read_outputs(self) -> None:
-        """Read and dispatch every message waiting on the output socket (the loop calls
-        this when the socket's descriptor signals, and the watch timer between)."""
+        """Read and dispatch the messages waiting on the output socket, READ_BUDGET
+        outputs' worth per turn of the loop (the loop calls this when the socket's
+        descriptor signals, the watch timer between, and itself while some are left)."""
         self._more_scheduled = False
         if self._dead is not None:
             return

@@ -580,10 +580,11 @@ def test_admission_rejection_is_a_429(api, client):
     assert_serves(client)
     assert client.post("/v1/completions", json=_c(ttft_slo_s=30.0)).status_code == 200
     assert rejected() == before + 3
-    # a rejected n=2 request is one 429, both choices rejected (and none left behind)
+    # a rejected n=2 request is one 429 and none of its choices is left behind: the other
+    # choice is rejected too, or aborted first when it reached the engine a step later
     assert_error(client.post("/v1/completions", json={**hopeless, "n": 2}), 429, says=("edf",))
-    assert wait_for(lambda: rejected() == before + 5, 10.0, "both choices rejected")
     wait_idle(api)
+    assert before + 4 <= rejected() <= before + 5
 
 
 # -- 4. pending limit -----------------------------------------------------------------------------

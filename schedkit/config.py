@@ -502,12 +502,10 @@ class CompareConfig(_Strict):
     @field_validator("profiles")
     @classmethod
     def _names_unique(cls, profiles: list[ProfileConfig]) -> list[ProfileConfig]:
-        seen: set[str] = set()
-        for k, p in enumerate(profiles):
-            if p.name in seen:  # results are keyed by name: one would silently replace the other
-                raise LocatedValueError(f"the name {p.name!r} is taken by an earlier profile: each "
-                                        "profile needs its own (results are keyed by it)", (k, "name"), p.name)
-            seen.add(p.name)
+        k = _first_repeat([p.name for p in profiles])
+        if k is not None:  # results are keyed by name: one would silently replace the other
+            raise LocatedValueError(f"the name {profiles[k].name!r} is taken by an earlier profile: each "
+                                    "profile needs its own (results are keyed by it)", (k, "name"), profiles[k].name)
         return profiles
 
 
@@ -600,13 +598,22 @@ class LocatedValueError(ValueError):
         self.loc, self.value = loc, value
 
 
+def _first_repeat(names: list[str]) -> int | None:
+    """The index of the first name that an earlier entry already has, or None."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            return i
+        seen.add(name)
+    return None
+
+
 def _check_listed_once(plugins: list[PluginConfig], what: str) -> None:
     """Raises LocatedValueError at the second entry of a plugin listed twice."""
-    seen: set[str] = set()
-    for i, p in enumerate(plugins):
-        if p.name in seen:
-            raise LocatedValueError(f"{what} {p.name!r} is listed twice", ("plugins", i, "name"), p.name)
-        seen.add(p.name)
+    i = _first_repeat([p.name for p in plugins])
+    if i is not None:
+        raise LocatedValueError(f"{what} {plugins[i].name!r} is listed twice", ("plugins", i, "name"),
+                                plugins[i].name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,17 +130,23 @@ def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampl
     return w
 
 
+def _remove_readers(readers: list[tuple[asyncio.AbstractEventLoop, int]]) -> None:
+    """Take each (loop, descriptor) off its loop, emptying ``readers``."""
+    while readers:
+        loop, fd = readers.pop()
+        with contextlib.suppress(RuntimeError, ValueError, OSError):  # a loop closed or elsewhere
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+
+
 def _close_zmq(ctx: zmq.Context[Any], sockets: tuple[zmq.Socket[Any], ...],
-               readers: Sequence[tuple[asyncio.AbstractEventLoop, int]] = ()) -> None:
+               readers: list[tuple[asyncio.AbstractEventLoop, int]] | None = None) -> None:
     """Take the sockets' descriptors off the event loops watching them (``readers``),
     close the sockets, then end their context. Run from :func:`weakref.finalize`, so a
     client dropped without ``close()`` (even inside a reference cycle) still closes its
     sockets first: left to the garbage collector, pyzmq may end a context before its
     sockets are closed, and that waits forever."""
-    for loop, fd in readers:
-        with contextlib.suppress(RuntimeError, ValueError, OSError):  # a loop closed or elsewhere
-            if not loop.is_closed():
-                loop.remove_reader(fd)
+    _remove_readers(readers or [])
     for sock in sockets:
         with contextlib.suppress(RuntimeError):
             sock.close(0)
@@ -580,6 +586,8 @@ class AsyncEngineClient:
         self._watch_due = 0.0
         self._more_scheduled = False
         self._last_seen = time.monotonic()
+        self._weak = weakref.ref(self)
+        """What the loop's callbacks hold (see _call_weakly)."""
         self._on_load = on_load
         self._on_dead = on_dead
         self._load_error_log = RateLimitedLog(log, 10.0)
@@ -613,14 +621,14 @@ class AsyncEngineClient:
     def _start_reading(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._last_seen = time.monotonic()
-        loop.add_reader(self._fd, _call_weakly, weakref.ref(self), "_read_outputs")
+        loop.add_reader(self._fd, _call_weakly, self._weak, "_read_outputs")
         self._readers.append((loop, self._fd))
         self._arm_watch(loop)
         self._read_outputs()  # what arrived before the descriptor was watched
 
     def _arm_watch(self, loop: asyncio.AbstractEventLoop) -> None:
         self._watch_due = time.monotonic() + WATCH_INTERVAL_S
-        self._watch = loop.call_later(WATCH_INTERVAL_S, _call_weakly, weakref.ref(self), "_watch_engine")
+        self._watch = loop.call_later(WATCH_INTERVAL_S, _call_weakly, self._weak, "_watch_engine")
 
     def _follow_loop(self) -> None:
         """Streams and calls run on the loop that reads the socket. A client whose loop
@@ -663,7 +671,7 @@ class AsyncEngineClient:
             # (edges), so come back on the loop's next turn, after what else is ready.
             if self._loop is not None and not self._more_scheduled:
                 self._more_scheduled = True
-                self._loop.call_soon(_call_weakly, weakref.ref(self), "_read_outputs")
+                self._loop.call_soon(_call_weakly, self._weak, "_read_outputs")
         except Exception as e:  # a bug here, or a closed socket: either way no stream may hang
             self._die(e)
 
@@ -723,11 +731,7 @@ class AsyncEngineClient:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        while self._readers:
-            loop, fd = self._readers.pop()
-            with contextlib.suppress(RuntimeError, ValueError, OSError):
-                if not loop.is_closed():
-                    loop.remove_reader(fd)
+        _remove_readers(self._readers)
 
     def _die(self, e: Exception) -> None:
         """The engine is dead (``EngineDeadError``) or its connection broke (anything

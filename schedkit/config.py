@@ -535,6 +535,11 @@ class ServerConfig(_Strict):
     closes first: a request sent on a connection the server is closing would fail."""
     drain_grace_s: float = Field(default=30.0, ge=0)
     """On SIGTERM: seconds in-flight requests get to finish before they are aborted."""
+    exit_on_engine_death: bool = False
+    """When the engine dies (every replica, with ``replicas.count`` > 1): False keeps the
+    server up with ``/health`` answering 503 (a liveness probe restarts it); True ends the
+    open streams with their error event, then exits 1 (vLLM's default), for a supervisor
+    that restarts processes rather than probing them."""
     max_tenant_labels: int = Field(default=64, ge=1, le=10000)
     """Tenants (the ``user`` field) with their own label on the per-tenant metrics; the
     others are counted under ``other``."""

@@ -233,7 +233,8 @@ def _label(ax: Any, xlabel: str, ylabel: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
 
 
 def _save(plt: Any, fig: Any, path: str | Path) -> bool:
@@ -250,14 +251,22 @@ def cdf_figure(plt: Any, runs: Mapping[str, Sequence[RequestMetrics]],
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, attr, label, of in ((axes[0], "ttft", "TTFT (s)", "fraction of all requests"),
                                 (axes[1], "tpot", "TPOT (s)", "fraction of requests with 2+ tokens")):
+        drawn = 0
         for name, metrics in runs.items():
             xs = sorted(v for v in (getattr(m, attr) for m in metrics) if v is not None)
             # TTFT: out of every request, so a curve stops short of 1 by the share
             # never served (rejected, refused); TPOT exists only for decoded requests.
             n = len(metrics) if attr == "ttft" else len(xs)
-            if xs:
+            if xs and xs[-1] > 0:
                 ax.plot(xs, [(i + 1) / n for i in range(len(xs))], label=name, color=colours[name])
-        ax.set_xscale("log")
+                drawn += 1
+        if drawn:
+            ax.set_xscale("log")
+        else:
+            # Every request rejected or refused (or none decoded two tokens): say so in
+            # the panel rather than leave an empty frame that reads as a plotting bug.
+            ax.text(0.5, 0.5, "no request served" if attr == "ttft" else "no request decoded 2+ tokens",
+                    ha="center", va="center", transform=ax.transAxes)
         ax.set_ylim(0, 1.02)
         _label(ax, label, of)
     return fig

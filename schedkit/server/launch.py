@@ -4,7 +4,8 @@ uvicorn on uvloop and httptools serves the app. SIGTERM (or Ctrl-C) drains: the
 listening socket closes, ``/health`` answers 503, new requests on open connections get
 503, in-flight requests have ``server.drain_grace_s`` to finish and are then aborted
 (streams end with finish_reason "abort"); then the engine shuts down and the process
-exits 0.
+exits 0. With ``server.exit_on_engine_death`` an engine that dies ends the open streams
+with their error event and the process exits 1.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ async def start_server(config: Config) -> Server:
 def serve(config: Config, *, host: str | None = None, port: int | None = None,
           api_key: str | None = None, log_level: str = "warning") -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit code (0 after a drain,
-    1 when it could not start)."""
+    1 when it could not start or, with ``server.exit_on_engine_death``, when the engine
+    died)."""
 
     sc = config.server
     host = sc.host if host is None else host
@@ -79,7 +81,8 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
                           lifespan="on", log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,
                           timeout_keep_alive=max(1, round(sc.keep_alive_s)))
-    server = DrainingServer(ucfg, get_server, sc.drain_grace_s, key is not None)
+    server = DrainingServer(ucfg, get_server, sc.drain_grace_s, key is not None,
+                            exit_on_engine_death=sc.exit_on_engine_death)
     try:
         server.run()
     except SystemExit as e:
@@ -88,6 +91,8 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
         if e.code in (None, 0):
             raise
         log.error("schedkit serve could not start (see above)")
+        return 1
+    if server.engine_died:
         return 1
     if server.started_ok:
         return 0
@@ -101,16 +106,22 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server with schedkit's drain (a timer aborts what the grace did not
     finish) and a startup line naming where it listens."""
 
+    ENGINE_POLL_S = 0.25
+    """How often ``exit_on_engine_death`` asks whether the engine still runs."""
+
     def __init__(self, config: uvicorn.Config, get_server: Callable[[], Server | None],
-                 grace: float, with_key: bool) -> None:
+                 grace: float, with_key: bool, *, exit_on_engine_death: bool = False) -> None:
         super().__init__(config)
         self.get_server = get_server
         self.grace = grace
         self.with_key = with_key
+        self.exit_on_engine_death = exit_on_engine_death
         self.started_ok = False
         self.signalled = False
         self.startup_failed = False
+        self.engine_died = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -125,6 +136,22 @@ class DrainingServer(uvicorn.Server):
         print(f"schedkit serve: listening on http://{h}:{p} (model {srv.model_name!r}, "
               f"policy {srv.config.scheduler.policy!r}, "
               f"{'API key required' if self.with_key else 'no API key'})", flush=True)
+        if self.exit_on_engine_death:
+            self._watcher = asyncio.create_task(self._exit_when_engine_dies(srv))
+
+    async def _exit_when_engine_dies(self, srv: Server) -> None:
+        while not self.should_exit:
+            if not srv.llm_alive():
+                # The open streams already hold their error event (the engine client
+                # failed them when it saw the death); uvicorn's shutdown lets their
+                # connections finish sending it.
+                self.engine_died = True
+                srv.draining = True
+                print("schedkit serve: the engine died; exiting (server.exit_on_engine_death)",
+                      file=sys.stderr, flush=True)
+                self.should_exit = True
+                return
+            await asyncio.sleep(self.ENGINE_POLL_S)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -126,6 +126,23 @@ def test_latency_vs_load_draws_one_colour_per_profile():
     plt.close(fig)
 
 
+def test_cdf_panels_say_so_when_no_request_was_served(tmp_path):
+    pytest.importorskip("matplotlib")
+    plt = report._plt()
+    rejected = RequestMetrics("r", 0.0, None, None, 0.0, 10, 0, 0, 0, 0, "abort",
+                              stop_reason="rejected", rejected_by="admission")
+    fig = report.cdf_figure(plt, {"fcfs": [rejected], "edf": [rejected]})
+    for ax, text in zip(fig.axes, ("no request served", "no request decoded 2+ tokens"), strict=True):
+        assert ax.get_lines() == [] and [t.get_text() for t in ax.texts] == [text]
+        assert ax.get_xscale() == "linear"
+    plt.close(fig)
+    # One profile served: its curves drawn on log axes, no note.
+    fig = report.cdf_figure(plt, {"fcfs": [rejected], "edf": [rm("a", 10, 0.1, 1.0)]})
+    assert all(len(ax.get_lines()) == 1 and not ax.texts and ax.get_xscale() == "log" for ax in fig.axes)
+    plt.close(fig)
+    assert report.plot_cdfs({"fcfs": [rejected]}, tmp_path / "cdf.png") and (tmp_path / "cdf.png").stat().st_size
+
+
 # ------------------------------------------------------------------------------- tenants
 def test_single_tenant_skips_the_tenant_plot(tmp_path, monkeypatch):
     runs = {"fcfs": [rm("a", 10, 0.1, 1.0), rm("b", 20, 0.2, 1.0)], "sjf": [rm("a", 10, 0.1, 1.0)]}

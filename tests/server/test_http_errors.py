@@ -206,6 +206,8 @@ def _configs(tok: Path) -> dict[str, tuple[dict[str, Any], tuple[str, ...], dict
                                server={"max_pending_requests": 2}), (), None),
         # one each for the tests that end their server
         "doomed": (server_config(tok, runner={"step_time_ms": 20}), (), None),
+        "fatal": (server_config(tok, runner={"step_time_ms": 20}, server={"exit_on_engine_death": True}),
+                  (), None),
         "drained": (server_config(tok, runner={"step_time_ms": 20}, server={"drain_grace_s": DRAIN_GRACE_S}),
                     (), None),
     }
@@ -742,6 +744,19 @@ def test_engine_death_mid_stream(servers):
         assert metric(stats, "schedkit:num_requests_running") == 0
         assert metric(stats, "schedkit:kv_cache_usage_perc") == 0
     assert s.proc.poll() is None  # the HTTP server itself lives on to say so
+
+
+def test_exit_on_engine_death_ends_streams_then_exits_1(servers):
+    s = servers["fatal"]
+    raw = Raw(s.url, "/v1/completions", _long(300))
+    raw.read_until(b'"text"')
+    os.kill(engine_pid(s), signal.SIGKILL)
+    status, events = raw.events(timeout=5)
+    assert status == 200
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == 503, events  # the stream told first
+    assert s.proc.wait(10) == 1
+    assert "the engine died; exiting" in s.log()
 
 
 # -- 8. SIGTERM drains ---------------------------------------------------------------------------

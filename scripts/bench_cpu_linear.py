@@ -12,8 +12,15 @@ Two parts, each a median over alternating calls:
   prompt of L tokens (``--prefill``), a decode step of B sequences at C tokens of context
   (``--decode``).
 
+- row counts (``--row-counts DTYPE``, alone): SmolLM2-135M's four weight shapes as
+  PackedLinears, called with every row count from 2 to 299 in a shuffled order, three
+  passes with rows padded to a multiple of ``cpu_linear.ROW_ALIGN`` (the runner's way),
+  then three with the exact row count; wall time of each pass. The first pass of each
+  builds oneDNN's kernels; the later ones show whether they stay cached.
+
   python scripts/bench_cpu_linear.py --threads 2
   python scripts/bench_cpu_linear.py --shapes 128x576x3072 --prefill 128 --decode 32,256
+  python scripts/bench_cpu_linear.py --threads 2 --row-counts bfloat16
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from pathlib import Path
 import torch
 
 from schedkit.core.request import Request, SamplingParams
-from schedkit.runners.paged import cpu_kernels
+from schedkit.runners.paged import cpu_kernels, cpu_linear
 from schedkit.runners.paged.cpu_linear import PackedLinear, time_gemm_paths
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -104,6 +111,28 @@ def bench_steps(a: argparse.Namespace) -> None:
               f"schedkit {1e3 * t_ours:.1f} ms, {t_dnn / t_ours:.2f}x")
 
 
+def bench_row_counts(dtype: torch.dtype, passes: int = 3) -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
+    linears = [PackedLinear(torch.randn(n, k, generator=g).to(dtype), None) for k, n in shapes]
+    for lin in linears:
+        lin._many_rows = False  # oneDNN for every call of more than one row
+    rows = list(range(2, 300))
+    random.Random(0).shuffle(rows)
+    inputs = {m: {k: torch.randn(m, k, generator=g).to(dtype) for k, _ in shapes} for m in rows}
+    align = cpu_linear.ROW_ALIGN
+    for label, row_align in (("padded", align), ("exact rows", 1 << 30)):
+        cpu_linear.ROW_ALIGN = row_align
+        for p in range(passes):
+            t = time.perf_counter()
+            for m in rows:
+                for (k, _), lin in zip(shapes, linears, strict=True):
+                    lin(inputs[m][k])
+            print(f"{label:>10} pass {p}: {1e3 * (time.perf_counter() - t):7.1f} ms "
+                  f"({len(rows)} row counts x {len(shapes)} shapes, {dtype})")
+    cpu_linear.ROW_ALIGN = align
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -112,8 +141,13 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128, help="prompt tokens (0: skip)")
     ap.add_argument("--decode", default="32,256", help="BATCH,CONTEXT ('' to skip)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--row-counts", default=None, metavar="DTYPE",
+                    help="only the row-count part, in this dtype (float32, bfloat16)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.row_counts:
+        bench_row_counts(getattr(torch, a.row_counts))
+        return
     if cpu_kernels.load_cpu_attention() is None or not cpu_kernels.gemm_supported(torch.float32):
         sys.exit("this build of the kernels has no multi-row GEMM (it needs AVX2 and FMA)")
     print(f"threads {a.threads}, median of {a.reps} alternating calls")

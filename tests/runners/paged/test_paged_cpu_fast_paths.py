@@ -331,6 +331,57 @@ def test_several_rows_through_the_packed_kernel_match_the_reference(n: int, k: i
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_calls_get_rows_padded_to_a_multiple_of_16(dtype: torch.dtype,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN builds a kernel per row count (cpu_linear.ROW_ALIGN): a call of more than 16
+    rows reaches it padded with zero rows to a multiple of 16, and the answer is the
+    first rows, the same as the unpadded call's; 16 rows or fewer go as they are."""
+    from schedkit.runners.paged import cpu_linear
+
+    if not cpu_linear.onednn_matmul_supported(dtype):
+        pytest.skip(f"oneDNN has no native {dtype} matmul on this CPU")
+    monkeypatch.setenv("SCHEDKIT_CPU_GEMM", "0")  # oneDNN for every row count
+    seen: list[int] = []
+    inner = cpu_linear._LINEAR
+
+    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return inner(x, *args)
+
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    lin = cpu_linear.PackedLinear(w, b)
+    lin._many_rows = False
+    wide = torch.randn(301, 70, generator=g).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else BF16_TOL
+    for rows in (2, 16, 17, 32, 37, 150, 301):
+        x = wide[:rows, 3:67]  # strided rows
+        exact = inner(x.contiguous(), lin.packed_weight, lin.bias, "none", [], "")
+        monkeypatch.setattr(cpu_linear, "_LINEAR", recording)
+        got = lin(x)
+        monkeypatch.setattr(cpu_linear, "_LINEAR", inner)
+        assert got.shape == (rows, 96) and got.dtype == dtype and got.is_contiguous()
+        assert seen[-1] == (rows if rows <= 16 else -(-rows // 16) * 16)
+        torch.testing.assert_close(got, exact, **tol)
+        ref = F.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(got.float(), ref, **(dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32
+                                                          else BF16_TOL))
+
+
+def test_the_model_asks_onednn_for_a_larger_kernel_cache_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from schedkit.runners.paged import cpu_linear
+
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(8, 16, bias=False)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    cpu_linear.prepare_cpu_model(model, torch.float32)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(cpu_linear.PRIMITIVE_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "77")
+    cpu_linear.prepare_cpu_model(model, torch.float32)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "77"
+
+
 def test_the_multi_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from schedkit.runners.paged.cpu_linear import PackedLinear
 

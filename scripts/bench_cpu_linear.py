@@ -14,9 +14,10 @@ Two parts, each a median over alternating calls:
 
 - row counts (``--row-counts DTYPE``, alone): SmolLM2-135M's four weight shapes as
   PackedLinears, called with every row count from 2 to 299 in a shuffled order, three
-  passes with rows padded to a multiple of ``cpu_linear.ROW_ALIGN`` (the runner's way),
-  then three with the exact row count; wall time of each pass. The first pass of each
-  builds oneDNN's kernels; the later ones show whether they stay cached.
+  passes padded as the runner pads (``cpu_linear.padded_rows``: bfloat16 from 17 rows,
+  float32 from 257), then three with the exact row count; wall time of each pass. The
+  first pass of each builds oneDNN's kernels; the later ones show whether they stay
+  cached.
 
   python scripts/bench_cpu_linear.py --threads 2
   python scripts/bench_cpu_linear.py --shapes 128x576x3072 --prefill 128 --decode 32,256
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from schedkit.core.request import Request, SamplingParams
-from schedkit.runners.paged import cpu_kernels, cpu_linear
+from schedkit.runners.paged import cpu_kernels
 from schedkit.runners.paged.cpu_linear import PackedLinear, time_gemm_paths
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -120,9 +121,10 @@ def bench_row_counts(dtype: torch.dtype, passes: int = 3) -> None:
     rows = list(range(2, 300))
     random.Random(0).shuffle(rows)
     inputs = {m: {k: torch.randn(m, k, generator=g).to(dtype) for k, _ in shapes} for m in rows}
-    align = cpu_linear.ROW_ALIGN
-    for label, row_align in (("padded", align), ("exact rows", 1 << 30)):
-        cpu_linear.ROW_ALIGN = row_align
+    runner_rule = linears[0]._pad_from
+    for label, pad_from in (("padded", runner_rule), ("exact rows", 1 << 30)):
+        for lin in linears:
+            lin._pad_from = pad_from
         for p in range(passes):
             t = time.perf_counter()
             for m in rows:
@@ -130,7 +132,6 @@ def bench_row_counts(dtype: torch.dtype, passes: int = 3) -> None:
                     lin(inputs[m][k])
             print(f"{label:>10} pass {p}: {1e3 * (time.perf_counter() - t):7.1f} ms "
                   f"({len(rows)} row counts x {len(shapes)} shapes, {dtype})")
-    cpu_linear.ROW_ALIGN = align
 
 
 def main() -> None:

@@ -51,26 +51,48 @@ PACK_BATCH_HINT = 64
 
 ROW_ALIGN = 16
 """oneDNN builds (JIT-compiles) a matmul for each row count it meets, about 1-2 ms per
-weight shape on a Sapphire Rapids core, and keeps the last 1,024 it built. A server's
-steps come in every row count from 1 to the token budget, so without care most steps of
-a varied load pay for new kernels, and past a few hundred row counts the cache evicts
-what it will need again: cycling 298 row counts through SmolLM2-135M's four weight
-shapes took 2.8 s a pass in bfloat16 (2 threads) where the same GEMMs take 0.28 s with
-their kernels built. So a call of more than ``ROW_ALIGN`` rows is padded with zero rows
-up to a multiple of it (the answer is the first rows of the result): at most
-``budget / ROW_ALIGN`` row counts ever, and on AMX, whose tiles are 16 rows, no slower in
-steady state either (0.25 s against 0.30 s with every kernel cached; float32 1.14 s
-against 1.15 s; ``scripts/bench_cpu_linear.py --row-counts``)."""
+weight shape on a Sapphire Rapids core, and keeps the last 1,024 it built (each holds
+up to about a megabyte, so a larger cache is no answer). A server's steps come in every
+row count from 1 to the token budget, so past a few hundred row counts the cache evicts
+kernels it needs again and every step pays for new ones: cycling 298 row counts through
+SmolLM2-135M's four weight shapes took 3.09 s a pass in bfloat16 (2 threads) where the
+same GEMMs take 0.28 s with their kernels kept (``scripts/bench_cpu_linear.py
+--row-counts``). So a call of more than :func:`pad_from` rows is padded with zero rows to
+a multiple of ``ROW_ALIGN`` (the answer is the first rows of the result), which bounds the
+row counts oneDNN ever sees."""
 
-PRIMITIVE_CACHE_CAPACITY = 4096
-"""oneDNN's kernel cache size that :func:`prepare_cpu_model` asks for (its default is
-1,024; ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` set by the user wins). oneDNN reads it once, at
-its first kernel, so it takes effect where the model is the process's first oneDNN user
-(the engine process)."""
+PAD_FROM_16BIT = 16
+"""bfloat16 and float16: padded from 17 rows. AMX works in 16-row tiles, so a padded call
+costs little (129 rows padded to 144: 2-5% more time, 513 to 528: 11% less) and the row
+counts stay within the cache (144 for a 2,048-token budget)."""
+
+PAD_FROM_FLOAT32 = 256
+"""float32: padded from 257 rows only. Its kernels' time grows with every row (129 rows
+padded to 144 cost 5-11% more, and a served 128-token prompt's prefill 6% more), while
+above 256 rows the padding is at most 6% of the rows. Below, each row count keeps its own
+kernel, built on first use."""
+
+WARM_ROWS = 64
+"""Row counts up to which the runner has oneDNN build the decoder's and the LM head's
+kernels at start (:func:`warm_gemm_row_counts`): decode steps live there, and without it
+a fresh server's first steps at each new batch size paid for new kernels."""
+
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default
 """The op's overload itself: a decode step makes 121 of these calls (SmolLM2-135M), and
 resolving the overload packet each time costs about 2 us a call."""
+
+
+def pad_from(dtype: torch.dtype) -> int:
+    """Rows above which a oneDNN call in ``dtype`` is padded to a multiple of ``ROW_ALIGN``."""
+    return PAD_FROM_16BIT if dtype in (torch.bfloat16, torch.float16) else PAD_FROM_FLOAT32
+
+
+def padded_rows(rows: int, dtype: torch.dtype) -> int:
+    """The row count a call of ``rows`` rows reaches oneDNN with."""
+    if rows <= pad_from(dtype) or rows % ROW_ALIGN == 0:
+        return rows
+    return rows + ROW_ALIGN - rows % ROW_ALIGN
 
 
 def _gemv_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -252,6 +274,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("gemv_weight", _gemv_weight(weight, bias))
         # several rows through the same kernel too where it is the faster (multi_row_gemm)
         self._many_rows = self.gemv_weight is not None and multi_row_gemm(weight.dtype)
+        self._pad_from = pad_from(weight.dtype)
         # a plain tuple: no buffer lookup (module __getattr__) per call
         self._operands: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] = (
             self.packed_weight, self.bias, self.gemv_weight)  # type: ignore[assignment]
@@ -271,7 +294,7 @@ class PackedLinear(nn.Module):
                 and (x.shape[0] == 1 or (self._many_rows and x.shape[0] > 1)):
             return cpu_kernels.gemv(x, gemv_weight, bias, self.out_features)
         rows = x.shape[0]
-        if x.dim() == 2 and rows > ROW_ALIGN and rows % ROW_ALIGN:
+        if x.dim() == 2 and rows > self._pad_from and rows % ROW_ALIGN:
             padded = x.new_empty(rows + ROW_ALIGN - rows % ROW_ALIGN, x.shape[1])
             padded[:rows] = x
             padded[rows:].zero_()
@@ -280,6 +303,32 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def warm_row_counts(limit: int, dtype: torch.dtype) -> list[int]:
+    """The row counts calls of 1 to ``limit`` rows reach oneDNN with (:func:`padded_rows`)."""
+    return sorted({padded_rows(m, dtype) for m in range(1, limit + 1)})
+
+
+@torch.inference_mode()
+def warm_gemm_row_counts(model: nn.Module, rows: int = WARM_ROWS) -> None:
+    """Call each distinct packed weight shape of ``model`` once at every row count of
+    :func:`warm_row_counts` up to ``rows``, on zeros, so that oneDNN has built those
+    kernels before the first request. Layers of one shape share kernels: one call per
+    shape and count."""
+    seen: set[tuple[Any, ...]] = set()
+    for module in model.modules():
+        if not isinstance(module, PackedLinear) or module._many_rows:  # the latter never reach oneDNN
+            continue
+        weight, bias, _ = module._operands
+        key = (module.in_features, module.out_features, weight.dtype, bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        counts = warm_row_counts(rows, weight.dtype)
+        x = torch.zeros(counts[-1], module.in_features, dtype=weight.dtype)
+        for m in counts:
+            module(x[:m])
 
 
 def pack_linears(model: nn.Module) -> None:
@@ -295,7 +344,6 @@ def prepare_cpu_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
     """Make a loaded CausalLM ready for the CPU: its arithmetic in ``compute_dtype``
     (the RoPE tables stay float32), every linear layer packed, and a tied LM head given
     its own packed copy of the embedding (the embedding lookup keeps the plain one)."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
     for param in model.parameters():  # parameters only: the RoPE buffers stay float32
         param.data = param.data.to(compute_dtype)
     if model.lm_head is None and onednn_matmul_supported(compute_dtype):

@@ -42,7 +42,12 @@ from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, Schedule
 from schedkit.core.request import SamplingParams
 from schedkit.runners.ngram import propose_ngram
 from schedkit.runners.paged.attention_metadata import AttentionMetadata
-from schedkit.runners.paged.cpu_linear import cpu_compute_dtype, prepare_cpu_model
+from schedkit.runners.paged.cpu_linear import (
+    WARM_ROWS,
+    cpu_compute_dtype,
+    prepare_cpu_model,
+    warm_gemm_row_counts,
+)
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import (
     KVCacheAllocationError,
@@ -217,6 +222,7 @@ class PagedModelRunner:
         self.input_batch = InputBatch(opts.max_model_len, block_size, max(opts.max_num_seqs, 8))
         if self.device.type == "cpu":  # oneDNN builds each GEMM shape's kernels on its first call
             self._full_budget_pass(block_size)
+            warm_gemm_row_counts(self.model, min(WARM_ROWS, opts.max_num_batched_tokens))
         if self.device.type == "cuda" and opts.use_cuda_graphs:
             from schedkit.runners.paged.cuda_graphs import DecodeGraphs
 

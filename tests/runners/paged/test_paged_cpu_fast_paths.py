@@ -334,9 +334,10 @@ def test_several_rows_through_the_packed_kernel_match_the_reference(n: int, k: i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_onednn_calls_get_rows_padded_to_a_multiple_of_16(dtype: torch.dtype,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN builds a kernel per row count (cpu_linear.ROW_ALIGN): a call of more than 16
-    rows reaches it padded with zero rows to a multiple of 16, and the answer is the
-    first rows, the same as the unpadded call's; 16 rows or fewer go as they are."""
+    """oneDNN builds a kernel per row count (cpu_linear.ROW_ALIGN): a call of more than
+    pad_from(dtype) rows (16 in bfloat16, 256 in float32) reaches it padded with zero rows
+    to a multiple of 16, and the answer is the first rows, the same as the unpadded call's;
+    smaller calls go as they are."""
     from schedkit.runners.paged import cpu_linear
 
     if not cpu_linear.onednn_matmul_supported(dtype):
@@ -362,24 +363,38 @@ def test_onednn_calls_get_rows_padded_to_a_multiple_of_16(dtype: torch.dtype,
         got = lin(x)
         monkeypatch.setattr(cpu_linear, "_LINEAR", inner)
         assert got.shape == (rows, 96) and got.dtype == dtype and got.is_contiguous()
-        assert seen[-1] == (rows if rows <= 16 else -(-rows // 16) * 16)
+        assert seen[-1] == cpu_linear.padded_rows(rows, dtype)
+        assert seen[-1] == (rows if rows <= cpu_linear.pad_from(dtype) else -(-rows // 16) * 16)
         torch.testing.assert_close(got, exact, **tol)
         ref = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(got.float(), ref, **(dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32
                                                           else BF16_TOL))
 
 
-def test_the_model_asks_onednn_for_a_larger_kernel_cache_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_runner_warms_every_row_count_a_call_can_reach_onednn_with(monkeypatch: pytest.MonkeyPatch) -> None:
     from schedkit.runners.paged import cpu_linear
 
+    assert cpu_linear.warm_row_counts(40, torch.bfloat16) == [*range(1, 17), 32, 48]
+    assert cpu_linear.warm_row_counts(40, torch.float32) == list(range(1, 41))
+    assert cpu_linear.padded_rows(300, torch.float32) == 304 and cpu_linear.padded_rows(256, torch.float32) == 256
+    monkeypatch.setenv("SCHEDKIT_CPU_GEMM", "0")
     model = torch.nn.Module()
-    model.lm_head = torch.nn.Linear(8, 16, bias=False)
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(32, 48, bias=False) for _ in range(3))  # one shape
+    model.mlp = torch.nn.Linear(48, 32, bias=True)
+    model.lm_head = torch.nn.Linear(32, 48, bias=False)  # the layers' shape: their kernels
     cpu_linear.prepare_cpu_model(model, torch.float32)
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(cpu_linear.PRIMITIVE_CACHE_CAPACITY)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "77")
-    cpu_linear.prepare_cpu_model(model, torch.float32)
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "77"
+    calls: list[tuple[int, int, int]] = []
+    inner = cpu_linear._LINEAR
+
+    def recording(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append((x.shape[0], x.shape[1], w.shape[0]))
+        return inner(x, w, *args)
+
+    monkeypatch.setattr(cpu_linear, "_LINEAR", recording)
+    cpu_linear.warm_gemm_row_counts(model, 20)
+    first = 1 if model.mlp.gemv_weight is None else 2  # the one-row kernel takes 1 row where built
+    # each shape once per count: the three layers share their kernels
+    assert calls == [(m, 32, 48) for m in range(first, 21)] + [(m, 48, 32) for m in range(first, 21)]
 
 
 def test_the_multi_row_path_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

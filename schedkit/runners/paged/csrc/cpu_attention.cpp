@@ -296,6 +296,23 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// exp16 for values that are rounded to bfloat16 next (the tiles' P): a degree-4
+// polynomial, relative error below 5e-5, about 1/40 of bfloat16's rounding step, for
+// three fewer multiply-adds in the loop that runs once per query row and key.
+inline __m512 exp16_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 24);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 widened
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -999,8 +1016,8 @@ void run_item_tiles(const Problem& p, const uint16_t* k_cache, const uint16_t* v
           uint16_t* pt = sc.pt + 256 * sub;  // [8 key pairs][16 rows][2]
           for (int64_t t = 0; t < 16; t += 2) {
             __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
-            if (t < n) p0 = round16(_mm512_maskz_mov_ps(key_live[sub][t], exp16(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * t), m_new))));
-            if (t + 1 < n) p1 = round16(_mm512_maskz_mov_ps(key_live[sub][t + 1], exp16(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * (t + 1)), m_new))));
+            if (t < n) p0 = round16(_mm512_maskz_mov_ps(key_live[sub][t], exp16_bf16(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * t), m_new))));
+            if (t + 1 < n) p1 = round16(_mm512_maskz_mov_ps(key_live[sub][t + 1], exp16_bf16(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * (t + 1)), m_new))));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0's 16 then p1's 16
             _mm512_storeu_si512(pt + t * 16, _mm512_permutexvar_epi16(pairs, both));

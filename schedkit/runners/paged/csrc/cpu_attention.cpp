@@ -277,41 +277,25 @@ void run_item(const Problem& p, const KT* k_cache, const KT* v_cache, const Item
 }
 
 #ifdef SCHEDKIT_AVX512
-// exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-7 Taylor
-// polynomial (relative error below 2e-7, as std::exp's float result to about an ulp).
-inline __m512 exp16(__m512 x) {
+// exp of 16 floats as 2^n * p(r): r = x - n ln2 in [-ln2/2, ln2/2] (ln2 in two parts),
+// p the Taylor polynomial of exp of degree kDegree (7: relative error below 2e-7, as
+// std::exp's float result to about an ulp; 4: below 5e-5, about a fortieth of bfloat16's
+// rounding step, for values rounded to bfloat16 next: the tiles' P).
+template <int kDegree>
+inline __m512 exp16_deg(__m512 x) {
+  static_assert(kDegree >= 2 && kDegree <= 7);
+  constexpr float kInvFactorial[8] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720, 1.0f / 5040};
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 5040);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  __m512 y = _mm512_set1_ps(kInvFactorial[kDegree]);
+  for (int k = kDegree - 1; k >= 0; --k) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kInvFactorial[k]));
   return _mm512_scalef_ps(y, n);
 }
-
-// exp16 for values that are rounded to bfloat16 next (the tiles' P): a degree-4
-// polynomial, relative error below 5e-5, about 1/40 of bfloat16's rounding step, for
-// three fewer multiply-adds in the loop that runs once per query row and key.
-inline __m512 exp16_bf16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 24);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
+inline __m512 exp16(__m512 x) { return exp16_deg<7>(x); }
+inline __m512 exp16_bf16(__m512 x) { return exp16_deg<4>(x); }
 
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 widened
   return _mm512_castsi512_ps(

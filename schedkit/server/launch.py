@@ -121,7 +121,7 @@ class DrainingServer(uvicorn.Server):
         self.startup_failed = False
         self.engine_died = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # held: the loop keeps tasks only weakly
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -55,8 +55,8 @@ weight shape on a Sapphire Rapids core, and keeps the last 1,024 it built (each 
 up to about a megabyte, so a larger cache is no answer). A server's steps come in every
 row count from 1 to the token budget, so past a few hundred row counts the cache evicts
 kernels it needs again and every step pays for new ones: cycling 298 row counts through
-SmolLM2-135M's four weight shapes took 3.09 s a pass in bfloat16 (2 threads) where the
-same GEMMs take 0.28 s with their kernels kept (``scripts/bench_cpu_linear.py
+SmolLM2-135M's four weight shapes took 2.8-3.1 s a pass in bfloat16 (2 threads) where
+the same GEMMs take 0.27-0.28 s with their kernels kept (``scripts/bench_cpu_linear.py
 --row-counts``). So a call of more than :func:`pad_from` rows is padded with zero rows to
 a multiple of ``ROW_ALIGN`` (the answer is the first rows of the result), which bounds the
 row counts oneDNN ever sees."""
@@ -88,11 +88,14 @@ def pad_from(dtype: torch.dtype) -> int:
     return PAD_FROM_16BIT if dtype in (torch.bfloat16, torch.float16) else PAD_FROM_FLOAT32
 
 
+def _pad_rows(rows: int, from_rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``ROW_ALIGN`` when above ``from_rows``."""
+    return rows if rows <= from_rows else -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
 def padded_rows(rows: int, dtype: torch.dtype) -> int:
     """The row count a call of ``rows`` rows reaches oneDNN with."""
-    if rows <= pad_from(dtype) or rows % ROW_ALIGN == 0:
-        return rows
-    return rows + ROW_ALIGN - rows % ROW_ALIGN
+    return _pad_rows(rows, pad_from(dtype))
 
 
 def _gemv_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -294,8 +297,9 @@ class PackedLinear(nn.Module):
                 and (x.shape[0] == 1 or (self._many_rows and x.shape[0] > 1)):
             return cpu_kernels.gemv(x, gemv_weight, bias, self.out_features)
         rows = x.shape[0]
-        if x.dim() == 2 and rows > self._pad_from and rows % ROW_ALIGN:
-            padded = x.new_empty(rows + ROW_ALIGN - rows % ROW_ALIGN, x.shape[1])
+        target = _pad_rows(rows, self._pad_from)
+        if target != rows and x.dim() == 2:
+            padded = x.new_empty(target, x.shape[1])
             padded[:rows] = x
             padded[rows:].zero_()
             return _LINEAR(padded, weight, bias, "none", [], "")[:rows]

@@ -432,7 +432,14 @@ class ReplicasConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     """Ray: custom resources each replica's actor holds, e.g. ``{accelerator_type:H200: 1}``."""
     transport: Literal["ipc", "tcp"] = "ipc"
-    """How the front end reaches local replicas (Ray replicas always use TCP)."""
+    """How the front end reaches local replicas (Ray replicas always use TCP). Either way
+    each engine's sockets admit only its front end's key (docs/cluster.md)."""
+    engine_host: Literal["loopback", "node"] = "loopback"
+    """Ray: the address a replica's engine binds. ``loopback``: 127.0.0.1, so a replica
+    must run on the front end's node (one elsewhere fails to start, saying so); ``node``:
+    a replica on another node binds that node's IP as Ray knows it
+    (``ray.util.get_node_ip_address()``, the node's ``--node-ip-address``), reachable from
+    that network; one on the front end's node still binds loopback."""
 
     @model_validator(mode="after")
     def _check_resources(self) -> ReplicasConfig:
@@ -444,7 +451,8 @@ class ReplicasConfig(_Strict):
             raise ValueError(f"replicas.resources: {reserved} are Ray's own resources; set them with "
                              "replicas.num_cpus / replicas.num_gpus")
         if self.backend == "local":
-            ray_only = [k for k, default in (("ray_address", None), ("num_cpus", 1.0), ("num_gpus", 0.0))
+            ray_only = [k for k, default in (("ray_address", None), ("num_cpus", 1.0), ("num_gpus", 0.0),
+                                             ("engine_host", "loopback"))
                         if getattr(self, k) != default] + (["resources"] if self.resources else [])
             if ray_only:
                 raise ValueError(f"replicas.{', replicas.'.join(ray_only)} only apply with backend: ray "

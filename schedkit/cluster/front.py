@@ -15,8 +15,9 @@ Each of its outstanding requests then decides alone:
 
 - it had produced no token (none reached the caller): it is re-routed to another replica
   and sent again under the same id; the caller's stream just goes on;
-- it had produced tokens: its stream ends with ``finish_reason`` "error" and an error
-  naming the replica ("replica 1 died after this request produced 3 tokens (...)");
+- it had produced tokens: its stream ends with ``finish_reason`` "error" and a one-line
+  error naming the replica, its backend and the cause ("replica 1 (ray) died after this
+  request produced 3 tokens: its worker process died (...)");
 - no replica is left: EngineDeadError, as with one engine.
 
 Nothing hangs: a connection's reader fails every waiting stream when its engine is found
@@ -45,7 +46,8 @@ log = logging.getLogger("schedkit.cluster")
 _SUMMED_DICTS = ("voluntary_preemptions", "num_rejected_by_plugin")
 _COUNTERS = ("num_preemptions", "num_steps", "num_busy_steps", "prefix_cache_queries", "prefix_cache_hits",
              "voluntary_preemptions", "num_rejected_by_plugin", "num_hook_errors", "grammars_compiled",
-             "grammar_compile_failures", "grammar_cache_hits", "jump_forward_tokens")
+             "grammar_compile_failures", "grammar_cache_hits", "jump_forward_tokens",
+             "num_refused_connections")
 """Stats that only grow: a dead replica's last values stay in the cluster totals."""
 
 
@@ -213,8 +215,8 @@ class ClusterClient:
                         router.finished(rid, failed=True)
                         router.num_failed_by_death += 1
                         yield WireOutput(rid, finish_reason="error", error=(
-                            f"replica {index} died after this request produced {produced} "
-                            f"tokens ({e})"))
+                            f"replica {index} ({self.replicas.backend}) died after this request "
+                            f"produced {produced} tokens: {e}"))
                         return
                     try:
                         replica = router.reroute(rid)

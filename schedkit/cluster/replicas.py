@@ -5,9 +5,11 @@
 - ``ray``: one Ray actor per replica, holding ``replicas.num_cpus``, ``num_gpus`` and
   ``resources`` (so Ray places it, e.g. one GPU each, and sets its
   ``CUDA_VISIBLE_DEVICES``). The actor starts the engine-core process beside it, bound
-  over TCP on its node's address (loopback when the node is this machine), and hands back
-  the addresses; the front end then talks to the engine over ZMQ exactly as to a local
-  one. The engine leaves when its actor goes (stdin EOF, parent-pid watch), so
+  over TCP on loopback (on another node: that node's IP, with ``replicas.engine_host:
+  node``), and hands back the addresses; the front end then talks to the engine over ZMQ
+  exactly as to a local one. The front end makes each replica's keys and sends the
+  engine's part with the start call, so only the front end can talk to its engines.
+  The engine leaves when its actor goes (stdin EOF, parent-pid watch), so
   ``ray.kill(actor)`` takes the engine with it.
 
 Every replica handle offers what a connection needs (``input_addr``, ``output_addr``,
@@ -21,10 +23,12 @@ import abc
 import concurrent.futures
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from schedkit.config import Config
+from schedkit.engine.auth import EngineKeys
 from schedkit.engine.client import EngineHandle
 from schedkit.engine.process import START_ERRORS, START_TIMEOUT_S, EngineProcess
 from schedkit.errors import ConfigError, EngineDeadError, SchedkitError
@@ -33,6 +37,8 @@ log = logging.getLogger("schedkit.cluster")
 
 RAY_PLACEMENT_TIMEOUT_S = START_TIMEOUT_S + 60.0
 """How long a Ray replica may take to be placed and start its engine."""
+DEATH_CAUSE_CHARS = 120
+"""The most of Ray's own words a replica's death reason quotes (its full text is logged)."""
 
 
 def _check_config(config: Config) -> None:
@@ -115,16 +121,18 @@ class EngineHost:
     def __init__(self) -> None:
         self.engine: EngineProcess | None = None
 
-    def start(self, config_json: dict[str, Any], driver_ip: str) -> tuple[Any, ...]:
-        """Start the engine; ``("ready", input_addr, output_addr, engine_pid, actor_pid)``
-        or ``("error", error type, message)``."""
+    def start(self, config_json: dict[str, Any], driver_ip: str, keys: dict[str, str]) -> tuple[Any, ...]:
+        """Start the engine with the engine's part of the replica's keys; ``("ready",
+        input_addr, output_addr, engine_pid, actor_pid)`` or ``("error", error type,
+        message)``."""
         import ray
 
         node_ip = ray.util.get_node_ip_address()
-        host = "127.0.0.1" if node_ip == driver_ip else node_ip
         try:
             config = Config.model_validate(config_json)
-            self.engine = EngineProcess(config, transport="tcp", host=host)
+            host = _engine_host(config, node_ip, driver_ip)
+            self.engine = EngineProcess(config, transport="tcp", host=host,
+                                        keys=EngineKeys.from_engine_part(keys))
         except SchedkitError as e:
             return ("error", type(e).__name__, str(e))
         return ("ready", self.engine.input_addr, self.engine.output_addr, self.engine.pid, os.getpid())
@@ -141,20 +149,38 @@ class EngineHost:
         return True
 
 
+def _engine_host(config: Config, node_ip: str, driver_ip: str) -> str:
+    """The address a Ray replica's engine binds on node ``node_ip`` (``replicas.engine_host``).
+
+    Raises:
+        ConfigError: ``loopback`` on a node other than the front end's.
+    """
+    if node_ip == driver_ip:
+        return "127.0.0.1"
+    if config.replicas.engine_host == "node":
+        return node_ip
+    raise ConfigError(f"replicas.engine_host: loopback, but this replica runs on node {node_ip}, not "
+                      f"on the front end's ({driver_ip}), which could not reach it there; set "
+                      "replicas.engine_host: node to bind that node's IP (docs/cluster.md)")
+
+
 class RayReplica:
     """One replica on Ray: its actor and the addresses of the engine it started.
 
     Attributes:
         actor: The Ray actor handle (``ray.kill(replica.actor)`` kills the replica).
+        keys: The replica's keys (made here; the engine got its part).
         engine_pid, actor_pid: Process ids on the actor's node (set once ready).
     """
 
-    def __init__(self, ray: Any, actor: Any, index: int, start_ref: Any) -> None:
+    def __init__(self, ray: Any, actor: Any, index: int, start_ref: Any, keys: EngineKeys) -> None:
         self._ray = ray
         self.actor = actor
         self.index = index
+        self.keys = keys
         self._start_ref = start_ref
         self._exit_ref: Any = None
+        self._death: str | None = None
         self.input_addr = ""
         self.output_addr = ""
         self.engine_pid: int | None = None
@@ -187,13 +213,19 @@ class RayReplica:
         return not ready
 
     def death_reason(self) -> str:
+        """One line: what happened to the actor or its engine (Ray's full text is logged,
+        once)."""
+        if self._death is not None:
+            return self._death
         ray = self._ray
         try:
             code = ray.get(self._exit_ref, timeout=0)
         except ray.exceptions.RayActorError as e:
-            return f"its Ray actor died ({_actor_death_line(e)})"
+            log.warning("replica %d (ray): its actor died; Ray says: %s", self.index, e)
+            self._death = actor_death_cause(str(e))
+            return self._death
         except ray.exceptions.RayError as e:
-            return f"its Ray actor failed: {str(e).splitlines()[0]}"
+            return f"its Ray actor failed: {_clip(str(e).splitlines()[0])}"
         return f"the engine process of its Ray actor exited (code {code})"
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -205,11 +237,28 @@ class RayReplica:
         ray.kill(self.actor, no_restart=True)
 
 
-def _actor_death_line(e: Exception) -> str:
-    """The line of a RayActorError that says why the actor died."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    why = [ln for ln in lines if ln.startswith("The actor is dead because")]
-    return why[0] if why else (lines[0] if lines else type(e).__name__)
+def _clip(text: str, limit: int = DEATH_CAUSE_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
+def actor_death_cause(ray_text: str) -> str:
+    """Ray's account of an actor's death (a RayActorError's text, a paragraph) in one
+    short line: ``its worker process died (SYSTEM_ERROR: Worker unexpectedly exits with a
+    connection error code 2)``, ``its Ray actor was killed by ray.kill``, else ``its Ray
+    actor died (...)`` with the first sentence of Ray's reason."""
+    lines = [ln.strip() for ln in ray_text.splitlines() if ln.strip()]
+    because = next((ln for ln in lines if ln.startswith("The actor is dead because")), None)
+    if because is None:
+        return f"its Ray actor died ({_clip(lines[0] if lines else 'no reason given')})"
+    reason = because.removeprefix("The actor is dead because").strip()
+    if reason.startswith("its worker process has died"):
+        kind = re.search(r"Worker exit type: (\S+)", reason)
+        detail = re.search(r"Worker exit detail: (.+?)(?:\.\s|\.?$)", reason)
+        cause = ": ".join(m[1] for m in (kind, detail) if m) or "no detail"
+        return f"its worker process died ({_clip(cause)})"
+    if "killed by `ray.kill`" in reason:
+        return "its Ray actor was killed by ray.kill"
+    return f"its Ray actor died ({_clip(reason.split('. ')[0].rstrip('.'))})"
 
 
 def _check_fits(ray: Any, config: Config, started: bool) -> None:
@@ -268,7 +317,9 @@ class RayReplicas(ReplicaSet):
                 actor = actor_cls.options(num_cpus=rc.num_cpus, num_gpus=rc.num_gpus,
                                           resources=dict(rc.resources) or None,
                                           max_concurrency=4, max_restarts=0).remote()
-                handles.append(RayReplica(ray, actor, i, actor.start.remote(config_json, driver_ip)))
+                keys = EngineKeys.generate()
+                start = actor.start.remote(config_json, driver_ip, keys.engine_part())
+                handles.append(RayReplica(ray, actor, i, start, keys))
         except BaseException:
             for h in handles:  # on a cluster we joined, they would outlive us
                 try:

@@ -2,7 +2,9 @@
 (async streaming), both started from the same YAML.
 
 Each client connects two DEALER sockets (one identity) to the engine's input and output
-ROUTER sockets, over ``ipc://`` by default or ``tcp://127.0.0.1``. A dead engine surfaces
+ROUTER sockets, over ``ipc://`` by default or ``tcp://127.0.0.1``, as a CurveZMQ client
+holding the engine launch's client key (:mod:`schedkit.engine.auth`): the engine refuses
+anyone else. A dead engine surfaces
 as :class:`EngineDeadError` within a few seconds (process exit or missing heartbeats),
 never as a hang. Heartbeats that arrive while a client is idle count: they wait on the
 socket and are read before the client decides the engine is silent.
@@ -39,6 +41,7 @@ import zmq
 
 from schedkit.config import Config, load_config
 from schedkit.core.request import SamplingParams
+from schedkit.engine.auth import EngineKeys
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
     AbortRequests,
@@ -154,14 +157,25 @@ def _close_zmq(ctx: zmq.Context[Any], sockets: tuple[zmq.Socket[Any], ...],
 
 
 class EngineClient:
-    """A synchronous connection to an engine process (one identity, two sockets)."""
+    """A synchronous connection to an engine process (one identity, two sockets).
 
-    def __init__(self, input_addr: str, output_addr: str, *, engine: EngineProcess | None = None) -> None:
+    Args:
+        input_addr, output_addr: The engine's sockets.
+        engine: The engine process (its death is seen at once; its ``keys`` are used).
+        keys: The engine launch's keys, when ``engine`` is not given.
+    """
+
+    def __init__(self, input_addr: str, output_addr: str, *, engine: EngineProcess | None = None,
+                 keys: EngineKeys | None = None) -> None:
         self.engine = engine
+        if keys is None:
+            if engine is None:
+                raise SchedkitError("EngineClient needs the engine launch's keys (engine= or keys=)")
+            keys = engine.keys
         self.ctx = zmq.Context()
         identity = uuid.uuid4().bytes
-        self.in_sock = self._connect(input_addr, identity)
-        self.out_sock = self._connect(output_addr, identity)
+        self.in_sock = self._connect(input_addr, identity, keys)
+        self.out_sock = self._connect(output_addr, identity, keys)
         self._close = weakref.finalize(self, _close_zmq, self.ctx, (self.in_sock, self.out_sock))
         self._call_ids = itertools.count()
         self._last_seen = time.monotonic()
@@ -175,15 +189,16 @@ class EngineClient:
                 break
 
     @staticmethod
-    def _connect_opts(sock: zmq.Socket, identity: bytes) -> None:
+    def _connect_opts(sock: zmq.Socket, identity: bytes, keys: EngineKeys) -> None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        keys.secure_client(sock)
 
-    def _connect(self, addr: str, identity: bytes) -> zmq.Socket:
+    def _connect(self, addr: str, identity: bytes, keys: EngineKeys) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
-        self._connect_opts(sock, identity)
+        self._connect_opts(sock, identity, keys)
         sock.connect(addr)
         return sock
 
@@ -519,6 +534,8 @@ class EngineHandle(Protocol):
 
     input_addr: str
     output_addr: str
+    keys: EngineKeys
+    """The engine launch's keys (the client part connects)."""
 
     def is_alive(self) -> bool: ...
 
@@ -572,7 +589,7 @@ class AsyncEngineClient:
         self.in_sock = self.ctx.socket(zmq.DEALER)
         self.out_sock = self.ctx.socket(zmq.DEALER)
         for sock, addr in ((self.in_sock, engine.input_addr), (self.out_sock, engine.output_addr)):
-            EngineClient._connect_opts(sock, identity)
+            EngineClient._connect_opts(sock, identity, engine.keys)
             sock.connect(addr)
         fd = self.out_sock.getsockopt(zmq.FD)
         assert isinstance(fd, int)

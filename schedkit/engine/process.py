@@ -19,6 +19,10 @@ A client whose ``Hello`` asks for load reports (the cluster front end) also gets
 busy loop, at most every ``LOAD_REPORT_INTERVAL_S`` and only when something changed;
 reports share the output queue with the outputs, so nothing is lost or reordered.
 
+- guard thread (:class:`~schedkit.engine.auth.EngineGuard`): both ROUTER sockets are
+  CurveZMQ servers; it admits only the client key of this launch and counts the
+  handshakes refused (``num_refused_connections`` in ``stats``).
+
 Each socket is used by one thread only (ZMQ sockets are not thread-safe).
 
 The process leaves (removing its socket files) when its parent goes: stdin EOF, the
@@ -44,7 +48,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ import zmq
 from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import Request
+from schedkit.engine.auth import EngineGuard, EngineKeys
 from schedkit.engine.core import EngineCore
 from schedkit.engine.gc_heap import freeze_startup_heap
 from schedkit.engine.logs import RateLimitedLog
@@ -111,13 +115,16 @@ class EngineCoreProc:
         config: The validated config (plugins are loaded here, in the engine process).
         input_addr: ZMQ address the input ROUTER binds (``ipc://...`` or ``tcp://127.0.0.1:N``).
         output_addr: ZMQ address the output ROUTER binds.
+        keys: This launch's keys (the engine's part): only their client may connect.
     """
 
-    def __init__(self, config: Config, input_addr: str, output_addr: str, *, runner: Any = None) -> None:
+    def __init__(self, config: Config, input_addr: str, output_addr: str, keys: EngineKeys, *,
+                 runner: Any = None) -> None:
         self.engine = EngineCore(config, runner=runner)
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[int, OutputBatch | LoadReport]] = queue.Queue()
         self.ctx = zmq.Context()
+        self.guard = EngineGuard(self.ctx, keys, log)
         self._stop = threading.Event()
         self._identities: list[bytes] = []
         self._index_of: dict[bytes, int] = {}
@@ -133,16 +140,19 @@ class EngineCoreProc:
         self._last_load: tuple[int, int, float] | None = None
         self.num_malformed = 0
         self._malformed_log = RateLimitedLog(log, MALFORMED_LOG_INTERVAL_S)
-        self._in_sock = self._bind(input_addr)
-        self._out_sock = self._bind(output_addr)
+        self._in_sock = self._bind(input_addr, "input")
+        self._out_sock = self._bind(output_addr, "output")
         self._threads = [threading.Thread(target=self._input_loop, name="schedkit-input", daemon=True),
-                         threading.Thread(target=self._output_loop, name="schedkit-output", daemon=True)]
+                         threading.Thread(target=self._output_loop, name="schedkit-output", daemon=True),
+                         threading.Thread(target=self.guard.run, args=(self._stop,), name="schedkit-guard",
+                                          daemon=True)]
 
-    def _bind(self, addr: str) -> zmq.Socket:
+    def _bind(self, addr: str, name: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        self.guard.protect(sock, name)
         sock.bind(addr)
         return sock
 
@@ -332,6 +342,7 @@ class EngineCoreProc:
         try:
             if method == "stats":
                 result: Any = self.engine.stats() | {"num_malformed_messages": self.num_malformed,
+                                                     "num_refused_connections": self.guard.num_refused,
                                                      "num_gc_frozen_objects": gc.get_freeze_count()}
             elif method == "reset_prefix_cache":
                 if len(call.args) > 1 or not all(isinstance(x, bool) for x in call.args):
@@ -415,25 +426,34 @@ class EngineProcess:
     The config and its plugins are checked in this process first, so a bad YAML or a
     plugin that is not installed stops the launch before any process starts.
 
+    Only the holder of :attr:`keys` can talk to the engine: its sockets are CurveZMQ
+    servers that admit this launch's client key alone (:mod:`schedkit.engine.auth`). The
+    engine gets its part of the keys on stdin, with the config. ipc socket files live in
+    a directory of their own that only this user can enter (mode 0700), removed at
+    shutdown.
+
     Args:
         transport: ``ipc`` (socket files) or ``tcp``.
         host: With tcp, the address the engine's sockets bind (default loopback; a Ray
-            replica binds its node's IP so a front end elsewhere can reach it).
+            replica on another node binds its node's IP, see ``replicas.engine_host``).
         wait: Wait for the engine's ``ready`` here; False leaves it to :meth:`wait_ready`
             (so that a caller can spawn from its own thread and wait in another).
+        keys: The launch's keys (default: new ones); a Ray replica's come from its front end.
     """
 
     def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING",
-                 wait: bool = True, host: str = "127.0.0.1") -> None:
+                 wait: bool = True, host: str = "127.0.0.1", keys: EngineKeys | None = None) -> None:
         from schedkit.plugins.manager import get_plugin_manager
         from schedkit.runners import runner_class
 
         get_plugin_manager(config)  # raises ConfigError / PluginError before spawning
         runner_class(config.runner.kind)
+        self.keys = keys if keys is not None else EngineKeys.generate()
         self._paths: list[Path] = []
+        self._dir: Path | None = None
         if transport == "ipc":
-            base = Path(tempfile.gettempdir()) / f"schedkit-{uuid.uuid4().hex[:12]}"
-            self._paths = [Path(f"{base}-in.sock"), Path(f"{base}-out.sock")]
+            self._dir = Path(tempfile.mkdtemp(prefix="schedkit-"))  # mode 0700
+            self._paths = [self._dir / "in.sock", self._dir / "out.sock"]
             self.input_addr, self.output_addr = (f"ipc://{p}" for p in self._paths)
         elif transport == "tcp":
             self.input_addr = f"tcp://{host}:{_free_tcp_port(host)}"
@@ -452,7 +472,8 @@ class EngineProcess:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(config.model_dump(mode="json")) + "\n")
+        start = {"config": config.model_dump(mode="json"), "keys": self.keys.engine_part()}
+        self.proc.stdin.write(json.dumps(start) + "\n")
         self.proc.stdin.flush()
         if wait:
             self.wait_ready()
@@ -487,7 +508,8 @@ class EngineProcess:
         return f"the engine process exited (code {self.exitcode})"
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the process (SIGTERM, then SIGKILL), reap it and remove the socket files."""
+        """Stop the process (SIGTERM, then SIGKILL), reap it and remove the socket files
+        and their directory."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -500,15 +522,19 @@ class EngineProcess:
                 stream.close()
         for p in self._paths:
             p.unlink(missing_ok=True)
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                self._dir.rmdir()
 
 
 def _remove_ipc_files(*addrs: str) -> None:
+    """Remove the socket files of ``addrs``, then their directory if that is left empty."""
     for addr in addrs:
         if addr.startswith("ipc://"):
-            try:
-                os.unlink(addr[len("ipc://"):])
-            except FileNotFoundError:
-                pass
+            path = Path(addr[len("ipc://"):])
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty (the other socket's file), or gone
+                path.parent.rmdir()
 
 
 def _exit_when_parent_goes(stdin: Any, addrs: tuple[str, ...]) -> None:
@@ -550,8 +576,9 @@ def _ask_for_parent_death_signal(sig: int) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the engine process, started by :class:`~schedkit.engine.client.EngineProcess`
-    as ``python -m schedkit.engine.process --input ADDR --output ADDR``. The config comes
-    as one JSON line on stdin; one line on stdout answers ``ready PID`` or ``error MSG``."""
+    as ``python -m schedkit.engine.process --input ADDR --output ADDR``. The config and
+    the engine's part of the launch's keys come as one JSON line on stdin (``{"config":
+    ..., "keys": ...}``); one line on stdout answers ``ready PID`` or ``error MSG``."""
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -577,8 +604,9 @@ def main(argv: list[str] | None = None) -> None:
     # Started after the death signal was asked for: a parent gone before is seen here.
     threading.Thread(target=_watch_parent_pid, args=(parent_pid, addrs), daemon=True).start()
     try:
-        config = Config.model_validate(json.loads(sys.stdin.readline()))
-        proc = EngineCoreProc(config, args.input, args.output)
+        start = json.loads(sys.stdin.readline())
+        config = Config.model_validate(start["config"])
+        proc = EngineCoreProc(config, args.input, args.output, EngineKeys.from_engine_part(start["keys"]))
     except Exception as e:
         print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
         return

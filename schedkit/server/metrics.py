@@ -74,6 +74,8 @@ _ENGINE_SERIES: tuple[tuple[Any, str, str, str], ...] = (
      "grammar was already compiled.", "grammar_cache_hits"),
     (CounterMetricFamily, "structured_output_jump_forward_tokens", "Output tokens appended by "
      "jump-forward decoding instead of being sampled.", "jump_forward_tokens"),
+    (CounterMetricFamily, "engine_refused_connections", "Connections to the engine's sockets "
+     "refused at the handshake (no key, or not this launch's).", "num_refused_connections"),
 )
 """``(family, name, help, engine stats key)`` of the engine-wide series with only the
 ``model_name`` label."""

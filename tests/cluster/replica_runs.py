@@ -32,7 +32,10 @@ VOCAB = 32000
 SHARED = list(range(100, 132))
 """A 32-token prefix every prompt starts with (two full blocks: the replicas' KV events
 report them, and the router's prefix view fills)."""
-DEATH = re.compile(r"replica (\d+) died after this request produced (\d+) tokens \((.+)\)")
+DEATH = re.compile(r"replica (\d+) \((?:local|ray)\) died after this request produced (\d+) tokens: "
+                   r"([^\n]+)")
+"""A request's error when its replica died after it produced tokens: one line naming the
+replica, its backend, the tokens and the cause."""
 
 
 def fake_config(backend: str, **replicas: Any) -> Config:

@@ -95,6 +95,7 @@ def test_a_client_that_did_not_ask_gets_no_report(kv_events):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.ROUTING_ID, identity)
             s.setsockopt(zmq.LINGER, 0)
+            engine.keys.secure_client(s)
             s.connect(addr)
             socks.append(s)
         in_sock, out_sock = socks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -13,10 +14,12 @@ import sys
 import threading
 
 import pytest
+import zmq
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import LLM, AsyncLLM
+from schedkit.engine.messages import UtilityCall, client_encoder
 from schedkit.errors import ConfigError
 from tests.cluster.replica_runs import (
     DEATH,
@@ -77,8 +80,64 @@ def test_async_kill_mid_run_through_ray(ray):
     check_kill_run(run, n, fake_tokens)
     assert_cleaned_up(ray, run.handles)
     reasons = {DEATH.fullmatch(f.error)[3] for f in run.finals.values() if f.finish_reason == "error"}
-    assert len(reasons) == 1 and reasons.pop().startswith("its Ray actor died"), reasons
+    assert reasons == {"its Ray actor was killed by ray.kill"}, reasons
     print(f"death detected {run.detect_s * 1e3:.0f} ms after ray.kill")
+
+
+def test_a_dead_ray_worker_fails_its_requests_with_one_line_naming_the_replica(ray, caplog):
+    """The actor's worker process killed (as the OOM killer would): each failed request's
+    error is one short line naming the replica and the cause; Ray's paragraph about it
+    is logged once."""
+    n = 2000
+    with caplog.at_level(logging.WARNING, logger="schedkit.cluster"):
+        run = asyncio.run(kill_mid_run(fake_config("ray"), n, stop=lambda h: sigstop(h.engine_pid),
+                                       kill=lambda h: os.kill(h.actor_pid, signal.SIGKILL),
+                                       after_detect=killed_with_its_engine(ray)))
+    check_kill_run(run, n, fake_tokens)
+    errors = [f.error for f in run.finals.values() if f.finish_reason == "error"]
+    assert errors and all(len(e) < 200 and "\n" not in e for e in errors), max(errors, key=len)
+    assert all(e.startswith(f"replica {KILLED} (ray) died after") for e in errors)
+    assert {DEATH.fullmatch(e)[3].partition(" (")[0] for e in errors} == {"its worker process died"}
+    told = [r.getMessage() for r in caplog.records if "Ray says" in r.getMessage()]
+    assert len(told) == 1 and "Worker exit type" in told[0], told
+    assert_cleaned_up(ray, run.handles)
+
+
+def test_a_ray_replica_refuses_a_client_without_its_keys(ray):
+    """Each replica's engine admits only its front end's key for it: a plain client and
+    one holding another replica's keys are refused and counted, and sending
+    ``shutdown`` stops nothing."""
+
+    async def main():
+        async with await AsyncLLM.create(fake_config("ray")) as llm:
+            handles = llm.core.replicas.handles
+            ctx = zmq.Context()
+            try:
+                plain, borrowed = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+                handles[0].keys.secure_client(borrowed)
+                for sock in (plain, borrowed):
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(handles[KILLED].input_addr)
+                    sock.send(client_encoder.encode(UtilityCall(0, "shutdown", [])))
+                deadline = asyncio.get_running_loop().time() + 20
+                while True:
+                    per = (await llm.call_utility("stats"))["replicas"]
+                    if per[KILLED]["num_refused_connections"] >= 2 or asyncio.get_running_loop().time() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+                assert per[KILLED]["num_refused_connections"] >= 2 and per[0]["num_refused_connections"] == 0
+                for i in range(8):
+                    outs = [d async for d in llm.generate([1, 2, i], SamplingParams(max_tokens=2, ignore_eos=True))]
+                    assert outs[-1].finish_reason == "length"
+                stats = await llm.call_utility("stats")
+                assert [r["healthy"] for r in stats["replicas"]] == [True, True]
+                assert stats["num_refused_connections"] >= 2
+            finally:
+                ctx.destroy(0)
+        return list(handles)
+
+    handles = asyncio.run(asyncio.wait_for(main(), 120))
+    assert_cleaned_up(ray, handles)
 
 
 def test_llm_generate_kill_mid_run_through_ray(ray):
@@ -205,3 +264,43 @@ def _children() -> set[int]:
             if int(fields[1]) == me and fields[0] != "Z":
                 out.add(int(d))
     return out
+
+
+RAY_WORKER_DEATH = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: EngineHost\n"
+    "\tactor_id: 63c8dbb2d4d67125570368a801000000\n\tpid: 5723\n\tip: 192.0.2.2\n"
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker "
+    "exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common "
+    "causes include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray "
+    "stop --force was called, or (3) the worker crashed unexpectedly due to SIGSEGV or another "
+    "unexpected error. If the process was killed by the kernel OOM killer (verifiable by checking for "
+    "OOM in dmesg of the OOMing node), consider enabling resource isolation.")
+"""Ray 2.60's text for an actor whose worker process was SIGKILLed."""
+
+
+@pytest.mark.parametrize(("text", "cause"), [
+    (RAY_WORKER_DEATH,
+     "its worker process died (SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2)"),
+    ("The actor died unexpectedly before finishing this task.\n\tpid: 1\n"
+     "The actor is dead because it was killed by `ray.kill`.", "its Ray actor was killed by ray.kill"),
+    ("The actor is dead because its node has died. Node ID: abc. More text.",
+     "its Ray actor died (its node has died)"),
+    ("x" * 500, "its Ray actor died (" + "x" * 117 + "...)"),
+])
+def test_ray_actor_death_causes_are_one_short_line(text, cause):
+    from schedkit.cluster.replicas import actor_death_cause
+
+    assert actor_death_cause(text) == cause
+
+
+def test_a_ray_replica_off_the_front_end_node_needs_engine_host_node():
+    from schedkit.cluster.replicas import _engine_host
+
+    cfg = fake_config("ray")
+    assert _engine_host(cfg, "10.0.0.5", "10.0.0.5") == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"replicas.engine_host: loopback.*node 10.0.0.7.*"
+                                          r"set replicas.engine_host: node"):
+        _engine_host(cfg, "10.0.0.7", "10.0.0.5")
+    assert _engine_host(fake_config("ray", engine_host="node"), "10.0.0.7", "10.0.0.5") == "10.0.0.7"
+    with pytest.raises(ConfigError, match="replicas.engine_host only apply with backend: ray"):
+        config_from_dict({"replicas": {"count": 2, "engine_host": "node"}})

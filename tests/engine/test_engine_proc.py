@@ -144,6 +144,7 @@ def test_malformed_message_is_dropped_and_engine_keeps_serving(small_config):
     with LLM(small_config()) as llm:
         ctx = zmq.Context()
         raw = ctx.socket(zmq.DEALER)
+        llm.engine.keys.secure_client(raw)
         raw.connect(llm.engine.input_addr)
         raw.send(b"\x93not msgpack of ours")
         raw.send_multipart([b"two", b"frames"])
@@ -276,7 +277,8 @@ def test_bad_yaml_stops_before_any_process(tmp_path, monkeypatch, text, needle):
 
 
 def test_engine_exits_and_cleans_up_when_its_parent_dies(tmp_path):
-    """A client process killed without shutdown: the engine notices, exits, removes sockets."""
+    """A client process killed without shutdown: the engine notices, exits, removes its
+    socket files and their directory."""
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
@@ -296,6 +298,7 @@ def test_engine_exits_and_cleans_up_when_its_parent_dies(tmp_path):
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     assert not any(os.path.exists(p) for p in paths)
+    assert not os.path.exists(os.path.dirname(paths[0]))  # their private directory too
 
 
 def test_a_bad_utility_argument_raises_its_own_type():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 
+from schedkit.engine.auth import EngineKeys
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.process import EngineCoreProc
 
@@ -25,7 +27,8 @@ def test_rate_limited_log_counts_what_it_suppresses(caplog):
 
 def test_malformed_messages_are_counted_but_logged_at_most_once_per_interval(tmp_path, small_config,
                                                                              caplog):
-    proc = EngineCoreProc(small_config(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    proc = EngineCoreProc(small_config(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out",
+                          EngineKeys.generate())
     try:
         with caplog.at_level(logging.WARNING, logger="schedkit.engine"):
             for _ in range(50):  # a flood, well within one interval
@@ -42,6 +45,9 @@ def test_malformed_messages_are_counted_but_logged_at_most_once_per_interval(tmp
     finally:
         proc._in_sock.close(0)
         proc._out_sock.close(0)
+        stop = threading.Event()
+        stop.set()
+        proc.guard.run(stop)  # closes its own sockets
         proc.ctx.term()
 
 

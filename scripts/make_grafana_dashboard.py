@@ -226,8 +226,14 @@ panels.append(timeseries(
         ("request_params_n", "n"))])))
 panels.append(timeseries(
     "Engine steps", "rate(schedkit:engine_steps_total): engine steps (schedule, execute, update) "
-    "per second.", gp(12, 62, 12, 8),
+    "per second.", gp(12, 62, 6, 8),
     targets((f"sum(rate(schedkit:engine_steps_total{{{M}}}{RI}))", "steps/s")), unit="ops"))
+panels.append(timeseries(
+    "Refused engine connections", "increase(schedkit:engine_refused_connections_total): handshakes "
+    "the engine's sockets refused (a process without this launch's key tried to reach the engine "
+    "directly; docs/serving.md, Who can reach the engine). Anything above 0 is worth a look.",
+    gp(18, 62, 6, 8),
+    targets((f"sum(increase(schedkit:engine_refused_connections_total{{{M}}}{RI}))", "refused"))))
 
 # --- replicas and the router (y 70..108): only a server with replicas.count > 1 has these
 # series (labelled by replica); the panels above then show the cluster's totals -----------

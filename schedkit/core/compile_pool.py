@@ -274,7 +274,7 @@ class CompilePool:
         while True:
             with self._cv:
                 self._abandoned = [t for t in self._abandoned if t.is_alive()]
-                if len(self._abandoned) < len(self._workers) or self._closed:
+                if len(self._abandoned) <= len(self._workers) or self._closed:
                     return
                 oldest = self._abandoned[0]
             oldest.join(POLL_S)

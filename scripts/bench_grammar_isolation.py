@@ -58,14 +58,12 @@ def request(rid: str, max_tokens: int, **so: Any) -> Request:
                                                   structured_outputs=so or None), 0.0)
 
 
-def serve(eng: EngineCore, victim: str, limit_s: float, abort: tuple[float, list[str]] | None = None) -> tuple[float, float]:
-    """Step until the victim finishes; returns (its seconds, its longest token gap)."""
-    t0 = last = time.monotonic()
+def serve(eng: EngineCore, victim: str, limit_s: float, t0: float | None = None) -> tuple[float, float]:
+    """Step until the victim (added at ``t0``) finishes; returns (its seconds, its
+    longest token gap)."""
+    t0 = last = time.monotonic() if t0 is None else t0
     gap = 0.0
     while time.monotonic() - t0 < limit_s:
-        if abort is not None and time.monotonic() - t0 >= abort[0]:
-            eng.abort_requests(abort[1])
-            abort = None
         for group in eng.step().values():
             for o in group.outputs:
                 if o.request_id != victim:
@@ -87,23 +85,27 @@ def warm(eng: EngineCore) -> None:
 def scenario(name: str, tokenizer_dir: str, step_time_ms: float) -> dict[str, float]:
     eng = make_engine(tokenizer_dir, step_time_ms)
     warm(eng)
-    victim = {"disconnect": lambda: request("victim", 4, choice=["yes", "no"])}.get(
-        name, lambda: request("victim", 100))
-    eng.add_request(victim())
+    def victim(run: str) -> Request:  # a choice not seen before: no cache hit
+        if name == "disconnect":
+            return request("victim", 4, choice=[f"yes-{run}", f"no-{run}"])
+        return request("victim", 100)
+
+    eng.add_request(victim("alone"))
     alone, alone_gap = serve(eng, "victim", 60)
-    abort = None
+    t0 = time.monotonic()
     if name == "ambiguous":
         eng.add_request(request("attacker", 2000, grammar=AMBIGUOUS))
-        eng.add_request(victim())
+        eng.add_request(victim("attacked"))
     elif name == "deep":
         schema = '{"type":"integer"}'
         for _ in range(600):
             schema = '{"type":"array","items":' + schema + "}"
-        eng.add_request(victim())
+        eng.add_request(victim("attacked"))
         eng.step()
         t = time.monotonic()
         try:
             eng.add_request(request("attacker", 20, json=schema))
+            print(f"  deep schema accepted in {time.monotonic() - t:.3f} s")
         except RequestError as e:
             print(f"  deep schema refused in {time.monotonic() - t:.3f} s: {str(e)[:100]}")
     else:
@@ -115,8 +117,9 @@ def scenario(name: str, tokenizer_dir: str, step_time_ms: float) -> dict[str, fl
             eng.step()
             time.sleep(0.002)
         eng.abort_requests(slow)
-        eng.add_request(victim())
-    attacked, attacked_gap = serve(eng, "victim", 300, abort)
+        t0 = time.monotonic()
+        eng.add_request(victim("attacked"))
+    attacked, attacked_gap = serve(eng, "victim", 300, t0)
     stats = eng.stats()
     eng.close()
     return {"alone_s": alone, "alone_gap_s": alone_gap, "attacked_s": attacked, "attacked_gap_s": attacked_gap,

@@ -3,7 +3,8 @@
 
 The engine runs in-process with the fake runner on a wall clock (``step_time_ms`` per
 step, so a 100-token stream alone takes about 100 steps of it), the xgrammar backend
-over the small byte-level test tokenizer, default ``structured_outputs`` settings.
+over a synthetic word-level tokenizer of 49,152 tokens (SmolLM2's vocabulary size;
+compile costs grow with the vocabulary), default ``structured_outputs`` settings.
 Each scenario reports the victim's time alone, its time under attack, and the longest
 gap between two of its tokens:
 
@@ -35,7 +36,6 @@ from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import RequestError
-from schedkit.structured.testing import byte_level_tokenizer
 
 AMBIGUOUS = ('root ::= s "w500"\ns ::= s s s | s s | t | ""\nt ::= '
              + " | ".join(f'"w{i}"' for i in range(300)))
@@ -46,15 +46,37 @@ SCHEMA = ('{"type":"object","properties":{"name":{"type":"string","maxLength":24
           '"required":["name","age","city","hobbies"]}')
 
 
+VOCAB_SIZE = 49152
+
+
+def synthetic_vocabulary(n: int = VOCAB_SIZE) -> list[str]:
+    """``<eos>``, single characters, then random 2-8 character pieces (fixed seed)."""
+    rng = random.Random(0)
+    alpha = "abcdefghijklmnopqrstuvwxyz{}[]:,0123456789.-"
+    pieces = sorted({"".join(rng.choice(alpha) for _ in range(rng.randrange(2, 9))) for _ in range(n + n // 4)})
+    return ["<eos>", *alpha, *[p for p in pieces if p not in alpha]][:n]
+
+
+def save_tokenizer(path: str) -> None:
+    """A word-level transformers tokenizer over :func:`synthetic_vocabulary`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(synthetic_vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+
+
 def make_engine(tokenizer_dir: str, step_time_ms: float) -> EngineCore:
     return EngineCore(config_from_dict({
         "model": {"tokenizer": tokenizer_dir},
-        "runner": {"vocab_size": 336, "eos_token_id": 0, "clock": "wall", "step_time_ms": step_time_ms},
+        "runner": {"vocab_size": VOCAB_SIZE, "eos_token_id": 0, "clock": "wall", "step_time_ms": step_time_ms},
         "structured_outputs": {"backend": "xgrammar"}}))
 
 
 def request(rid: str, max_tokens: int, **so: Any) -> Request:
-    return Request(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, eos_token_id=0, ignore_eos=not so,
+    return Request(rid, [50, 60, 70], SamplingParams(max_tokens=max_tokens, eos_token_id=0, ignore_eos=not so,
                                                   structured_outputs=so or None), 0.0)
 
 
@@ -133,10 +155,7 @@ def workers() -> None:
     from schedkit.core.grammar import StructuredOutputsParams
     from schedkit.structured.xgrammar_backend import ProcessCompiler, compile_constraint
 
-    rng = random.Random(0)
-    alpha = 'abcdefghijklmnopqrstuvwxyz{}[]":,0123456789 .-'
-    pieces = sorted({"".join(rng.choice(alpha) for _ in range(rng.randrange(2, 9))) for _ in range(60000)})
-    vocab = ["<eos>", *alpha, *pieces][:49152]
+    vocab = synthetic_vocabulary()
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
     factory = ProcessCompiler(info.serialize_json(), 4, 8)
     compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
@@ -176,7 +195,7 @@ def main() -> None:
     ap.add_argument("--step-time-ms", type=float, default=3.0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tokenizer_dir:
-        byte_level_tokenizer().save_pretrained(tokenizer_dir)
+        save_tokenizer(tokenizer_dir)
         for name in args.scenario:
             print(name)
             if name == "workers":

@@ -26,7 +26,6 @@ Usage: PYTHONPATH=. .venv/bin/python scripts/bench_grammar_isolation.py [--scena
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import RequestError
+from schedkit.structured.testing import word_level_tokenizer
 
 AMBIGUOUS = ('root ::= s "w500"\ns ::= s s s | s s | t | ""\nt ::= '
              + " | ".join(f'"w{i}"' for i in range(300)))
@@ -47,25 +47,6 @@ SCHEMA = ('{"type":"object","properties":{"name":{"type":"string","maxLength":24
 
 
 VOCAB_SIZE = 49152
-
-
-def synthetic_vocabulary(n: int = VOCAB_SIZE) -> list[str]:
-    """``<eos>``, single characters, then random 2-8 character pieces (fixed seed)."""
-    rng = random.Random(0)
-    alpha = "abcdefghijklmnopqrstuvwxyz{}[]:,0123456789.-"
-    pieces = sorted({"".join(rng.choice(alpha) for _ in range(rng.randrange(2, 9))) for _ in range(n + n // 4)})
-    return ["<eos>", *alpha, *[p for p in pieces if p not in alpha]][:n]
-
-
-def save_tokenizer(path: str) -> None:
-    """A word-level transformers tokenizer over :func:`synthetic_vocabulary`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(synthetic_vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
 
 
 def make_engine(tokenizer_dir: str, step_time_ms: float) -> EngineCore:
@@ -155,7 +136,8 @@ def workers() -> None:
     from schedkit.core.grammar import StructuredOutputsParams
     from schedkit.structured.xgrammar_backend import ProcessCompiler, compile_constraint
 
-    vocab = synthetic_vocabulary()
+    tokenizer = word_level_tokenizer(VOCAB_SIZE)
+    vocab = tokenizer.convert_ids_to_tokens(list(range(VOCAB_SIZE)))
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
     factory = ProcessCompiler(info.serialize_json(), 4, 8)
     compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
@@ -195,7 +177,7 @@ def main() -> None:
     ap.add_argument("--step-time-ms", type=float, default=3.0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tokenizer_dir:
-        save_tokenizer(tokenizer_dir)
+        word_level_tokenizer(VOCAB_SIZE).save_pretrained(tokenizer_dir)
         for name in args.scenario:
             print(name)
             if name == "workers":

@@ -19,7 +19,13 @@ from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import PluginError
 from schedkit.plugins.testing import assert_scheduler_consistent
-from tests.faults import HOOKS, SLOW_GRAMMAR_FAULTS, SLOW_GRAMMAR_LIMITS, FaultInjector, SlowGrammars
+from tests.faults import (
+    HOOKS,
+    SLOW_GRAMMAR_FAULTS,
+    SLOW_GRAMMAR_LIMITS,
+    FaultInjector,
+    SlowGrammars,
+)
 
 
 def make_trace(seed: int, vocab: int = 1000) -> list[tuple[str, list[int], int, float]]:

@@ -17,12 +17,12 @@ import pytest
 
 from schedkit import hookimpl
 from schedkit.config import StructuredOutputsConfig, config_from_dict
-from schedkit.core.compile_pool import CompileJob, CompileQueueFull, FairQueue
+from schedkit.core.compile_pool import CompileJob, FairQueue
 from schedkit.core.grammar_limits import json_nesting_depth
 from schedkit.core.request import Request, RequestStatus, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import RequestError
-from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler, step
+from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler
 from tests.core.test_structured_outputs import (
     VOCAB,
     BackendPlugin,

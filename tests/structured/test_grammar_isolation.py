@@ -1,6 +1,7 @@
 """One structured request's grammar work must not stall the others (xgrammar backend,
 compiles in worker processes; the engine in-process with the fake runner over a small
-byte-level tokenizer): a deeply nested schema is refused at once; slow compiles are
+byte-level tokenizer, or a word-level one of SmolLM2's vocabulary size where compile
+costs matter): a deeply nested schema is refused at once; slow compiles are
 stopped at their timeout, or as soon as their requests are aborted, and the workers
 serve the next constraint; an ambiguous grammar whose matcher grows with its output
 fails on its per-step budget while its neighbour is served."""
@@ -15,13 +16,14 @@ from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import RequestError
+from schedkit.structured.testing import word_level_tokenizer
 
 pytest.importorskip("xgrammar")
 
 SLOW_REGEX = "[^{0}]{{0,20000}}[^{1}]{{0,20000}}"
-"""Seconds in a compile worker with the test tokenizer: the compiled grammar is 35 MB of
-JSON (with SmolLM2's vocabulary the compile itself takes about 20 s). Different letters:
-different constraints, no cache hit."""
+"""6 to 20 s to compile over a 49,152-token vocabulary (xgrammar 0.2.9, 2 cores).
+Different letters: different constraints, no cache hit."""
+BIG_VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +33,23 @@ def tokenizer_dir(tmp_path_factory, bpe_tokenizer):
     return path
 
 
+@pytest.fixture(scope="module")
+def big_tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bigtok")
+    word_level_tokenizer(BIG_VOCAB).save_pretrained(path)
+    return path
+
+
 def engine(tokenizer_dir, **structured) -> EngineCore:
+    vocab = BIG_VOCAB if "bigtok" in str(tokenizer_dir) else 336
     return EngineCore(config_from_dict({
         "model": {"tokenizer": str(tokenizer_dir)},
-        "runner": {"vocab_size": 336, "eos_token_id": 0},
+        "runner": {"vocab_size": vocab, "eos_token_id": 0},
         "structured_outputs": {"backend": "xgrammar", **structured}}))
 
 
 def request(rid: str, max_tokens: int = 20, **so) -> Request:
-    return Request(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, eos_token_id=0,
+    return Request(rid, [50, 60, 70], SamplingParams(max_tokens=max_tokens, eos_token_id=0,
                                                   structured_outputs=so or None), 0.0)
 
 
@@ -78,8 +88,8 @@ def test_a_600_level_schema_is_refused_at_once_and_the_engine_goes_on(tokenizer_
     eng.close()
 
 
-def test_aborted_slow_compiles_are_stopped_and_the_next_constraint_compiles_at_once(tokenizer_dir):
-    eng = engine(tokenizer_dir, num_workers=2)
+def test_aborted_slow_compiles_are_stopped_and_the_next_constraint_compiles_at_once(big_tokenizer_dir):
+    eng = engine(big_tokenizer_dir, num_workers=2)
     eng.add_request(request("warm", choice=["ok"]))  # the workers' start (their imports) is not timed
     serve(eng, 60)
     slow = [f"slow{i}" for i in range(4)]
@@ -96,8 +106,8 @@ def test_aborted_slow_compiles_are_stopped_and_the_next_constraint_compiles_at_o
     eng.close()
 
 
-def test_a_slow_compile_is_stopped_at_its_timeout_and_fails_its_request_alone(tokenizer_dir):
-    eng = engine(tokenizer_dir, compile_timeout_s=1.0, num_workers=1)
+def test_a_slow_compile_is_stopped_at_its_timeout_and_fails_its_request_alone(big_tokenizer_dir):
+    eng = engine(big_tokenizer_dir, compile_timeout_s=1.0, num_workers=1)
     eng.add_request(request("warm", choice=["ok"]))
     serve(eng, 60)
     eng.add_request(request("slow", regex=SLOW_REGEX.format("p", "P")))

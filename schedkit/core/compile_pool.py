@@ -27,12 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
@@ -41,6 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
+
+from schedkit.core.compile_worker import Zygote
 
 log = logging.getLogger("schedkit.structured_output")
 
@@ -66,7 +63,8 @@ class CompileQueueFull(Exception):
 
 
 class CompileFailed(Exception):
-    """A worker process's compile raised something other than ValueError/TypeError."""
+    """A worker process's compile raised something other than ValueError/TypeError, or
+    the process is gone."""
 
 
 @dataclass(eq=False)
@@ -152,7 +150,7 @@ class CompilePool:
             it returns that process's compile function.
         load: Turns what a worker process returned into the compiled grammar (run on
             the worker's thread in this process).
-        preload: Modules the process workers' forkserver imports once (the backend's).
+        preload: Modules the process workers' zygote imports once (the backend's).
     """
 
     def __init__(self, compile_fn: CompileFn, *, num_workers: int, timeout_s: float,
@@ -173,18 +171,9 @@ class CompilePool:
         self.num_cancelled = 0
         self.num_worker_starts = 0
         """Worker processes started (a kill is followed by a start for the next job)."""
-        zygote = _Zygote(preload) if process_compiler is not None else None
+        zygote = Zygote(preload, WORKER_START_TIMEOUT_S) if process_compiler is not None else None
         self._zygote = zygote
         self._workers = [_Worker(self, i, zygote) for i in range(num_workers)]
-
-    @property
-    def uses_processes(self) -> bool:
-        return self._process_compiler is not None
-
-    @property
-    def num_queued(self) -> int:
-        with self._cv:
-            return len(self._queue)
 
     def submit(self, key: Hashable, params: Any, owner: Hashable, waiter: str) -> Future[Any]:
         """The future of ``key``'s compilation: the job already queued or running for it
@@ -265,7 +254,7 @@ class CompilePool:
         else:
             job.future.set_result(result)
 
-    def _timed_out(self, job: CompileJob) -> CompileTimeout:
+    def _timed_out(self) -> CompileTimeout:
         return CompileTimeout(f"compiling took longer than {self.timeout_s:g} s "
                               "(structured_outputs.compile_timeout_s); it was stopped")
 
@@ -284,7 +273,7 @@ class _Worker:
     """One slot of the pool: a thread in this process that takes jobs and runs each in
     its worker process (or in a thread of its own), watching its deadline."""
 
-    def __init__(self, pool: CompilePool, index: int, zygote: _Zygote | None) -> None:
+    def __init__(self, pool: CompilePool, index: int, zygote: Zygote | None) -> None:
         self.pool = pool
         self.zygote = zygote
         self.pid: int | None = None
@@ -316,7 +305,7 @@ class _Worker:
         try:
             self.pid, self.conn = self.zygote.fork()
             self.conn.send(self.pool._process_compiler)
-        except (OSError, EOFError, CompileFailed) as e:
+        except (OSError, EOFError) as e:
             log.error("could not start a grammar compile worker process: %s", e)
             self._kill()
             return
@@ -352,7 +341,7 @@ class _Worker:
                     if stopped == "cancel":
                         pool._finish(job, cancel=True)
                     else:
-                        pool._finish(job, error=pool._timed_out(job))
+                        pool._finish(job, error=pool._timed_out())
                     if not pool._closed:
                         self._start_process()  # the next job's worker, started now
                     return
@@ -407,7 +396,7 @@ class _Worker:
                 if stopped == "cancel":
                     pool._finish(job, cancel=True)
                 else:
-                    pool._finish(job, error=pool._timed_out(job))
+                    pool._finish(job, error=pool._timed_out())
                 return
         status, value = box[0]
         if status == "ok":
@@ -418,86 +407,3 @@ class _Worker:
     def stop(self) -> None:
         self.thread.join(5)
         self._kill()
-
-
-class _Zygote:
-    """The process the workers are forked from (:mod:`schedkit.core.compile_worker`),
-    started with the first worker; ``fork`` asks it for one more.
-
-    Args:
-        preload: Modules it imports once (the backend's).
-    """
-
-    def __init__(self, preload: tuple[str, ...]) -> None:
-        self.preload = preload
-        self.proc: subprocess.Popen[str] | None = None
-        self._dir: str | None = None
-        self._lock = threading.Lock()
-        self._count = 0
-
-    def fork(self) -> tuple[int, Connection]:
-        """A new worker: its pid and its connection.
-
-        Raises:
-            CompileFailed: The zygote is gone or the worker did not connect in time.
-        """
-        with self._lock:
-            proc = self._started()
-            self._count += 1
-            assert self._dir is not None
-            path = os.path.join(self._dir, f"w{self._count}.sock")
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                server.bind(path)
-                server.listen(1)
-                assert proc.stdin is not None
-                proc.stdin.write(path + "\n")
-                proc.stdin.flush()
-                sock = self._accept(server, proc)
-            finally:
-                server.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        conn = Connection(sock.detach())
-        return conn.recv(), conn
-
-    def _started(self) -> subprocess.Popen[str]:
-        if self.proc is not None and self.proc.poll() is None:
-            return self.proc
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="schedkit-grammar-")  # 0700: this user only
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "schedkit.core.compile_worker", *self.preload],
-                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        return self.proc
-
-    @staticmethod
-    def _accept(server: socket.socket, proc: subprocess.Popen[str]) -> socket.socket:
-        """The worker's connection; the first waits for the zygote's imports."""
-        server.settimeout(POLL_S * 5)
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                if proc.poll() is not None:
-                    raise CompileFailed(f"the grammar compile zygote exited (code {proc.returncode})") from None
-                continue
-            sock.settimeout(None)
-            return sock
-        raise CompileFailed(f"no grammar compile worker connected within {WORKER_START_TIMEOUT_S:g} s")
-
-    def stop(self) -> None:
-        with self._lock:
-            if self.proc is not None:
-                with contextlib.suppress(OSError):
-                    assert self.proc.stdin is not None
-                    self.proc.stdin.close()  # it exits; so do idle workers
-                try:
-                    self.proc.wait(2)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-            self.proc = None

@@ -881,7 +881,7 @@ class Scheduler:
         bad_loads = self._apply_failed_loads(kv_out, scheduler_output)
         by_client: dict[int, list[EngineCoreOutput]] = {}
         mgr = self.structured_output_manager
-        if mgr is not None and mgr.num_failed != self._num_compile_failures_seen:
+        if mgr is not None and mgr.num_failure_events != self._num_compile_failures_seen:
             self._find_compile_failures(mgr)
         if self.grammar_compile_error_reqs:
             self._fail_grammar_errors()
@@ -921,7 +921,7 @@ class Scheduler:
     def _find_compile_failures(self, mgr: StructuredOutputManager) -> None:
         """A compilation failed since the last update: find its requests wherever they
         wait in the queue (not only those a schedule() reached)."""
-        self._num_compile_failures_seen = mgr.num_failed
+        self._num_compile_failures_seen = mgr.num_failure_events
         for req in self.waiting_for_fsm():
             so = req.structured_output
             if so is not None and not mgr.check_ready(req) and so.error:

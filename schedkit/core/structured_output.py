@@ -173,6 +173,9 @@ class StructuredOutputManager:
         """Grammars compiled (cache misses)."""
         self.num_failed = 0
         """Compilations that failed, timeouts included (counted from the workers)."""
+        self.num_failure_events = 0
+        """Compile failures requests learned of: failed compilations, and requests given a
+        cached timeout (the scheduler then looks for the requests to fail)."""
         self.num_cache_hits = 0
         self.num_refused = 0
         """Constraints refused before compiling: over a size limit, or the queue full."""
@@ -230,6 +233,8 @@ class StructuredOutputManager:
             if fut is not None and fut.done() and _is_reusable(fut):
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
+                if fut.exception() is not None:  # a timeout: this request fails at once
+                    self.num_failure_events += 1
                 return fut
             try:
                 fut = self._compile_pool().submit(key, so.params, (request.client_index, request.tenant), rid)
@@ -268,6 +273,7 @@ class StructuredOutputManager:
         if not fut.cancelled() and fut.exception() is not None:
             with self._lock:
                 self.num_failed += 1
+                self.num_failure_events += 1
 
     def release(self, request: Request) -> None:
         """The request left (finished, aborted): a compile nobody else waits for is

@@ -17,12 +17,12 @@ import pytest
 
 from schedkit import hookimpl
 from schedkit.config import StructuredOutputsConfig, config_from_dict
-from schedkit.core.compile_pool import CompileJob, FairQueue
+from schedkit.core.compile_pool import CompileJob, CompileTimeout, FairQueue
 from schedkit.core.grammar_limits import json_nesting_depth
 from schedkit.core.request import Request, RequestStatus, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import RequestError
-from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler
+from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler, step
 from tests.core.test_structured_outputs import (
     VOCAB,
     BackendPlugin,
@@ -238,3 +238,22 @@ def run(engine: EngineCore, limit_s: float) -> dict[str, tuple[str, str]]:
                     finished[o.request_id] = (o.finish_reason, o.error or "")
         assert_scheduler_consistent(engine.scheduler)
     return finished
+
+
+def test_a_constraint_that_timed_out_fails_again_at_once_even_when_no_schedule_reaches_it():
+    mgr, backend = manager(limits=limits(compile_timeout_s=0.2))
+    sched = make_scheduler(structured_output_manager=mgr, max_num_seqs=1)
+    sched.add_request(make_request("busy", [1, 2], max_tokens=50))
+    step(sched, sampled=7)  # "busy" takes the only running slot: schedule() reaches no one else
+    first = structured("first", [3], "gate:never")
+    sched.add_request(first)
+    with pytest.raises(CompileTimeout):
+        first.structured_output.compiled.result(timeout=5)
+    failed = [o.request_id for o in step(sched, sampled=7).outputs if o.finish_reason]
+    again = structured("again", [4], "gate:never")
+    sched.add_request(again)
+    failed += [o.request_id for o in step(sched, sampled=7).outputs if o.finish_reason]
+    assert failed == ["first", "again"] and backend.compiles == ["gate:never"]
+    assert "compile_timeout_s" in again.structured_output.error and "busy" in sched.requests
+    backend.gate("never").set()
+    mgr.shutdown()

@@ -418,8 +418,8 @@ class StructuredOutputsConfig(_Strict):
     max_queued_compiles: int = Field(default=128, ge=1, le=100_000)
     """Compiles waiting for a worker, in total; a new constraint beyond it is refused."""
     max_queued_compiles_per_client: int = Field(default=16, ge=1, le=100_000)
-    """Compiles waiting for a worker per client (its ``client_index`` and ``tenant``); the
-    queue serves the clients in turn."""
+    """Compiles waiting for a worker per client (a request's ``client_index`` and
+    ``tenant``, over HTTP the ``user`` field); the queue serves the clients in turn."""
     max_constraint_chars: int = Field(default=65536, ge=1)
     """Longest constraint text (a schema's compact JSON, a pattern, a grammar, the
     choices' JSON list), checked before compiling."""

@@ -401,7 +401,8 @@ class StructuredOutputsConfig(_Strict):
     and choice only, no torch), or the name a plugin's
     ``schedkit_create_structured_output_backend`` answers to."""
     num_workers: int = Field(default=2, ge=1, le=64)
-    """Threads compiling grammars in the background."""
+    """Grammars checked and compiled at once, off the engine thread: worker processes
+    for backends that can compile in one (xgrammar), threads otherwise."""
     cache_size: int = Field(default=256, ge=1)
     """Compiled grammars kept, by constraint (least recently used dropped first)."""
     jump_forward: bool = False
@@ -411,6 +412,25 @@ class StructuredOutputsConfig(_Strict):
     """Most whitespace characters a JSON output may put between two of its tokens
     (xgrammar's ``max_whitespace_cnt``); None: no limit. Without one a small model can
     spend its whole ``max_tokens`` on newlines inside an unfinished object."""
+    compile_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    """Longest a constraint's check and compilation may run on a worker; past it the
+    compile is stopped (its worker process killed) and its requests fail."""
+    max_queued_compiles: int = Field(default=128, ge=1, le=100_000)
+    """Compiles waiting for a worker, in total; a new constraint beyond it is refused."""
+    max_queued_compiles_per_client: int = Field(default=16, ge=1, le=100_000)
+    """Compiles waiting for a worker per client (a request's ``client_index`` and
+    ``tenant``, over HTTP the ``user`` field); the queue serves the clients in turn."""
+    max_constraint_chars: int = Field(default=65536, ge=1)
+    """Longest constraint text (a schema's compact JSON, a pattern, a grammar, the
+    choices' JSON list), checked before compiling."""
+    max_json_schema_depth: int = Field(default=64, ge=1, le=10_000)
+    """Deepest nesting of objects and arrays in a JSON schema's text, checked before
+    compiling (compiling costs about the cube of the depth)."""
+    step_budget_ms: float = Field(default=10.0, gt=0)
+    """Matcher work one request may cost per step (filling its bitmask rows and
+    accepting its tokens); a request over it two steps in a row, or ten times over in
+    one, fails alone. Raise it for the python backend over a large vocabulary, whose
+    every new state scans the whole vocabulary."""
 
 
 class ReplicasConfig(_Strict):

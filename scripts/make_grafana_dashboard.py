@@ -314,7 +314,7 @@ panels.append(timeseries(
     "Grammars", "rate(schedkit:structured_output_grammars_compiled_total): grammars compiled "
     "(cache misses); rate(schedkit:structured_output_grammar_cache_hits_total): structured requests "
     "whose grammar was already compiled; rate(schedkit:structured_output_compile_failures_total): "
-    "constraints that failed to compile.", gp(0, 110, 8, 8),
+    "constraints that failed to compile.", gp(0, 110, 6, 8),
     targets((f"sum(rate(schedkit:structured_output_grammars_compiled_total{{{M}}}{RI}))", "compiled"),
             (f"sum(rate(schedkit:structured_output_grammar_cache_hits_total{{{M}}}{RI}))", "cache hits"),
             (f"sum(rate(schedkit:structured_output_compile_failures_total{{{M}}}{RI}))", "failed")),
@@ -322,14 +322,26 @@ panels.append(timeseries(
 panels.append(timeseries(
     "Waiting for a grammar", "schedkit:num_requests_waiting_for_grammar: structured requests "
     "whose grammar is compiling (WAITING_FOR_FSM); they are passed over, not blocking the queue.",
-    gp(8, 110, 8, 8),
+    gp(6, 110, 6, 8),
     targets((f"sum(schedkit:num_requests_waiting_for_grammar{{{M}}})", "waiting for a grammar"))))
 panels.append(timeseries(
     "Jump-forward tokens", "rate(schedkit:structured_output_jump_forward_tokens_total): output tokens "
     "appended by jump-forward decoding (structured_outputs.jump_forward) instead of being sampled.",
-    gp(16, 110, 8, 8),
+    gp(12, 110, 6, 8),
     targets((f"sum(rate(schedkit:structured_output_jump_forward_tokens_total{{{M}}}{RI}))",
              "tokens/s")), unit="ops"))
+panels.append(timeseries(
+    "Grammar limits", "rate(schedkit:structured_output_compile_timeouts_total): compiles stopped at "
+    "structured_outputs.compile_timeout_s; rate(schedkit:structured_output_compiles_cancelled_total): "
+    "compiles cancelled because their requests left; rate(schedkit:structured_output_refusals_total): "
+    "constraints refused before compiling (size limits, full compile queue); "
+    "rate(schedkit:structured_output_step_budget_failures_total): requests failed for exceeding "
+    "structured_outputs.step_budget_ms.", gp(18, 110, 6, 8),
+    targets((f"sum(rate(schedkit:structured_output_compile_timeouts_total{{{M}}}{RI}))", "timed out"),
+            (f"sum(rate(schedkit:structured_output_compiles_cancelled_total{{{M}}}{RI}))", "cancelled"),
+            (f"sum(rate(schedkit:structured_output_refusals_total{{{M}}}{RI}))", "refused"),
+            (f"sum(rate(schedkit:structured_output_step_budget_failures_total{{{M}}}{RI}))",
+             "over step budget")), unit="ops"))
 
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "

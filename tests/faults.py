@@ -1,18 +1,24 @@
 """Fault injection for the failure-path property tests: a plugin that implements every
 per-step hook and the waiting queue (its methods and its key function), and raises at
 random calls; it also preempts running requests on purpose now and then. It records which requests each raise concerned, so a test can check that
-only those fail. The invariants are the test kit's ``assert_scheduler_consistent``."""
+only those fail. The invariants are the test kit's ``assert_scheduler_consistent``.
+
+:class:`SlowGrammars` is a structured-output backend whose grammars are slow, for some
+requests, in their compile, their bitmask fill or their token accept."""
 
 from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
 from schedkit import AdmissionDecision, hookimpl
+from schedkit.core.grammar import StructuredOutputGrammar
 from schedkit.core.queues import FCFSQueue, KeyedQueue
 from schedkit.core.request import Request
+from schedkit.core.structured_output import StructuredOutputBackend
 
 QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests", "remove_request",
                  "remove_requests", "__iter__", "key")
@@ -170,3 +176,57 @@ class FaultyQueue:
     def __iter__(self) -> Iterator[Request]:
         self.faults.maybe_raise("__iter__")
         return iter(self.inner)
+
+
+SLOW_GRAMMAR_FAULTS = ("slow-compile", "slow-fill", "slow-accept")
+SLOW_GRAMMAR_LIMITS = {"backend": "slow-faults", "compile_timeout_s": 0.1, "step_budget_ms": 5.0}
+"""The ``structured_outputs`` section the slow grammars exceed."""
+
+
+class SlowGrammars:
+    """A structured-output backend (``structured_outputs.backend: slow-faults``) whose
+    grammars allow every token, so a structured request's tokens are those it would have
+    without its constraint. The constraint ``regex="slow-compile"`` compiles for 0.3 s,
+    past :data:`SLOW_GRAMMAR_LIMITS`' timeout; ``slow-fill`` and ``slow-accept`` spend 15
+    ms in each fill or accept, past its step budget; ``regex="ok"`` is fast."""
+
+    @hookimpl
+    def schedkit_create_structured_output_backend(self, config):
+        return SlowGrammarBackend() if config.backend == "slow-faults" else None
+
+
+class SlowGrammarBackend(StructuredOutputBackend):
+    name = "slow-faults"
+    vocab_size = 1000
+
+    def compile(self, params):
+        if params.regex == "slow-compile":
+            time.sleep(0.3)
+        return params.regex
+
+    def new_grammar(self, compiled, max_rollback_tokens):
+        return AnyTokenGrammar(compiled)
+
+
+class AnyTokenGrammar(StructuredOutputGrammar):
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+
+    def accept_tokens(self, request_id, tokens):
+        if self.fault == "slow-accept":
+            time.sleep(0.015)
+        return True
+
+    def validate_tokens(self, tokens):
+        return list(tokens)
+
+    def rollback(self, num_tokens):
+        pass
+
+    def fill_bitmask(self, bitmask, row):
+        if self.fault == "slow-fill":
+            time.sleep(0.015)
+        # the row is allocated allowing every token
+
+    def is_terminated(self):
+        return False

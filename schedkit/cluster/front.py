@@ -47,7 +47,8 @@ _SUMMED_DICTS = ("voluntary_preemptions", "num_rejected_by_plugin")
 _COUNTERS = ("num_preemptions", "num_steps", "num_busy_steps", "prefix_cache_queries", "prefix_cache_hits",
              "voluntary_preemptions", "num_rejected_by_plugin", "num_hook_errors", "grammars_compiled",
              "grammar_compile_failures", "grammar_cache_hits", "jump_forward_tokens",
-             "num_refused_connections")
+             "num_refused_connections", "grammar_compile_timeouts", "grammar_compiles_cancelled",
+             "grammar_refusals", "grammar_step_budget_failures")
 """Stats that only grow: a dead replica's last values stay in the cluster totals."""
 
 

@@ -168,3 +168,7 @@ class StructuredOutputRequest:
     """Why the grammar did not compile (the request then finishes with an error)."""
     jump_forward: list[int] = field(default_factory=list)
     """Tokens appended by jump-forward decoding that the runner has not computed yet."""
+    budget: Any = None
+    """Its per-step budget of matcher work (a ``StepBudget``, set with its matcher)."""
+    matcher_s: float = 0.0
+    """Seconds its matcher spent accepting tokens since its last bitmask fill."""

@@ -215,7 +215,7 @@ class Scheduler:
             del self.requests[rid]
             request.events.clear()
             request.status = _WAITING
-            self._structured.pop(rid, None)
+            self._forget_structured(request)
             raise
         try:
             self._connector_call("on_new_request", request)
@@ -224,8 +224,14 @@ class Scheduler:
             request.events.clear()
             self._remove_queued([request])
             request.status = _WAITING
-            self._structured.pop(rid, None)
+            self._forget_structured(request)
             raise
+
+    def _forget_structured(self, request: Request) -> None:
+        """A structured request refused after its compile was queued: release it."""
+        if self._structured.pop(request.request_id, None) is not None:
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.release(request)
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
         """Finish requests from outside (abort, stop string). Unknown or finished ids are ignored.
@@ -373,18 +379,19 @@ class Scheduler:
             pending = pending or req.num_output_placeholders > 1
         output.pending_structured_output_tokens = pending
 
-    def fill_grammar_bitmask(self, output: SchedulerOutput) -> list[str]:
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> dict[str, str]:
         """Set ``output.grammar_bitmask`` from the grammars' current states. Call it once
         the tokens of every earlier step are processed (with async scheduling, after the
         step in flight when ``output.pending_structured_output_tokens``).
 
         Returns:
-            The requests whose grammar raised filling its rows (their rows allow every
-            token; the caller fails them).
+            The requests to fail, with why: their grammar raised filling its rows, or
+            went over its per-step budget (their rows allow every token; the caller
+            fails them).
         """
         rows = output.structured_output_request_ids
         if not rows or self.structured_output_manager is None:
-            return []
+            return {}
         spec = output.scheduled_spec_decode_tokens
         num_rows = sum(1 + len(spec.get(rid, ())) for rid in rows)
         output.grammar_bitmask, failed = self.structured_output_manager.grammar_bitmask(
@@ -874,7 +881,7 @@ class Scheduler:
         bad_loads = self._apply_failed_loads(kv_out, scheduler_output)
         by_client: dict[int, list[EngineCoreOutput]] = {}
         mgr = self.structured_output_manager
-        if mgr is not None and mgr.num_failed != self._num_compile_failures_seen:
+        if mgr is not None and mgr.num_failure_events != self._num_compile_failures_seen:
             self._find_compile_failures(mgr)
         if self.grammar_compile_error_reqs:
             self._fail_grammar_errors()
@@ -914,7 +921,7 @@ class Scheduler:
     def _find_compile_failures(self, mgr: StructuredOutputManager) -> None:
         """A compilation failed since the last update: find its requests wherever they
         wait in the queue (not only those a schedule() reached)."""
-        self._num_compile_failures_seen = mgr.num_failed
+        self._num_compile_failures_seen = mgr.num_failure_events
         for req in self.waiting_for_fsm():
             so = req.structured_output
             if so is not None and not mgr.check_ready(req) and so.error:
@@ -1049,6 +1056,7 @@ class Scheduler:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         if room <= 0 or so.grammar.is_terminated():
             return new_ids, False
+        t0 = time.perf_counter()
         try:
             forced = so.grammar.validate_tokens(so.grammar.jump_forward_tokens()[:room])
             if not forced or not so.grammar.accept_tokens(req.request_id, forced):
@@ -1056,6 +1064,8 @@ class Scheduler:
         except Exception:  # the backend's bug: no jump this time
             log.exception("request %r: jump-forward failed in its grammar", req.request_id)
             return new_ids, False
+        finally:
+            so.matcher_s += time.perf_counter() - t0  # counted against its step budget
         appended, stopped = self._append_tokens(req, forced)  # a stop ends the request: no rollback
         if not stopped and so.grammar.is_terminated():
             req.status = RequestStatus.FINISHED_STOPPED
@@ -1078,7 +1088,9 @@ class Scheduler:
             try:
                 if so.grammar.is_terminated():
                     return gen[:j], None
+                t0 = time.perf_counter()
                 ok = so.grammar.accept_tokens(rid, (tok,))
+                so.matcher_s += time.perf_counter() - t0  # counted against its step budget
             except Exception as e:  # the backend's bug: this request fails, not the step
                 log.exception("request %r: its grammar raised accepting token %d", rid, tok)
                 why = f"the structured-output backend raised accepting token {tok}: {type(e).__name__}: {e}"
@@ -1187,7 +1199,8 @@ class Scheduler:
             delay, params = False, None
         self.finished_req_ids.add(rid)
         self.deferred_ids.discard(rid)
-        self._structured.pop(rid, None)
+        if self._structured.pop(rid, None) is not None and self.structured_output_manager is not None:
+            self.structured_output_manager.release(req)  # its compile, if nobody else waits
         req.record_event(EventType.FINISHED, now)
         if not (delay or hold_blocks):
             self.kv_cache_manager.free(req)

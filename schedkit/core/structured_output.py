@@ -1,12 +1,18 @@
-"""Structured outputs in the scheduler: grammar compilation in the background, the
+"""Structured outputs in the scheduler: grammar compilation off the engine thread, the
 per-step token bitmask, and the backend interface a plugin can replace.
 
-The manager compiles each structured request's grammar on a thread pool; the request
-waits in ``WAITING_FOR_FSM`` (without blocking the queue) until its grammar is ready.
-Compiled grammars are cached by their constraint (:attr:`StructuredOutputsParams.key`),
-so a schema seen before is ready at once. Every step, the scheduler lists the
-structured requests that sample and the manager fills one bitmask row per sampled
-position (speculative positions included) from each request's matcher.
+A structured request's constraint is first checked against the size limits on the
+engine thread (cheap: its length, a JSON schema's nesting depth; see
+:mod:`schedkit.core.grammar_limits`); the backend's ``validate`` and ``compile`` then run
+on the manager's :class:`~schedkit.core.compile_pool.CompilePool` (worker processes when
+the backend can ship its compiler to one, threads otherwise), with a timeout, behind a
+bounded queue fair between clients. The request waits in ``WAITING_FOR_FSM`` (without
+blocking the queue) until its grammar is ready; a request that leaves while it waits
+cancels its compile when nobody else waits for it. Compiled grammars are cached by their
+constraint (:attr:`StructuredOutputsParams.key`), so a schema seen before is ready at
+once. Every step, the scheduler lists the structured requests that sample and the
+manager fills one bitmask row per sampled position (speculative positions included) from
+each request's matcher, timing each request's grammar work against its per-step budget.
 
 Backends come from the ``schedkit_create_structured_output_backend`` hook (built in:
 ``xgrammar``, and ``python``, a small regex/choice backend without torch).
@@ -14,17 +20,28 @@ Backends come from the ``schedkit_create_structured_output_backend`` hook (built
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from schedkit.config import StructuredOutputsConfig
+from schedkit.core.compile_pool import (
+    CompileFailed,
+    CompilePool,
+    CompileQueueFull,
+    CompileTimeout,
+    ProcessCompilerFactory,
+)
 from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams
+from schedkit.core.grammar_limits import StepBudget, constraint_limit_error
 from schedkit.core.request import Request
 from schedkit.errors import RequestError
 
@@ -67,8 +84,9 @@ class GrammarBitmask:
 
 
 class StructuredOutputBackend(ABC):
-    """Compiles constraints into grammars for one tokenizer. ``compile`` runs on the
-    manager's threads (it must be thread-safe); everything else on the engine thread.
+    """Compiles constraints into grammars for one tokenizer. ``validate`` and ``compile``
+    run on the manager's compile workers (threads, or processes when
+    :meth:`process_compiler` says how); everything else on the engine thread.
 
     Attributes:
         name: Shown in logs and errors.
@@ -79,15 +97,34 @@ class StructuredOutputBackend(ABC):
     vocab_size: int
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Check a constraint cheaply when its request arrives (a schema that is no
-        schema, a pattern that does not parse). Raise ValueError naming what is wrong;
-        the default checks nothing (compilation errors then fail the request later)."""
+        """Check a constraint before compiling it (a schema that is no schema, a pattern
+        that does not parse), on a compile worker, under the compile timeout (it may be
+        as costly as parsing the constraint). Raise ValueError naming what is wrong; the
+        default checks nothing."""
         return None
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """Compile a constraint (on a worker thread). Raise on failure; the message is
-        the request's error."""
+        """Compile a constraint (on a compile worker thread, after :meth:`validate`;
+        thread-safe). Raise on failure; the message is the request's error."""
+
+    def process_compiler(self) -> ProcessCompilerFactory | None:
+        """How to check and compile in a worker process, which the manager can kill at
+        the compile timeout or when no request waits any more; None (the default):
+        :meth:`validate` and :meth:`compile` run on threads of the engine process, which
+        cannot be stopped (see :mod:`schedkit.core.compile_pool`).
+
+        Returns:
+            A picklable factory, called once in each worker process, returning a function
+            that validates and compiles a constraint (ValueError naming what is wrong)
+            and returns a picklable value for :meth:`load_compiled`.
+        """
+        return None
+
+    def load_compiled(self, payload: Any) -> Any:
+        """The compiled grammar from what a worker process's compile function returned
+        (runs in the engine process, on a compile worker's thread)."""
+        return payload
 
     @abstractmethod
     def new_grammar(self, compiled: Any, max_rollback_tokens: int) -> StructuredOutputGrammar:
@@ -110,18 +147,22 @@ class StructuredOutputManager:
     """Args:
         backend_factory: Builds the backend on first use (a backend may import torch);
             raises RequestError when structured outputs cannot be served.
-        num_workers: Compile threads.
+        num_workers: Compile workers (processes or threads, see the module doc).
         cache_size: Compiled grammars kept (least recently used dropped first).
         max_rollback_tokens: Speculative tokens a matcher must be able to undo.
         jump_forward: Jump-forward decoding (``structured_outputs.jump_forward``).
+        limits: The limits of ``structured_outputs`` (compile timeout and queue, constraint
+            size, per-step budget); their defaults when None.
     """
 
     def __init__(self, backend_factory: BackendFactory, *, num_workers: int = 2,
-                 cache_size: int = 256, max_rollback_tokens: int = 0, jump_forward: bool = False) -> None:
+                 cache_size: int = 256, max_rollback_tokens: int = 0, jump_forward: bool = False,
+                 limits: StructuredOutputsConfig | None = None) -> None:
         self._factory = backend_factory
         self._backend: StructuredOutputBackend | None = None
         self._num_workers = num_workers
-        self._pool: ThreadPoolExecutor | None = None
+        self.limits = limits or StructuredOutputsConfig()
+        self._pool: CompilePool | None = None
         self._cache: OrderedDict[tuple[str, str, bool], Future[Any]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.RLock()  # a compile that already failed calls back under it
@@ -131,8 +172,15 @@ class StructuredOutputManager:
         self.num_compiled = 0
         """Grammars compiled (cache misses)."""
         self.num_failed = 0
-        """Compilations that failed (counted from the worker threads)."""
+        """Compilations that failed, timeouts included (counted from the workers)."""
+        self.num_failure_events = 0
+        """Compile failures requests learned of: failed compilations, and requests given a
+        cached timeout (the scheduler then looks for the requests to fail)."""
         self.num_cache_hits = 0
+        self.num_refused = 0
+        """Constraints refused before compiling: over a size limit, or the queue full."""
+        self.num_over_budget = 0
+        """Requests failed for costing more than their per-step budget."""
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -147,51 +195,93 @@ class StructuredOutputManager:
             self._backend = self._factory()
         return self._backend
 
+    @property
+    def num_timeouts(self) -> int:
+        """Compiles stopped at ``structured_outputs.compile_timeout_s``."""
+        return self._pool.num_timeouts if self._pool is not None else 0
+
+    @property
+    def num_cancelled(self) -> int:
+        """Compiles cancelled because every request waiting for them left."""
+        return self._pool.num_cancelled if self._pool is not None else 0
+
     def add_request(self, request: Request) -> None:
-        """Check the request's constraint and start compiling it (or take it from the
-        cache).
+        """Check the request's constraint against the size limits and queue its compile
+        (or take it from the cache, or join the same constraint's compile).
 
         Raises:
-            RequestError: The backend is unavailable or refuses the constraint.
+            RequestError: The backend is unavailable, the constraint is over a limit, or
+                the compile queue is full; the message names the limit's config key.
         """
         so = request.structured_output
         assert so is not None
-        backend = self.backend
-        params = so.params
-        try:
-            backend.validate(params)
-        except (ValueError, TypeError) as e:
-            raise RequestError(f"request {request.request_id!r}: the {params.describe()} does not "
-                               f"compile ({backend.name}): {e}", request_id=request.request_id) from None
-        except Exception as e:  # the backend's bug: refuse this request, keep serving
-            log.exception("structured-output backend %s raised in validate", backend.name)
-            raise RequestError(f"request {request.request_id!r}: the structured-output backend "
-                               f"{backend.name} raised checking the {params.describe()}: "
-                               f"{type(e).__name__}: {e}", request_id=request.request_id) from None
-        so.compiled = self._compiled(params)
+        rid = request.request_id
+        why = constraint_limit_error(so.params, self.limits)
+        if why is not None:
+            self.num_refused += 1
+            raise RequestError(f"request {rid!r}: {why}", request_id=rid)
+        self.backend  # noqa: B018 - raises RequestError when structured outputs are unavailable
+        so.compiled = self._compiled(request)
 
-    def _compiled(self, params: StructuredOutputsParams) -> Future[Any]:
-        key = params.key
+    def _compiled(self, request: Request) -> Future[Any]:
+        so = request.structured_output
+        assert so is not None
+        key = so.params.key
+        rid = request.request_id
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            if fut is not None and fut.done() and _is_reusable(fut):
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
+                if fut.exception() is not None:  # a timeout: this request fails at once
+                    self.num_failure_events += 1
                 return fut
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="schedkit-grammar")
-            fut = self._pool.submit(self.backend.compile, params)
+            try:
+                fut = self._compile_pool().submit(key, so.params, (request.client_index, request.tenant), rid)
+            except CompileQueueFull as e:
+                self.num_refused += 1
+                limits = self.limits
+                raise RequestError(
+                    f"request {rid!r}: the grammar compile queue is full ({e}: "
+                    f"structured_outputs.max_queued_compiles = {limits.max_queued_compiles}, "
+                    f"max_queued_compiles_per_client = {limits.max_queued_compiles_per_client}); "
+                    "retry later", request_id=rid) from None
+            if self._cache.get(key) is fut:  # joined the same constraint's compile
+                self.num_cache_hits += 1
+                return fut
             fut.add_done_callback(self._count_failure)
             self.num_compiled += 1
             self._cache[key] = fut
+            self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return fut
 
+    def _compile_pool(self) -> CompilePool:
+        if self._pool is None:
+            backend = self.backend
+            factory = backend.process_compiler()
+            limits = self.limits
+            self._pool = CompilePool(
+                functools.partial(_check_and_compile, backend), num_workers=self._num_workers,
+                timeout_s=limits.compile_timeout_s, max_queued=limits.max_queued_compiles,
+                max_queued_per_owner=limits.max_queued_compiles_per_client, process_compiler=factory,
+                load=backend.load_compiled, preload=(type(factory).__module__,) if factory is not None else ())
+        return self._pool
+
     def _count_failure(self, fut: Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
+        if not fut.cancelled() and fut.exception() is not None:
             with self._lock:
                 self.num_failed += 1
+                self.num_failure_events += 1
+
+    def release(self, request: Request) -> None:
+        """The request left (finished, aborted): a compile nobody else waits for is
+        cancelled, stopped if it runs."""
+        so = request.structured_output
+        if so is None or so.compiled is None or so.compiled.done() or self._pool is None:
+            return
+        self._pool.release(so.params.key, request.request_id)
 
     def check_ready(self, request: Request) -> bool:
         """Whether the request's grammar is compiled; builds its matcher the first time.
@@ -202,10 +292,7 @@ class StructuredOutputManager:
             return True
         if so.error is not None or not so.compiled.done():
             return False
-        err = None if not so.compiled.cancelled() else "compilation cancelled (the engine is shutting down)"
-        if err is None and so.compiled.exception() is not None:
-            e = so.compiled.exception()
-            err = f"{type(e).__name__}: {e}"
+        err = self._compile_error(so.compiled)
         if err is None:
             try:
                 grammar = self.backend.new_grammar(so.compiled.result(), self.max_rollback_tokens)
@@ -213,6 +300,7 @@ class StructuredOutputManager:
                     err = "no output satisfies it (no token can start it)"
                 else:
                     so.grammar = grammar
+                    so.budget = StepBudget(self.limits.step_budget_ms / 1e3)
                     return True
             except Exception as e:  # the backend's bug: this request fails, not the step
                 log.exception("structured-output backend %s raised in new_grammar", self.backend.name)
@@ -220,6 +308,17 @@ class StructuredOutputManager:
         so.error = (f"request {request.request_id!r}: the {so.params.describe()} does not "
                     f"compile ({self.backend.name}): {err}")
         return False
+
+    @staticmethod
+    def _compile_error(fut: Future[Any]) -> str | None:
+        if fut.cancelled():
+            return "compilation cancelled (the engine is shutting down)"
+        e = fut.exception()
+        if e is None:
+            return None
+        if isinstance(e, CompileTimeout | CompileFailed):
+            return str(e)
+        return f"{type(e).__name__}: {e}"
 
     def _allows_nothing(self, grammar: StructuredOutputGrammar) -> bool:
         """Whether a fresh matcher allows no first token (a pattern that matches nothing)."""
@@ -235,24 +334,42 @@ class StructuredOutputManager:
         return so is not None and so.grammar is None and so.error is None and not so.compiled.done()
 
     def grammar_bitmask(self, requests: dict[str, Request], rows: dict[str, int],
-                        spec_tokens: dict[str, list[int]], num_rows: int) -> tuple[GrammarBitmask, list[str]]:
+                        spec_tokens: dict[str, list[int]], num_rows: int) -> tuple[GrammarBitmask, dict[str, str]]:
         """The step's bitmask: for each structured request, its row for the next token
         and one after each of its scheduled drafts (the matcher advances over the draft
         to fill the next row, then rolls back). A draft placeholder (-1) or a draft the
         grammar rejects leaves the rows after it unconstrained: the runner's verification
-        rejects that draft anyway. Also returns the requests whose grammar raised (their
-        rows allow every token; the engine fails them)."""
+        rejects that draft anyway. Also returns the requests to fail, with why: their
+        grammar raised, or went over its per-step budget (their rows allow every token)."""
         backend = self.backend
         bitmask = GrammarBitmask.allocate(num_rows, backend.vocab_size)
         view = backend.bitmask_view(bitmask)
-        failed = []
+        failed: dict[str, str] = {}
         for rid, row in rows.items():
+            req = requests.get(rid)
             try:
-                self._fill_rows(requests.get(rid), rid, row, spec_tokens.get(rid, ()), view)
+                t0 = time.perf_counter()
+                self._fill_rows(req, rid, row, spec_tokens.get(rid, ()), view)
+                over = self._over_budget(req, time.perf_counter() - t0)
             except Exception:  # the backend's bug: this request fails, not the step
                 log.exception("request %r: its grammar raised filling the bitmask", rid)
-                failed.append(rid)
+                failed[rid] = "the structured-output backend raised filling its grammar's bitmask (logged)"
+                continue
+            if over is not None:
+                self.num_over_budget += 1
+                log.warning("request %r: %s; failing it", rid, over)
+                failed[rid] = f"request {rid!r}: {over}"
         return bitmask, failed
+
+    @staticmethod
+    def _over_budget(req: Request | None, fill_s: float) -> str | None:
+        """Add the step's fill to the request's matcher work since its last fill (its
+        accepted tokens); why it must fail, or None."""
+        so = req.structured_output if req is not None else None
+        if so is None or so.budget is None:
+            return None
+        work_s, so.matcher_s = so.matcher_s + fill_s, 0.0
+        return so.budget.record(work_s)
 
     @staticmethod
     def _fill_rows(req: Request | None, rid: str, row: int, drafts: Iterable[int], view: Any) -> None:
@@ -285,8 +402,26 @@ class StructuredOutputManager:
         return so.grammar.validate_tokens(drafts)
 
     def shutdown(self) -> None:
+        """Cancel the compiles and stop the workers (their processes killed), then shut
+        the backend down."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
         if self._backend is not None:
             self._backend.shutdown()
+
+
+def _check_and_compile(backend: StructuredOutputBackend, params: StructuredOutputsParams) -> Any:
+    """A compile thread's job: the backend's check, then its compilation."""
+    backend.validate(params)
+    return backend.compile(params)
+
+
+def _is_reusable(fut: Future[Any]) -> bool:
+    """A settled compile whose result a new request may take: it succeeded, or it timed
+    out (the same constraint would time out again: refused at once). Other failures are
+    compiled again."""
+    if fut.cancelled():
+        return False
+    e = fut.exception()
+    return e is None or isinstance(e, CompileTimeout)
 

@@ -104,7 +104,7 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             self._structured_output_backend, num_workers=so_cfg.num_workers,
             cache_size=so_cfg.cache_size, max_rollback_tokens=config.scheduler.num_speculative_tokens,
-            jump_forward=so_cfg.jump_forward)
+            jump_forward=so_cfg.jump_forward, limits=so_cfg)
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
                                    clock=self.now, structured_output_manager=self.structured_output_manager)
         if so_cfg.jump_forward and config.scheduler.async_scheduling:
@@ -338,11 +338,13 @@ class EngineCore:
 
     def _fill_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> dict[int, EngineCoreOutputs]:
         """The step's grammar bitmask; a backend that fails fails the structured requests
-        of the step (the step runs without their bitmask; their tokens are dropped)."""
+        of the step, and a request over its per-step grammar budget fails alone (the step
+        runs without their bitmask; their tokens are dropped)."""
         try:
-            failed = self.scheduler.fill_grammar_bitmask(scheduler_output)
-            return self.fail_requests(failed, "the structured-output backend raised filling its "
-                                      "grammar's bitmask (logged)") if failed else {}
+            outputs: dict[int, EngineCoreOutputs] = {}
+            for rid, why in self.scheduler.fill_grammar_bitmask(scheduler_output).items():
+                _merge(outputs, self.fail_requests([rid], why))
+            return outputs
         except Exception as e:
             log.exception("the structured-output backend failed filling the bitmask")
             return self.fail_requests(list(scheduler_output.structured_output_request_ids),
@@ -507,6 +509,10 @@ class EngineCore:
             "grammars_compiled": self.structured_output_manager.num_compiled,
             "grammar_compile_failures": self.structured_output_manager.num_failed,
             "grammar_cache_hits": self.structured_output_manager.num_cache_hits,
+            "grammar_compile_timeouts": self.structured_output_manager.num_timeouts,
+            "grammar_compiles_cancelled": self.structured_output_manager.num_cancelled,
+            "grammar_refusals": self.structured_output_manager.num_refused,
+            "grammar_step_budget_failures": self.structured_output_manager.num_over_budget,
             "jump_forward_tokens": sched.num_jump_forward_tokens,
             "num_free_blocks": kv.num_free_blocks, "num_held_arrivals": len(self._future),
             "pause_state": sched.pause_state.value, "now": self.now(),

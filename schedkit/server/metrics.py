@@ -72,6 +72,14 @@ _ENGINE_SERIES: tuple[tuple[Any, str, str, str], ...] = (
      "failed to compile.", "grammar_compile_failures"),
     (CounterMetricFamily, "structured_output_grammar_cache_hits", "Structured requests whose "
      "grammar was already compiled.", "grammar_cache_hits"),
+    (CounterMetricFamily, "structured_output_compile_timeouts", "Grammar compiles stopped at "
+     "structured_outputs.compile_timeout_s.", "grammar_compile_timeouts"),
+    (CounterMetricFamily, "structured_output_compiles_cancelled", "Grammar compiles cancelled "
+     "because every request waiting for them left.", "grammar_compiles_cancelled"),
+    (CounterMetricFamily, "structured_output_refusals", "Constraints refused before compiling "
+     "(over a size limit, or the compile queue full).", "grammar_refusals"),
+    (CounterMetricFamily, "structured_output_step_budget_failures", "Structured requests failed "
+     "for exceeding structured_outputs.step_budget_ms.", "grammar_step_budget_failures"),
     (CounterMetricFamily, "structured_output_jump_forward_tokens", "Output tokens appended by "
      "jump-forward decoding instead of being sampled.", "jump_forward_tokens"),
     (CounterMetricFamily, "engine_refused_connections", "Connections to the engine's sockets "

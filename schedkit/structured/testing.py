@@ -68,3 +68,27 @@ def byte_level_tokenizer(vocab_size: int = 320, chat_template: str | None = None
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast
+
+
+def word_level_tokenizer(vocab_size: int = 49152) -> Any:
+    """A word-level tokenizer of ``vocab_size`` tokens (SmolLM2's size by default), for
+    costs that grow with the vocabulary: ``<eos>`` (id 0), the characters of
+    :data:`WORD_ALPHABET`, then random 2-8 character pieces of them (a fixed seed).
+    Wrapped in transformers' PreTrainedTokenizerFast; no download."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    chars = list(WORD_ALPHABET)
+    pieces: dict[str, None] = dict.fromkeys(["<eos>", *chars])
+    while len(pieces) < vocab_size:
+        pieces["".join(rng.choice(chars) for _ in range(rng.randrange(2, 9)))] = None
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+WORD_ALPHABET = "abcdefghijklmnopqrstuvwxyz{}[]:,0123456789.-"
+"""The characters of :func:`word_level_tokenizer`'s pieces."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ class XGrammarBackend(StructuredOutputBackend):
         if stop_token_ids is not None:
             kwargs["stop_token_ids"] = list(stop_token_ids)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, **kwargs)
+        self.max_threads = max_threads
         # The manager keeps the compiled grammars (an LRU of structured_outputs.cache_size);
         # xgrammar's own cache would keep every schema ever seen unless it is bounded.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
@@ -88,44 +89,19 @@ class XGrammarBackend(StructuredOutputBackend):
         return list(self.tokenizer_info.stop_token_ids)
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        kind = params.kind
-        if kind == "json":
-            problem = unenforced_json_schema_feature(json.loads(params.spec))
-            if problem is not None:
-                raise ValueError(problem)
-        try:
-            if kind == "json":
-                xgr.Grammar.from_json_schema(params.spec, any_whitespace=not params.disable_any_whitespace)
-            elif kind == "regex":
-                xgr.Grammar.from_regex(params.spec)
-            elif kind == "grammar":
-                xgr.Grammar.from_ebnf(params.spec)
-            elif kind == "choice":
-                xgr.Grammar.from_ebnf(choice_ebnf(params.choice or ()))
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(_message(e)) from None
+        check_constraint(params)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind = params.kind
-        compiler = self.compiler
-        try:
-            if kind == "json":
-                return compiler.compile_json_schema(
-                    params.spec, any_whitespace=not params.disable_any_whitespace,
-                    max_whitespace_cnt=self.json_max_whitespace)
-            if kind == "json_object":  # an object: xgrammar's builtin JSON grammar allows arrays too
-                return compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace,
-                    max_whitespace_cnt=self.json_max_whitespace)
-            if kind == "regex":
-                return compiler.compile_regex(params.spec)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_ebnf(params.choice or ()))
-            if kind == "grammar":
-                return compiler.compile_grammar(params.spec)
-        except RuntimeError as e:
-            raise ValueError(_message(e)) from None
-        raise ValueError(f"xgrammar backend: unknown constraint kind {kind!r}")
+        return compile_constraint(self.compiler, params, self.json_max_whitespace)
+
+    def process_compiler(self) -> ProcessCompiler:
+        """Compiles in worker processes: each rebuilds the tokenizer info from its JSON
+        and returns compiled grammars as JSON (:meth:`load_compiled` reads them back)."""
+        return ProcessCompiler(self.tokenizer_info.serialize_json(), self.json_max_whitespace,
+                               self.max_threads)
+
+    def load_compiled(self, payload: Any) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(payload, self.tokenizer_info)
 
     def new_grammar(self, compiled: Any, max_rollback_tokens: int) -> XGrammarGrammar:
         # xgrammar 0.2 rolls back any number of tokens (its max_rollback_tokens is deprecated)
@@ -140,6 +116,73 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def shutdown(self) -> None:
         self.compiler.clear_cache()
+
+
+def check_constraint(params: StructuredOutputsParams) -> None:
+    """Parse the constraint as xgrammar would; ValueError naming what is wrong (or what
+    in a schema xgrammar would not enforce)."""
+    kind = params.kind
+    if kind == "json":
+        problem = unenforced_json_schema_feature(json.loads(params.spec))
+        if problem is not None:
+            raise ValueError(problem)
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(params.spec, any_whitespace=not params.disable_any_whitespace)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(params.spec)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(params.spec)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(params.choice or ()))
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(_message(e)) from None
+
+
+def compile_constraint(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams,
+                       json_max_whitespace: int | None) -> xgr.CompiledGrammar:
+    """The constraint compiled by ``compiler``; ValueError with xgrammar's message."""
+    kind = params.kind
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(
+                params.spec, any_whitespace=not params.disable_any_whitespace,
+                max_whitespace_cnt=json_max_whitespace)
+        if kind == "json_object":  # an object: xgrammar's builtin JSON grammar allows arrays too
+            return compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace,
+                max_whitespace_cnt=json_max_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(params.spec)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_ebnf(params.choice or ()))
+        if kind == "grammar":
+            return compiler.compile_grammar(params.spec)
+    except RuntimeError as e:
+        raise ValueError(_message(e)) from None
+    raise ValueError(f"xgrammar backend: unknown constraint kind {kind!r}")
+
+
+class ProcessCompiler:
+    """The xgrammar backend's compiler for a worker process (picklable: the tokenizer
+    info travels as JSON). Called once there, it returns the process's compile function:
+    check, compile, and return the compiled grammar's JSON."""
+
+    def __init__(self, tokenizer_info_json: str, json_max_whitespace: int | None, max_threads: int) -> None:
+        self.tokenizer_info_json = tokenizer_info_json
+        self.json_max_whitespace = json_max_whitespace
+        self.max_threads = max_threads
+
+    def __call__(self) -> Callable[[StructuredOutputsParams], str]:
+        info = xgr.TokenizerInfo.deserialize_json(self.tokenizer_info_json)
+        compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+        json_max_whitespace = self.json_max_whitespace
+
+        def compile_to_json(params: StructuredOutputsParams) -> str:
+            check_constraint(params)
+            return compile_constraint(compiler, params, json_max_whitespace).serialize_json()
+
+        return compile_to_json
 
 
 UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains", "not", "dependentRequired",

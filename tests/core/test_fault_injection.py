@@ -1,8 +1,9 @@
-"""Fault-injection property test (issue 10): plugins raise at random hook calls (every
-per-step hook, the waiting queue's methods and its key function) on random traces.
-After every step the scheduler invariants hold and no block leaks; at the end nothing
-is left; only requests a fault concerned fail, and every other request's tokens equal
-those of a fault-free run."""
+"""Fault-injection property test: plugins raise at random hook calls (every per-step
+hook, the waiting queue's methods and its key function) on random traces, and some
+structured requests have grammars that are slow to compile, to fill their bitmask or to
+accept tokens. After every step the scheduler invariants hold and no block leaks; at the
+end nothing is left; only requests a fault concerned fail, and every other request's
+tokens equal those of a fault-free run."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
 from schedkit.errors import PluginError
 from schedkit.plugins.testing import assert_scheduler_consistent
-from tests.faults import HOOKS, FaultInjector
+from tests.faults import (
+    HOOKS,
+    SLOW_GRAMMAR_FAULTS,
+    SLOW_GRAMMAR_LIMITS,
+    FaultInjector,
+    SlowGrammars,
+)
 
 
 def make_trace(seed: int, vocab: int = 1000) -> list[tuple[str, list[int], int, float]]:
@@ -42,15 +49,19 @@ def fake_config(async_scheduling: bool) -> dict:
     }
 
 
-def run_trace(config: dict | Config, trace, faults: FaultInjector, max_steps: int = 5000):
-    """Serve the trace; returns (tokens per request, failed request -> error)."""
+def run_trace(config: dict | Config, trace, faults: FaultInjector, max_steps: int = 5000,
+              constraints: dict[str, str] | None = None):
+    """Serve the trace (``constraints``: request id -> its ``regex`` constraint); returns
+    (tokens per request, failed request -> error)."""
     cfg = config if isinstance(config, Config) else config_from_dict(config)
-    engine = EngineCore(cfg, extra_plugins=[faults])
+    engine = EngineCore(cfg, extra_plugins=[faults, SlowGrammars()])
     tokens: dict[str, list[int]] = {rid: [] for rid, *_ in trace}
     failed: dict[str, str] = {}
+    constraints = constraints or {}
     for rid, prompt, max_tokens, offset in trace:
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                  ignore_eos=True), arrival_time=0.0)
+        so = {"regex": constraints[rid]} if rid in constraints else None
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                  structured_outputs=so), arrival_time=0.0)
         try:
             engine.add_request(req, arrival_offset=offset)
         except PluginError as e:
@@ -61,6 +72,8 @@ def run_trace(config: dict | Config, trace, faults: FaultInjector, max_steps: in
         wait = engine.next_arrival_in()
         if wait and not engine.is_virtual and not engine.scheduler.has_requests():
             time.sleep(wait)  # a wall-clock runner: idle until the next arrival
+        if engine.last_step_empty and engine.waiting_for_grammars():
+            time.sleep(0.002)  # as the engine process waits for a compile
         for group in engine.step().values():
             for o in group.outputs:
                 tokens[o.request_id] += o.new_token_ids
@@ -70,6 +83,7 @@ def run_trace(config: dict | Config, trace, faults: FaultInjector, max_steps: in
             assert_scheduler_consistent(engine.scheduler)
     else:
         raise AssertionError(f"not finished after {max_steps} steps")
+    engine.close()
     sched = engine.scheduler
     kv = sched.kv_cache_manager
     assert not sched.requests and not sched.running and not len(sched.waiting)
@@ -113,3 +127,39 @@ def test_the_faults_reach_every_hook_and_queue_method():
     expected = set(HOOKS) | {"add", "peek", "pop", "prepend_request", "prepend_requests",
                              "remove_requests", "key"}
     assert expected <= set(raised), expected - set(raised)
+
+
+def slow_grammar_constraints(seed: int, trace) -> dict[str, str]:
+    """A constraint for about half the requests: fast ("ok") or slow in one place."""
+    rng = random.Random(seed + 7)
+    kinds = [None] * 5 + ["ok"] * 2 + list(SLOW_GRAMMAR_FAULTS)
+    return {rid: kind for rid, *_ in trace if (kind := rng.choice(kinds)) is not None}
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), keyed=st.booleans(), async_scheduling=st.booleans(),
+       rate=st.sampled_from([0.0, 0.05]))
+def test_slow_grammars_fail_alone_and_the_others_are_served(seed, keyed, async_scheduling, rate):
+    """A grammar slow to compile fails at the compile timeout, one slow to fill or accept
+    on its step budget; the others (hook faults aside) get the tokens of a run where
+    every grammar is fast, and nothing leaks."""
+    config = {**fake_config(async_scheduling), "structured_outputs": SLOW_GRAMMAR_LIMITS}
+    trace = make_trace(seed)
+    slow = slow_grammar_constraints(seed, trace)
+    fast = {rid: "ok" for rid in slow}
+    control, control_failed = run_trace(config, trace, FaultInjector(seed, 0.0, keyed), constraints=fast)
+    assert not control_failed
+    faults = FaultInjector(seed, rate, keyed)
+    tokens, failed = run_trace(config, trace, faults, constraints=slow)
+    slow_ids = {rid for rid, kind in slow.items() if kind != "ok"}
+    assert set(failed) <= faults.touched | slow_ids, (failed, faults.touched, slow)
+    for rid, err in failed.items():
+        if rid in faults.touched and "injected fault" in err:
+            continue
+        key = "compile_timeout_s" if slow[rid] == "slow-compile" else "step_budget_ms"
+        assert f"structured_outputs.{key}" in err, (rid, slow[rid], err)
+    for rid, toks in control.items():
+        if rid not in failed:
+            assert tokens[rid] == toks, f"{rid}: {tokens[rid]} != {toks}"
+    # A request slow to fill or accept fails after two slow steps: a shorter one may finish first.
+    assert {rid for rid in slow_ids if len(control[rid]) > 3 or slow[rid] == "slow-compile"} <= set(failed)

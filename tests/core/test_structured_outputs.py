@@ -269,13 +269,20 @@ def test_a_grammar_that_does_not_compile_fails_its_request_at_the_next_update():
     assert not list(sched.waiting) and not sched.deferred_ids
 
 
-def test_invalid_constraints_and_schedulers_without_structured_outputs_are_refused_at_add():
+def test_invalid_constraints_fail_at_the_next_update_and_schedulers_without_structured_outputs_refuse():
+    """The backend's check runs on a compile worker, not in add_request: a constraint it
+    refuses fails its request at the next update, naming why."""
     mgr, _ = manager()
     sched = make_scheduler(structured_output_manager=mgr)
-    with pytest.raises(RequestError, match="does not compile"):
-        sched.add_request(structured("x", [1], "seq:five"))
-    with pytest.raises(RequestError, match="regex='seq:...' only"):
-        sched.add_request(make_request("y", [1], structured_outputs={"choice": ["a"]}))
+    x = structured("x", [1], "seq:five")
+    y = make_request("y", [1], structured_outputs={"choice": ["a"]})
+    sched.add_request(x)
+    sched.add_request(y)
+    for r in (x, y):
+        with pytest.raises(ValueError):
+            r.structured_output.compiled.result(timeout=10)
+    errors = {o.request_id: o.error for o in step(sched).outputs}
+    assert "does not compile" in errors["x"] and "regex='seq:...' only" in errors["y"]
     assert not sched.requests and not list(sched.waiting)
     plain_sched = make_scheduler()
     with pytest.raises(RequestError, match="structured outputs are not available"):
@@ -545,11 +552,15 @@ def test_a_backend_that_raises_fails_only_its_request(where):
     engine.close()
 
 
-def test_a_backend_whose_validate_raises_refuses_the_request_with_a_request_error():
+def test_a_backend_whose_validate_raises_fails_only_that_request():
     mgr, _ = manager(FailingBackend())
     sched = make_scheduler(structured_output_manager=mgr)
-    with pytest.raises(RequestError, match="raised checking the regex.*RuntimeError: validate exploded"):
-        sched.add_request(structured("x", [1], "boom:validate"))
+    x = structured("x", [1], "boom:validate")
+    sched.add_request(x)
+    with pytest.raises(RuntimeError):
+        x.structured_output.compiled.result(timeout=10)
+    (out,) = step(sched).outputs
+    assert out.finish_reason == "error" and "RuntimeError: validate exploded" in out.error
     assert not sched.requests
 
 
@@ -575,5 +586,6 @@ def test_closing_the_engine_stops_the_compile_threads():
     pool = engine.structured_output_manager._pool
     assert pool is not None
     engine.close()
-    with pytest.raises(RuntimeError):
-        pool.submit(print)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit("key", None, 0, "r")
+    assert not any(w.thread.is_alive() for w in pool._workers)

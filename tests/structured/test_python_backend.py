@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import string
 
 import pytest
@@ -127,12 +128,13 @@ def test_validate_refuses_bad_patterns_and_other_kinds(backend):
 
 
 def test_manager_refuses_an_unsupported_kind_naming_the_backend(backend):
-    from schedkit.errors import RequestError
-
     manager = StructuredOutputManager(lambda: backend)
     req = make_request("r", [1, 2], structured_outputs={"json_object": True})
-    with pytest.raises(RequestError, match=r"\(python\).*supports regex and choice"):
-        manager.add_request(req)
+    manager.add_request(req)  # checked on a compile worker
+    with pytest.raises(ValueError):
+        req.structured_output.compiled.result(timeout=5)
+    assert not manager.check_ready(req)
+    assert re.search(r"\(python\).*supports regex and choice", req.structured_output.error)
     ok = make_request("s", [1, 2], structured_outputs={"regex": "a+"})
     manager.add_request(ok)
     ok.structured_output.compiled.result(timeout=5)

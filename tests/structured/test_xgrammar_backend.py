@@ -230,8 +230,10 @@ def test_through_the_manager_with_drafts(backend, bpe_tokenizer):
     assert b in bm.allowed(1) and bpe_tokenizer.eos_token_id not in bm.allowed(1)
     assert manager.validate_drafts(req, [a, b, b, a]) == [a, b, b]
     bad = make_request("s", [1], structured_outputs={"grammar": "root ::= nope"})
-    with pytest.raises(ValueError, match=r"\(xgrammar\).*nope"):
-        manager.add_request(bad)
+    manager.add_request(bad)  # checked in a compile worker process
+    with pytest.raises(ValueError, match="nope"):
+        bad.structured_output.compiled.result(timeout=30)
+    assert not manager.check_ready(bad) and re.search(r"\(xgrammar\).*nope", bad.structured_output.error)
     manager.shutdown()
 
 

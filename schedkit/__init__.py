@@ -30,7 +30,14 @@ from schedkit.core.queues import BaseRequestQueue, FCFSQueue, KeyedQueue, Reques
 from schedkit.core.request import EventType, FinishReason, Request, RequestStatus, SamplingParams
 from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
 from schedkit.core.structured_output import GrammarBitmask, StructuredOutputBackend
-from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
+from schedkit.errors import (
+    ConfigError,
+    EngineBusyError,
+    EngineDeadError,
+    PluginError,
+    RequestError,
+    SchedkitError,
+)
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
 from schedkit.kv.kv_cache_manager import KVCacheManager
@@ -92,6 +99,7 @@ __all__ = [
     "ConfigError",
     "PluginError",
     "RequestError",
+    "EngineBusyError",
     "EngineDeadError",
     # clients (imported on first use)
     "LLM",

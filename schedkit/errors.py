@@ -54,5 +54,11 @@ class RequestError(SchedkitError, ValueError):
         self.request_id = request_id
 
 
+class EngineBusyError(RequestError):
+    """A request refused because one of the engine's bounded queues is full right now
+    (the grammar compile queue): the engine is saturated, the request is not at fault;
+    the same request may succeed later (the HTTP server answers 429 with Retry-After)."""
+
+
 class EngineDeadError(SchedkitError):
     """The engine-core process died; every pending client call raises this."""

@@ -43,7 +43,7 @@ from schedkit.core.compile_pool import (
 from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams
 from schedkit.core.grammar_limits import StepBudget, constraint_limit_error
 from schedkit.core.request import Request
-from schedkit.errors import RequestError
+from schedkit.errors import EngineBusyError, RequestError
 
 log = logging.getLogger("schedkit.structured_output")
 
@@ -241,7 +241,7 @@ class StructuredOutputManager:
             except CompileQueueFull as e:
                 self.num_refused += 1
                 limits = self.limits
-                raise RequestError(
+                raise EngineBusyError(
                     f"request {rid!r}: the grammar compile queue is full ({e}: "
                     f"structured_outputs.max_queued_compiles = {limits.max_queued_compiles}, "
                     f"max_queued_compiles_per_client = {limits.max_queued_compiles_per_client}); "

@@ -62,7 +62,14 @@ from schedkit.engine.messages import (
 )
 from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
 from schedkit.engine.tokenizer import load_tokenizer
-from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
+from schedkit.errors import (
+    ConfigError,
+    EngineBusyError,
+    EngineDeadError,
+    PluginError,
+    RequestError,
+    SchedkitError,
+)
 
 _T = TypeVar("_T")
 
@@ -972,7 +979,8 @@ class AsyncLLM:
             async for item in outputs:
                 if (item.error is not None and not item.new_token_ids and item.metrics is None
                         and not produced):
-                    raise RequestError(f"request {rid!r} failed: {item.error}", request_id=rid)
+                    error = EngineBusyError if item.stop_reason == "busy" else RequestError
+                    raise error(f"request {rid!r} failed: {item.error}", request_id=rid)
                 produced = produced or bool(item.new_token_ids)
                 yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
                                     item.stop_reason, item.error, item.metrics,

@@ -35,7 +35,7 @@ from schedkit.core.scheduler import PauseState, Scheduler
 from schedkit.core.structured_output import StructuredOutputBackend, StructuredOutputManager
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.tokenizer import load_tokenizer, model_eos_ids
-from schedkit.errors import ConfigError, PluginError, RequestError
+from schedkit.errors import ConfigError, EngineBusyError, PluginError, RequestError
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import describe_plugins, get_plugin_manager
@@ -80,6 +80,12 @@ class _Done:
 
     def result(self) -> ModelRunnerOutput:
         return self.output
+
+
+def refusal_stop_reason(err: BaseException) -> str:
+    """The stop reason of a request refused on arrival: "busy" when a bounded queue of
+    the engine was full (:class:`EngineBusyError`, retry later), else "refused"."""
+    return "busy" if isinstance(err, EngineBusyError) else "refused"
 
 
 class EngineCore:
@@ -305,7 +311,7 @@ class EngineCore:
         outputs: dict[int, EngineCoreOutputs] = {}
         for req, err in failed_arrivals:
             _add_output(outputs, req.client_index, EngineCoreOutput(
-                req.request_id, [], FinishReason.ERROR, "refused", error=str(err)))
+                req.request_id, [], FinishReason.ERROR, refusal_stop_reason(err), error=str(err)))
         queue = self._in_flight
         if len(queue) < self._depth and sched.has_requests():
             t0 = self.now()

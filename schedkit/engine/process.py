@@ -58,7 +58,7 @@ from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import Request
 from schedkit.engine.auth import EngineGuard, EngineKeys
-from schedkit.engine.core import EngineCore
+from schedkit.engine.core import EngineCore, refusal_stop_reason
 from schedkit.engine.gc_heap import freeze_startup_heap
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
@@ -328,7 +328,7 @@ class EngineCoreProc:
                     raise SchedkitError(f"duplicate request id {w.request_id!r}")
                 engine.add_request(req, w.arrival_offset)
             except (SchedkitError, ValueError) as e:
-                errors.append(WireOutput(w.request_id, finish_reason="error", stop_reason="refused",
+                errors.append(WireOutput(w.request_id, finish_reason="error", stop_reason=refusal_stop_reason(e),
                                          error=str(e)))
                 continue
             self._live[w.request_id] = req

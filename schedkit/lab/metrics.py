@@ -84,7 +84,7 @@ class RequestMetrics:
     @property
     def rejected(self) -> bool:
         """Dropped without service: rejected by an admission plugin or refused at arrival."""
-        return self.stop_reason in ("rejected", "refused")
+        return self.stop_reason in ("rejected", "refused", "busy")
 
     @property
     def served(self) -> bool:
@@ -372,7 +372,7 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
     rejected_by: dict[str, int] = {}
     for m in metrics:
         if m.rejected:
-            who = m.rejected_by or ("engine" if m.stop_reason == "refused" else "unknown")
+            who = m.rejected_by or ("engine" if m.stop_reason in ("refused", "busy") else "unknown")
             rejected_by[who] = rejected_by.get(who, 0) + 1
     return {
         "requests": len(metrics),

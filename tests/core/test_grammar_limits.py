@@ -21,7 +21,7 @@ from schedkit.core.compile_pool import CompileJob, CompileTimeout, FairQueue
 from schedkit.core.grammar_limits import json_nesting_depth
 from schedkit.core.request import Request, RequestStatus, SamplingParams
 from schedkit.engine.core import EngineCore
-from schedkit.errors import RequestError
+from schedkit.errors import EngineBusyError, RequestError
 from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler, step
 from tests.core.test_structured_outputs import (
     VOCAB,
@@ -170,10 +170,10 @@ def test_a_full_compile_queue_refuses_naming_its_limit_and_other_clients_still_g
         time.sleep(0.01)
     sched.add_request(structured("a1", [1], "seq:1", client_index=0))
     sched.add_request(structured("a2", [1], "seq:2", client_index=0))
-    with pytest.raises(RequestError, match=r"compile queue is full .*max_queued_compiles_per_client = 2"):
+    with pytest.raises(EngineBusyError, match=r"compile queue is full .*max_queued_compiles_per_client = 2"):
         sched.add_request(structured("a3", [1], "seq:3", client_index=0))
     sched.add_request(structured("b1", [1], "seq:4", client_index=1))  # another client gets in
-    with pytest.raises(RequestError, match=r"compile queue is full .*max_queued_compiles = 3"):
+    with pytest.raises(EngineBusyError, match=r"compile queue is full .*max_queued_compiles = 3"):
         sched.add_request(structured("c1", [1], "seq:5", client_index=2))
     assert "a3" not in sched.requests and "c1" not in sched.requests and mgr.num_refused == 2
     backend.gate("run").set()

@@ -60,14 +60,16 @@ def _valid_request_id(value: str | None) -> str | None:
 
 
 class LimitsMiddleware:
-    """Body size limit (413 naming it) and API-key check (401), before any route runs."""
+    """API-key check (401), body size limit (413 naming it) and body time limit (408,
+    closing the connection), before any route runs."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
-                 on_error: Callable[[int], None]) -> None:
+                 on_error: Callable[[int], None], body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key.encode() if api_key else None
         self.on_error = on_error
+        self.body_timeout_s = body_timeout_s
 
     async def _reject(self, send: Any, e: APIError) -> None:
         self.on_error(e.status)
@@ -102,19 +104,19 @@ class LimitsMiddleware:
                 await self._reject(send, APIError(413, f"the request body has {int(length)} bytes; "
                                                   f"the limit is {limit} (server.max_body_bytes)"))
                 return
-        # Read the whole body here (it is bounded), then hand it to the app in one piece.
-        body = bytearray()
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # the client left before sending its body
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > limit:
-                await self._reject(send, APIError(413, f"the request body exceeds {limit} bytes "
-                                                  "(server.max_body_bytes)"))
-                return
+        # Read the whole body here (it is bounded in size and time), then hand it to the app
+        # in one piece.
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            body = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                            "(server.body_timeout_s)", headers={"Connection": "close"})
+        if isinstance(body, APIError):
+            await self._reject(send, body)
+            return
+        if body is None:
+            return  # the client left before sending its body
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -126,7 +128,20 @@ class LimitsMiddleware:
 
         await self.app(scope, replay, send)
 
-
+    async def _read_body(self, receive: Any) -> bytearray | APIError | None:
+        """The whole body, a 413 past the limit, or None when the client left."""
+        body = bytearray()
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return None
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return APIError(413, f"the request body exceeds {self.max_body_bytes} bytes "
+                                "(server.max_body_bytes)")
+        return body
 
 
 async def _request_of(request: Request, model: type[Any], server: Server) -> Any:
@@ -257,7 +272,8 @@ class EventStream(Response):
 
 
 def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes: int,
-              api_key: str | None) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
+              api_key: str | None, body_timeout_s: float = 30.0,
+              ) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
     """The ASGI app; ``server_factory`` starts the engine (at startup), returning the
     :class:`Server`. Returns the app (behind the limits) and a getter for the server."""
     state: dict[str, Server] = {}
@@ -414,4 +430,5 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         if "server" in state:
             state["server"].metrics.http_error(status)
 
-    return LimitsMiddleware(app, max_body_bytes, api_key, count_error), lambda: state.get("server")
+    return (LimitsMiddleware(app, max_body_bytes, api_key, count_error, body_timeout_s),
+            lambda: state.get("server"))

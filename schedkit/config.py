@@ -560,6 +560,9 @@ class ServerConfig(_Strict):
     body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     """Seconds a request body may take to arrive in full once its headers have; a client
     still sending it then is answered 408 and its connection closed."""
+    tokenizer_threads: int = Field(default=2, ge=1, le=64)
+    """Threads that tokenize long texts (over 4,096 characters); short texts have a thread
+    of their own, so they never wait behind long ones."""
 
 
 class Config(_Strict):

@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schedkit.engine.gc_heap import freeze_startup_heap
+from schedkit.server.body import decode_json
 from schedkit.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -42,6 +42,9 @@ log = logging.getLogger("schedkit.server")
 ASGIApp = Callable[..., Awaitable[None]]
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 METRICS_REFRESH_TIMEOUT_S = 2.0
+INLINE_BODY_BYTES = 64 * 1024
+"""Bodies up to this size are decoded on the event loop (it takes microseconds); larger
+ones on the body thread."""
 
 
 def _error_response(e: APIError, request_id: str | None = None) -> JSONResponse:
@@ -145,63 +148,25 @@ class LimitsMiddleware:
 
 
 async def _request_of(request: Request, model: type[Any], server: Server) -> Any:
-    """The request body decoded and validated as ``model`` (see :func:`parse_body`)."""
-    body = _decode_json(await request.body())
-    if model is CompletionRequest and isinstance(body, dict):
-        # A batch larger than the pending limit is refused before validating each prompt
-        # (at the 8 MB body limit that validation alone is 1.5 s of the event loop).
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            server.check_never_fits(len(prompt), "prompt")
+    """The request body decoded and validated as ``model`` (see :func:`_parse`): a large
+    body on the body thread, not the event loop."""
+    raw = await request.body()
+    if len(raw) <= INLINE_BODY_BYTES:
+        return _parse(raw, model, server)
+    return await server.in_body_thread(_parse, raw, model, server)
+
+
+def _parse(raw: bytes, model: type[Any], server: Server) -> Any:
+    """Decode (:func:`decode_json`), refuse by length what the limits refuse anyway
+    (:meth:`Server.refuse_by_length`), then validate (:func:`parse_body`).
+
+    Raises:
+        APIError: 400 naming what is wrong.
+    """
+    body = decode_json(raw)
+    if isinstance(body, dict):
+        server.refuse_by_length(model, body)
     return parse_body(model, body)
-
-
-def _decode_json(raw: bytes) -> Any:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    # JSON may spell a lone UTF-16 surrogate (\ud800), which no tokenizer, log or reply can
-    # encode: the strings are searched only when the body has such an escape at all.
-    if _SURROGATE_ESCAPE.search(raw) is not None:
-        try:
-            where = _lone_surrogate(body, "")
-        except RecursionError:
-            raise APIError(400, "the request body is nested too deeply") from None
-        if where is not None:
-            param = where or None
-            raise APIError(400, f"{where or 'a key'}: not valid Unicode text (a lone UTF-16 surrogate)",
-                           param=param)
-    return body
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _lone_surrogate(value: Any, path: str) -> str | None:
-    """The path (``messages[0].content``) of the first string in ``value`` that does not
-    encode as UTF-8, "" for such a key, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if _lone_surrogate(k, "") is not None:
-                return path
-            found = _lone_surrogate(v, f"{path}.{k}" if path else k)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _lone_surrogate(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -390,8 +355,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         if req.messages is not None:
             ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
         else:
-            tok = s._need_tokenizer("tokenize")
-            ids = list(await s.off_loop(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await s.tokenize(req.prompt, what="tokenize", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -401,7 +365,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         s.check_model(req.model)
         tok = s._need_tokenizer("detokenize", "tokens")
         ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []
-        return {"prompt": await s.off_loop(tok.decode, ids)}
+        return {"prompt": await s.off_loop(tok.decode, ids, size=len(ids))}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

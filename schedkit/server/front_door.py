@@ -88,8 +88,6 @@ class FrontDoorProtocol(HttpToolsProtocol):
         """The parser is between requests or inside a request's line and headers."""
         self._head_left = self.limits.head_bytes
         self._target = bytearray()
-        self._num_headers = 0
-        self._header_bytes = 0
         self._refusal: APIError | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
@@ -111,20 +109,27 @@ class FrontDoorProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if not self._in_head:  # a body: parsed as it comes
             self._feed(data)
-            return
-        view = memoryview(data)
+        elif len(data) <= self._head_left:  # counted first: a request ending in it starts the next afresh
+            self._head_left -= len(data)
+            self._feed(data)
+        else:
+            self._feed_head(memoryview(data))
+        if (self._in_head and self._head_timer is None and self._linger_timer is None
+                and self._head_left < self.limits.head_bytes):
+            self._arm_head_timer()  # a head begun and not complete: it has header_timeout_s
+
+    def _feed_head(self, view: memoryview) -> None:
+        """Parse ``view`` handing the parser no more of a head than the limits leave."""
         while view:
             if not self._in_head:
                 self._feed(view)
                 return
-            if self._head_timer is None:
-                self._arm_head_timer()
             if self._head_left <= 0:
                 self._refuse(APIError(431, f"the request's headers exceed {self.limits.max_header_bytes} "
                                       "bytes (server.max_header_bytes)"))
                 return
             piece, view = view[:self._head_left], view[self._head_left:]
-            self._head_left -= len(piece)  # counted first: a request ending in it starts the next afresh
+            self._head_left -= len(piece)
             if not self._feed(piece):
                 return
 
@@ -152,7 +157,6 @@ class FrontDoorProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._target = bytearray()
-        self._num_headers = self._header_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._target += url  # a bytearray grows in place (uvicorn's bytes += copies it all)
@@ -160,28 +164,29 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self._stop(APIError(414, f"the request target exceeds {self.limits.max_request_line_bytes} "
                                 "bytes (server.max_request_line_bytes)"))
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        lim = self.limits
-        self._num_headers += 1
-        size = len(name) + len(value)
-        self._header_bytes += size
-        if self._num_headers > lim.max_headers:
-            self._stop(APIError(431, f"the request has more than {lim.max_headers} headers "
-                                "(server.max_headers)"))
-        if size > lim.max_header_line_bytes:
-            shown = name[:64].decode("latin-1")
-            self._stop(APIError(431, f"the header {shown!r} has {size} bytes; the limit is "
-                                f"{lim.max_header_line_bytes} (server.max_header_line_bytes)"))
-        if self._header_bytes > lim.max_header_bytes:
-            self._stop(APIError(431, f"the request's headers exceed {lim.max_header_bytes} bytes "
-                                "(server.max_header_bytes)"))
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        self._check_headers()
         self._in_head = False
         self.url = bytes(self._target)
         super().on_headers_complete()
+
+    def _check_headers(self) -> None:
+        """Stop a request whose headers break a limit (their bytes are bounded already:
+        the parser was never handed more than the limits leave)."""
+        lim = self.limits
+        if len(self.headers) > lim.max_headers:
+            self._stop(APIError(431, f"the request has more than {lim.max_headers} headers "
+                                "(server.max_headers)"))
+        sizes = [len(name) + len(value) for name, value in self.headers]
+        longest = max(sizes, default=0)
+        if longest > lim.max_header_line_bytes:
+            name = self.headers[sizes.index(longest)][0][:64].decode("latin-1")
+            self._stop(APIError(431, f"the header {name!r} has {longest} bytes; the limit is "
+                                f"{lim.max_header_line_bytes} (server.max_header_line_bytes)"))
+        if sum(sizes) > lim.max_header_bytes:
+            self._stop(APIError(431, f"the request's headers exceed {lim.max_header_bytes} bytes "
+                                "(server.max_header_bytes)"))
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -86,7 +86,7 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
             srv.metrics.http_error(status)
 
     protocol = front_door_protocol(HeadLimits.from_config(sc), count_refused)
-    ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=protocol, ws="none",
+    ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=protocol,
                           lifespan="on", log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,
                           timeout_keep_alive=max(1, round(sc.keep_alive_s)))

@@ -108,7 +108,7 @@ def test_a_request_target_over_the_limit_is_a_414(door):
 
 @pytest.mark.parametrize(("headers", "says"), [
     ([f"X-H{i}: 1" for i in range(101)], ("100 headers", "server.max_headers")),
-    ([f"X-Big: {'a' * 17000}"], ("'X-Big'", "17005 bytes", "16384", "server.max_header_line_bytes")),
+    ([f"X-Big: {'a' * 17000}"], ("'x-big'", "17005 bytes", "16384", "server.max_header_line_bytes")),
     ([f"X-H{i}: {'a' * 15000}" for i in range(5)], ("65536", "server.max_header_bytes")),
 ], ids=["count", "one-header", "all-headers"])
 def test_headers_over_a_limit_are_a_431(door, headers, says):
@@ -210,3 +210,26 @@ def test_the_limits_are_configurable(tmp_path, word_tokenizer, serve):
     status, headers, body, _ = _send_refused(s, request)
     _assert_refused(status, headers, body, 431, "8 headers", "server.max_headers")
     assert httpx.get(s.url + "/health?" + "a" * 400, timeout=10).status_code == 200
+
+
+def test_the_head_timer_spares_long_responses_and_idle_keep_alive(door):
+    """``header_timeout_s`` times a head only: a stream longer than it runs to its end,
+    and a keep-alive connection idle for longer than it serves its next request."""
+    with door.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+        t0 = time.monotonic()
+        body = {"prompt": "w7", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert time.monotonic() - t0 > HEADER_TIMEOUT_S
+        assert lines[-1] == "data: [DONE]" and '"length"' in lines[-2]
+    sock = _connect(door)
+    for _ in range(2):
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"\r\n\r\n"):  # /health answers with headers only
+            chunk = sock.recv(4096)
+            assert chunk, f"closed after {answer!r}"
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        time.sleep(HEADER_TIMEOUT_S * 1.5)
+    sock.close()

@@ -323,15 +323,8 @@ class Server:
             APIError: 400 naming the field and its limit.
         """
         m = self.max_model_len
-        prompt = body.get("prompt") if model is CompletionRequest else None
-        if isinstance(prompt, list) and prompt:
-            if isinstance(prompt[0], (list, str)):  # a batch
-                self.check_never_fits(len(prompt), "prompt")
-                for i, p in enumerate(prompt):
-                    if isinstance(p, list) and len(p) >= m:
-                        raise self._prompt_too_long(len(p), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
-            elif len(prompt) >= m:
-                raise self._prompt_too_long(len(prompt), "prompt")
+        if model is CompletionRequest:
+            self._refuse_long_prompts(body.get("prompt"))
         if model in (CompletionRequest, ChatCompletionRequest):
             stop, ids = body.get("stop"), body.get("stop_token_ids")
             if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
@@ -346,6 +339,22 @@ class Server:
         if isinstance(tokens, list) and len(tokens) > m:
             raise APIError(400, f"tokens: {len(tokens)} ids; at most {m} are decoded at once "
                            "(scheduler.max_model_len)", param="tokens")
+
+    def _refuse_long_prompts(self, prompt: Any) -> None:
+        """Raises:
+            APIError: 400 for a batch of more prompts than the pending limit holds, or a
+                token-id prompt of ``max_model_len`` ids or more (by its length alone).
+        """
+        if not isinstance(prompt, list) or not prompt:
+            return
+        if not isinstance(prompt[0], (list, str)):  # one token-id prompt
+            if len(prompt) >= self.max_model_len:
+                raise self._prompt_too_long(len(prompt), "prompt")
+            return
+        self.check_never_fits(len(prompt), "prompt")
+        for i, p in enumerate(prompt):
+            if isinstance(p, list) and len(p) >= self.max_model_len:
+                raise self._prompt_too_long(len(p), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

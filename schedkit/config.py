@@ -571,6 +571,26 @@ class ServerConfig(_Strict):
     max_tenant_labels: int = Field(default=64, ge=1, le=10000)
     """Tenants (the ``user`` field) with their own label on the per-tenant metrics; the
     others are counted under ``other``."""
+    max_request_line_bytes: int = Field(default=8 * 1024, ge=256, le=1024 * 1024)
+    """Longest request target (the URL of the request line); a longer one is answered 414
+    and its connection closed, before authentication and before the rest is read."""
+    max_header_line_bytes: int = Field(default=16 * 1024, ge=256, le=1024 * 1024)
+    """Longest header (name and value); a longer one is answered 431."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    """Most bytes of all the headers of one request together; more is answered 431 (the
+    server stops reading at the limit)."""
+    max_headers: int = Field(default=100, ge=8, le=10000)
+    """Most headers in one request; more is answered 431."""
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    """Seconds a request's line and headers may take to arrive, from the connection's
+    opening or the request's first byte; a client still sending them then is answered 408
+    and its connection closed (one that sent nothing is closed)."""
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds a request body may take to arrive in full once its headers have; a client
+    still sending it then is answered 408 and its connection closed."""
+    tokenizer_threads: int = Field(default=2, ge=1, le=64)
+    """Threads that tokenize long texts (over 4,096 characters); short texts have a thread
+    of their own, so they never wait behind long ones."""
 
 
 class Config(_Strict):

@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schedkit.engine.gc_heap import freeze_startup_heap
+from schedkit.server.body import decode_json
 from schedkit.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -42,6 +42,9 @@ log = logging.getLogger("schedkit.server")
 ASGIApp = Callable[..., Awaitable[None]]
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 METRICS_REFRESH_TIMEOUT_S = 2.0
+INLINE_BODY_BYTES = 64 * 1024
+"""Bodies up to this size are decoded on the event loop (it takes microseconds); larger
+ones on the body thread."""
 
 
 def _error_response(e: APIError, request_id: str | None = None) -> JSONResponse:
@@ -60,14 +63,16 @@ def _valid_request_id(value: str | None) -> str | None:
 
 
 class LimitsMiddleware:
-    """Body size limit (413 naming it) and API-key check (401), before any route runs."""
+    """API-key check (401), body size limit (413 naming it) and body time limit (408,
+    closing the connection), before any route runs."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
-                 on_error: Callable[[int], None]) -> None:
+                 on_error: Callable[[int], None], body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key.encode() if api_key else None
         self.on_error = on_error
+        self.body_timeout_s = body_timeout_s
 
     async def _reject(self, send: Any, e: APIError) -> None:
         self.on_error(e.status)
@@ -102,19 +107,19 @@ class LimitsMiddleware:
                 await self._reject(send, APIError(413, f"the request body has {int(length)} bytes; "
                                                   f"the limit is {limit} (server.max_body_bytes)"))
                 return
-        # Read the whole body here (it is bounded), then hand it to the app in one piece.
-        body = bytearray()
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # the client left before sending its body
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > limit:
-                await self._reject(send, APIError(413, f"the request body exceeds {limit} bytes "
-                                                  "(server.max_body_bytes)"))
-                return
+        # Read the whole body here (it is bounded in size and time), then hand it to the app
+        # in one piece.
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            body = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                            "(server.body_timeout_s)", headers={"Connection": "close"})
+        if isinstance(body, APIError):
+            await self._reject(send, body)
+            return
+        if body is None:
+            return  # the client left before sending its body
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -126,67 +131,42 @@ class LimitsMiddleware:
 
         await self.app(scope, replay, send)
 
-
+    async def _read_body(self, receive: Any) -> bytearray | APIError | None:
+        """The whole body, a 413 past the limit, or None when the client left."""
+        body = bytearray()
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return None
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return APIError(413, f"the request body exceeds {self.max_body_bytes} bytes "
+                                "(server.max_body_bytes)")
+        return body
 
 
 async def _request_of(request: Request, model: type[Any], server: Server) -> Any:
-    """The request body decoded and validated as ``model`` (see :func:`parse_body`)."""
-    body = _decode_json(await request.body())
-    if model is CompletionRequest and isinstance(body, dict):
-        # A batch larger than the pending limit is refused before validating each prompt
-        # (at the 8 MB body limit that validation alone is 1.5 s of the event loop).
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            server.check_never_fits(len(prompt), "prompt")
+    """The request body decoded and validated as ``model`` (see :func:`_parse`): a large
+    body on the body thread, not the event loop."""
+    raw = await request.body()
+    if len(raw) <= INLINE_BODY_BYTES:
+        return _parse(raw, model, server)
+    return await server.in_body_thread(_parse, raw, model, server)
+
+
+def _parse(raw: bytes, model: type[Any], server: Server) -> Any:
+    """Decode (:func:`decode_json`), refuse by length what the limits refuse anyway
+    (:meth:`Server.refuse_by_length`), then validate (:func:`parse_body`).
+
+    Raises:
+        APIError: 400 naming what is wrong.
+    """
+    body = decode_json(raw)
+    if isinstance(body, dict):
+        server.refuse_by_length(model, body)
     return parse_body(model, body)
-
-
-def _decode_json(raw: bytes) -> Any:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    # JSON may spell a lone UTF-16 surrogate (\ud800), which no tokenizer, log or reply can
-    # encode: the strings are searched only when the body has such an escape at all.
-    if _SURROGATE_ESCAPE.search(raw) is not None:
-        try:
-            where = _lone_surrogate(body, "")
-        except RecursionError:
-            raise APIError(400, "the request body is nested too deeply") from None
-        if where is not None:
-            param = where or None
-            raise APIError(400, f"{where or 'a key'}: not valid Unicode text (a lone UTF-16 surrogate)",
-                           param=param)
-    return body
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _lone_surrogate(value: Any, path: str) -> str | None:
-    """The path (``messages[0].content``) of the first string in ``value`` that does not
-    encode as UTF-8, "" for such a key, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if _lone_surrogate(k, "") is not None:
-                return path
-            found = _lone_surrogate(v, f"{path}.{k}" if path else k)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _lone_surrogate(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -257,7 +237,8 @@ class EventStream(Response):
 
 
 def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes: int,
-              api_key: str | None) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
+              api_key: str | None, body_timeout_s: float = 30.0,
+              ) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
     """The ASGI app; ``server_factory`` starts the engine (at startup), returning the
     :class:`Server`. Returns the app (behind the limits) and a getter for the server."""
     state: dict[str, Server] = {}
@@ -374,8 +355,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         if req.messages is not None:
             ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
         else:
-            tok = s._need_tokenizer("tokenize")
-            ids = list(await s.off_loop(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await s.tokenize(req.prompt, what="tokenize", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -385,7 +365,7 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         s.check_model(req.model)
         tok = s._need_tokenizer("detokenize", "tokens")
         ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []
-        return {"prompt": await s.off_loop(tok.decode, ids)}
+        return {"prompt": await s.off_loop(tok.decode, ids, size=len(ids))}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -414,4 +394,5 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
         if "server" in state:
             state["server"].metrics.http_error(status)
 
-    return LimitsMiddleware(app, max_body_bytes, api_key, count_error), lambda: state.get("server")
+    return (LimitsMiddleware(app, max_body_bytes, api_key, count_error, body_timeout_s),
+            lambda: state.get("server"))

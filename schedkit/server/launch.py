@@ -1,6 +1,7 @@
 """``schedkit serve``: the engine process and the HTTP server from one YAML.
 
-uvicorn on uvloop and httptools serves the app. SIGTERM (or Ctrl-C) drains: the
+uvicorn on uvloop and httptools serves the app, through :class:`FrontDoorProtocol` (the
+request line and headers bounded in size, count and time). SIGTERM (or Ctrl-C) drains: the
 listening socket closes, ``/health`` answers 503, new requests on open connections get
 503, in-flight requests have ``server.drain_grace_s`` to finish and are then aborted
 (streams end with finish_reason "abort"); then the engine shuts down and the process
@@ -24,6 +25,7 @@ import uvicorn
 
 from schedkit.config import Config
 from schedkit.server.app import build_app
+from schedkit.server.front_door import HeadLimits, front_door_protocol
 from schedkit.server.serving import Server
 
 log = logging.getLogger("schedkit.server")
@@ -76,8 +78,15 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
     port = sc.port if port is None else port
     key = resolve_api_key(config, api_key)
     app, get_server = build_app(lambda: start_server(config), max_body_bytes=sc.max_body_bytes,
-                                api_key=key)
-    ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools",
+                                api_key=key, body_timeout_s=sc.body_timeout_s)
+
+    def count_refused(status: int) -> None:
+        srv = get_server()
+        if srv is not None:
+            srv.metrics.http_error(status)
+
+    protocol = front_door_protocol(HeadLimits.from_config(sc), count_refused)
+    ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=protocol,
                           lifespan="on", log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,
                           timeout_keep_alive=max(1, round(sc.keep_alive_s)))

@@ -58,7 +58,8 @@ class APIError(Exception):
     """
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+             408: "RequestTimeoutError", 413: "RequestTooLargeError", 414: "URITooLongError",
+             429: "RateLimitError", 431: "RequestHeaderFieldsTooLargeError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None,

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from schedkit.config import Config
 from schedkit.core.request import SamplingParams
@@ -37,6 +37,8 @@ from schedkit.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     _Sampling,
 )
 from schedkit.server.text import TextStream
@@ -51,6 +53,9 @@ MAX_STOP_STRING_LEN = 512
 cannot slow every stream."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` one request may send (each choice copies them into the engine)."""
+SHORT_TEXT_CHARS = 4096
+"""Texts (a prompt, a chat's contents) up to this long are tokenized on a thread of their
+own, so a short request never waits behind long ones (``server.tokenizer_threads``)."""
 
 
 def request_id_from_header(value: str | None, prefix: str) -> str:
@@ -65,6 +70,76 @@ def request_id_from_header(value: str | None, prefix: str) -> str:
         raise APIError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
                        "characters without spaces", param="X-Request-Id")
     return value
+
+
+ASCII_WHITESPACE = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
+OTHER_WHITESPACE = "\x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+"""With :data:`ASCII_WHITESPACE`, every character ``str.isspace`` calls whitespace."""
+
+
+_ASCII_WHITESPACE_BYTES = ASCII_WHITESPACE.encode()
+
+
+def _whitespace_count(text: str) -> int:
+    """The whitespace characters in ``text``, in C loops that make no object per word
+    (``str.split`` on 8 MB of words took 0.36 s; this, 10 ms, or 80 ms for text that is
+    not ASCII)."""
+    if text.isascii():
+        return len(text) - len(text.encode("ascii").translate(None, _ASCII_WHITESPACE_BYTES))
+    return sum(map(text.count, ASCII_WHITESPACE + OTHER_WHITESPACE))
+
+
+@dataclass(frozen=True, slots=True)
+class TextBound:
+    """How many characters a text may have and still fit ``max_model_len`` tokens, so that
+    a longer one is refused before tokenizing it (a text of megabytes holds a tokenizer
+    thread for seconds). No token of the vocabulary stands for more than ``token_chars``
+    characters, so a text of more than ``max_model_len * token_chars`` characters has
+    more than ``max_model_len`` tokens. With a tokenizer that drops whitespace (splits
+    on it, or folds runs of it), whitespace is not counted.
+    """
+
+    max_model_len: int
+    token_chars: int
+    """The longest token's length in characters (a byte-level token's length in bytes)."""
+    skips_whitespace: bool
+    """The tokenizer turns whitespace into fewer tokens than ``token_chars`` allows."""
+
+    WHITESPACE_PROBES: ClassVar[tuple[str, ...]] = (" " * 64, "\n" * 64, "\t" * 64, "\u3000" * 64)
+
+    @classmethod
+    def of(cls, tokenizer: Any, max_model_len: int) -> TextBound | None:
+        """The bound of a transformers tokenizer (None without one, or without a vocabulary)."""
+        vocab = getattr(tokenizer, "get_vocab", None)
+        if tokenizer is None or vocab is None:
+            return None
+        token_chars = max(map(len, vocab()), default=0)
+        if token_chars < 1:
+            return None
+        skips = any(len(tokenizer.encode(p, add_special_tokens=False)) * token_chars < len(p)
+                    for p in cls.WHITESPACE_PROBES)
+        return cls(max_model_len, token_chars, skips)
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.token_chars
+
+    def check(self, texts: Sequence[str], param: str) -> None:
+        """Raises:
+            APIError: 400 naming ``param`` when ``texts`` together cannot fit.
+        """
+        count = sum(map(len, texts))
+        if count <= self.max_chars:
+            return
+        what = "characters"
+        if self.skips_whitespace:
+            count -= sum(map(_whitespace_count, texts))
+            if count <= self.max_chars:
+                return
+            what = "characters besides whitespace"
+        raise APIError(400, f"{param}: {count} {what} cannot fit this model's context of "
+                       f"{self.max_model_len} tokens (scheduler.max_model_len): no token of its "
+                       f"tokenizer stands for more than {self.token_chars} characters", param=param)
 
 
 @dataclass(slots=True)
@@ -121,7 +196,12 @@ class Server:
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()
         """One task per engine request (choice) in flight."""
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="schedkit-tokenizer")
+        self._short_texts = ThreadPoolExecutor(1, thread_name_prefix="schedkit-tokenizer-short")
+        self._long_texts = ThreadPoolExecutor(config.server.tokenizer_threads,
+                                              thread_name_prefix="schedkit-tokenizer")
+        self._bodies = ThreadPoolExecutor(1, thread_name_prefix="schedkit-body")
+        self.text_bound = TextBound.of(tokenizer, self.max_model_len)
+        """The longest text that can fit ``max_model_len`` (None without a tokenizer)."""
 
     # -- prompts -------------------------------------------------------------------------
     def _need_tokenizer(self, what: str, param: str = "prompt") -> Any:
@@ -131,21 +211,48 @@ class Server:
                            f"(set model.tokenizer){hint}", param=param)
         return self.tokenizer
 
-    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run tokenizer work on the server's one tokenizer thread: a long prompt or chat
-        template must not stall every stream on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
+    async def off_loop(self, fn: Any, *args: Any, size: int, **kwargs: Any) -> Any:
+        """Run tokenizer work of ``size`` (characters or token ids) on a tokenizer thread:
+        a long prompt or chat template must not stall every stream on the event loop, and
+        a short one has a thread of its own (:data:`SHORT_TEXT_CHARS`)."""
+        lane = self._short_texts if size <= SHORT_TEXT_CHARS else self._long_texts
+        return await asyncio.get_running_loop().run_in_executor(lane, functools.partial(fn, *args, **kwargs))
+
+    async def in_body_thread(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` (a large body's decoding and validation) on the body thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._bodies, functools.partial(fn, *args))
+
+    def check_text_fits(self, texts: Sequence[str], param: str) -> None:
+        """Refuse, before tokenizing, text too long to ever fit ``max_model_len`` tokens.
+
+        Raises:
+            APIError: 400 naming ``param``, the length and ``scheduler.max_model_len``.
+        """
+        if self.text_bound is not None:
+            self.text_bound.check(texts, param)
+
+    async def tokenize(self, text: str, param: str = "prompt", what: str = "a text prompt",
+                       **kwargs: Any) -> list[int]:
+        """Token ids of ``text``, checked to fit first (``kwargs`` go to the tokenizer's
+        ``encode``).
+
+        Raises:
+            APIError: 400 without a tokenizer (naming ``what`` needs one) or for a text
+                too long to fit ``max_model_len``.
+        """
+        tok = self._need_tokenizer(what, param)
+        self.check_text_fits([text], param)
+        return list(await self.off_loop(tok.encode, text, size=len(text), **kwargs))
 
     async def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Token ids of a text or token-id prompt, checked against the vocabulary.
 
         Raises:
-            APIError: 400 for text without a tokenizer, an empty prompt or an id outside
-                the vocabulary.
+            APIError: 400 for text without a tokenizer or too long to fit
+                ``max_model_len``, an empty prompt or an id outside the vocabulary.
         """
         if isinstance(prompt, str):
-            ids = list(await self.off_loop(self._need_tokenizer("a text prompt").encode, prompt))
+            ids = await self.tokenize(prompt, param)
         else:
             ids = prompt
             self.check_token_ids(ids, param)
@@ -172,14 +279,17 @@ class Server:
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         convo = [{"role": m.role, "content": m.text()} for m in messages]
+        contents = [c["content"] for c in convo]
+        self.check_text_fits(contents, "messages")
+        size = sum(map(len, contents))
         try:
             text = await self.off_loop(tok.apply_chat_template, convo, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, size=size)
         except ImportError as e:  # the server's installation lacks jinja2: not the client's fault
             raise APIError(500, f"the chat template cannot run on this server: {e}") from None
         except Exception as e:  # a template that raises on this conversation (jinja's raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-        ids = await self.off_loop(tok.encode, text, add_special_tokens=False)
+        ids = await self.off_loop(tok.encode, text, add_special_tokens=False, size=len(text))
         return await self.encode(list(ids), "messages")
 
     # -- limits --------------------------------------------------------------------------
@@ -187,9 +297,7 @@ class Server:
                     prompt_param: str = "prompt") -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                           f"{self.max_model_len} tokens (scheduler.max_model_len), so at most "
-                           f"{self.max_model_len - 1} fit with one output token", param=prompt_param)
+            raise self._prompt_too_long(prompt_len, prompt_param)
         if max_tokens is None:
             return room
         if max_tokens > room:
@@ -197,6 +305,56 @@ class Server:
                            f"exceeds this model's context of {self.max_model_len} tokens "
                            "(scheduler.max_model_len)", param=param)
         return max_tokens
+
+    def _prompt_too_long(self, prompt_len: int, param: str) -> APIError:
+        return APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                        f"{self.max_model_len} tokens (scheduler.max_model_len), so at most "
+                        f"{self.max_model_len - 1} fit with one output token", param=param)
+
+    def refuse_by_length(self, model: type[Any], body: dict[str, Any]) -> None:
+        """Refuse a decoded body that the limits refuse by the length of one of its lists
+        alone, before validating each element (for a list the size of the body limit,
+        seconds of work): a token-id prompt of ``max_model_len`` ids or more, more
+        completions than the pending limit holds, more stop strings or stop token ids
+        than allowed, more chat messages than ``max_model_len`` (each is at least one
+        token), more ids to detokenize than ``max_model_len``.
+
+        Raises:
+            APIError: 400 naming the field and its limit.
+        """
+        m = self.max_model_len
+        if model is CompletionRequest:
+            self._refuse_long_prompts(body.get("prompt"))
+        if model in (CompletionRequest, ChatCompletionRequest):
+            stop, ids = body.get("stop"), body.get("stop_token_ids")
+            if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+                raise _too_many_stop_strings()
+            if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
+                raise _too_many_stop_token_ids(len(ids))
+        messages = body.get("messages") if model in (ChatCompletionRequest, TokenizeRequest) else None
+        if isinstance(messages, list) and len(messages) > m:
+            raise APIError(400, f"messages: {len(messages)} messages cannot fit this model's context of "
+                           f"{m} tokens (scheduler.max_model_len); each takes at least one", param="messages")
+        tokens = body.get("tokens") if model is DetokenizeRequest else None
+        if isinstance(tokens, list) and len(tokens) > m:
+            raise APIError(400, f"tokens: {len(tokens)} ids; at most {m} are decoded at once "
+                           "(scheduler.max_model_len)", param="tokens")
+
+    def _refuse_long_prompts(self, prompt: Any) -> None:
+        """Raises:
+            APIError: 400 for a batch of more prompts than the pending limit holds, or a
+                token-id prompt of ``max_model_len`` ids or more (by its length alone).
+        """
+        if not isinstance(prompt, list) or not prompt:
+            return
+        if not isinstance(prompt[0], (list, str)):  # one token-id prompt
+            if len(prompt) >= self.max_model_len:
+                raise self._prompt_too_long(len(prompt), "prompt")
+            return
+        self.check_never_fits(len(prompt), "prompt")
+        for i, p in enumerate(prompt):
+            if isinstance(p, list) and len(p) >= self.max_model_len:
+                raise self._prompt_too_long(len(p), f"prompt[{i}]" if len(prompt) > 1 else "prompt")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -254,12 +412,10 @@ class Server:
                      max_tokens: int | None, max_tokens_param: str) -> list[Choice]:
         stop = req.stop_strings()
         if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_LEN for x in stop):
-            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most "
-                           f"{MAX_STOP_STRING_LEN} characters each", param="stop")
+            raise _too_many_stop_strings()
         if req.stop_token_ids:
             if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-                raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got "
-                               f"{len(req.stop_token_ids)}", param="stop_token_ids")
+                raise _too_many_stop_token_ids(len(req.stop_token_ids))
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer, and this model has none; "
@@ -421,12 +577,23 @@ class Server:
                         headers={"Retry-After": str(self.config.server.retry_after_s)})
 
     def close(self) -> None:
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._short_texts, self._long_texts, self._bodies):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def abort_all(self) -> None:
         """Cancel every choice in flight (their engine requests are aborted)."""
         for task in list(self.tasks):
             task.cancel()
+
+
+def _too_many_stop_strings() -> APIError:
+    return APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most "
+                    f"{MAX_STOP_STRING_LEN} characters each", param="stop")
+
+
+def _too_many_stop_token_ids(count: int) -> APIError:
+    return APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {count}",
+                    param="stop_token_ids")
 
 
 def _without_request_id(message: str, request_id: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from schedkit.config import Config
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import AsyncLLM, RequestOutput
-from schedkit.errors import EngineDeadError, RequestError
+from schedkit.errors import EngineBusyError, EngineDeadError, RequestError
 from schedkit.server.metrics import ServerMetrics
 from schedkit.server.protocol import (
     APIError,
@@ -511,6 +511,9 @@ class Server:
                         told_end = ev.finish_reason is not None
                     if c.finish_reason is not None:
                         break  # a stop string: closing the generator aborts it in the engine
+        except EngineBusyError as e:  # a bounded queue of the engine is full: retry later
+            c.error = APIError(429, _without_request_id(str(e), c.request_id),
+                               headers={"Retry-After": str(self.config.server.retry_after_s)})
         except RequestError as e:  # refused when the engine received it
             message = _without_request_id(str(e), c.request_id)
             # a schema, pattern or grammar that does not compile: name the field it came from

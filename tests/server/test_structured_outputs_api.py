@@ -335,3 +335,42 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(stru
     text, reason = _text_of(structured_server, "/v1/completions",
                             {"prompt": "abc", "max_tokens": 8, "structured_outputs": {"choice": ["ok"]}})
     assert (text, reason) == ("ok", "stop")
+
+
+def test_a_full_compile_queue_is_a_429_with_retry_after_and_the_server_goes_on(tmp_path_factory):
+    """The engine's compile queue (one worker, one compile waiting) refuses a third
+    constraint while two are in hand: the engine is saturated, the client did nothing
+    wrong, so the answer is retryable (429 + Retry-After), not a 400."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("transformers")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from schedkit.structured.testing import byte_level_tokenizer
+    from tests.server.conftest import server_config, start_server, stop_server
+
+    path = tmp_path_factory.mktemp("bpe-busy")
+    byte_level_tokenizer().save_pretrained(path)
+    cfg = server_config(path, runner={"vocab_size": 320, "eos_token_id": 0},
+                        structured_outputs={"backend": "xgrammar", "num_workers": 1,
+                                            "max_queued_compiles": 1, "max_queued_compiles_per_client": 1})
+    s = start_server(tmp_path_factory.mktemp("serve-busy"), cfg)
+    try:
+        def send(letters: str):
+            regex = "[^{0}]{{0,20000}}[^{1}]{{0,20000}}".format(*letters)  # seconds to compile and ship
+            with s.client() as c:
+                return c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2,
+                                                       "structured_outputs": {"regex": regex}})
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(send, ["pP", "qQ", "rR", "sS", "tT", "uU"]))
+        busy = [r for r in answers if r.status_code == 429]
+        assert busy, [r.status_code for r in answers]
+        assert all(r.status_code in (200, 429) for r in answers), [r.text for r in answers]
+        err = busy[0].json()["error"]
+        assert "compile queue is full" in err["message"] and "max_queued_compiles" in err["message"]
+        assert busy[0].headers["Retry-After"].isdigit()
+        text, reason = _text_of(s, "/v1/completions",
+                                {"prompt": "abc", "max_tokens": 8, "structured_outputs": {"choice": ["ok"]}})
+        assert (text, reason) == ("ok", "stop")
+    finally:
+        stop_server(s)

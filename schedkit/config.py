@@ -426,11 +426,12 @@ class StructuredOutputsConfig(_Strict):
     max_json_schema_depth: int = Field(default=64, ge=1, le=10_000)
     """Deepest nesting of objects and arrays in a JSON schema's text, checked before
     compiling (compiling costs about the cube of the depth)."""
-    step_budget_ms: float = Field(default=10.0, gt=0)
+    step_budget_ms: float | None = Field(default=None, gt=0)
     """Matcher work one request may cost per step (filling its bitmask rows and
     accepting its tokens); a request over it two steps in a row, or ten times over in
-    one, fails alone. Raise it for the python backend over a large vocabulary, whose
-    every new state scans the whole vocabulary."""
+    one, fails alone. None: the backend's own default (xgrammar 10 ms; the python
+    backend, whose every new state scans the whole vocabulary, 2 ms per 1,000 tokens of
+    vocabulary, at least 10 ms)."""
 
 
 class ReplicasConfig(_Strict):

@@ -47,6 +47,10 @@ from schedkit.errors import EngineBusyError, RequestError
 
 log = logging.getLogger("schedkit.structured_output")
 
+DEFAULT_STEP_BUDGET_MS = 10.0
+"""A backend's per-step matcher budget unless it says otherwise: xgrammar fills a
+SmolLM2-sized row in well under a millisecond, an ambiguous grammar's in seconds."""
+
 
 @dataclass(slots=True)
 class GrammarBitmask:
@@ -135,6 +139,12 @@ class StructuredOutputBackend(ABC):
         bitmask itself; xgrammar's backend wraps its words in a tensor)."""
         return bitmask
 
+    def default_step_budget_ms(self) -> float:
+        """The per-step matcher budget of one request when the config sets none
+        (``structured_outputs.step_budget_ms``): what a legitimate grammar's fill and
+        accepts may cost here, with room to spare."""
+        return DEFAULT_STEP_BUDGET_MS
+
     def shutdown(self) -> None:
         """Release the backend's resources."""
         return None
@@ -194,6 +204,13 @@ class StructuredOutputManager:
         if self._backend is None:
             self._backend = self._factory()
         return self._backend
+
+    @property
+    def step_budget_ms(self) -> float:
+        """One request's per-step matcher budget: ``structured_outputs.step_budget_ms``,
+        else the backend's default."""
+        configured = self.limits.step_budget_ms
+        return configured if configured is not None else self.backend.default_step_budget_ms()
 
     @property
     def num_timeouts(self) -> int:
@@ -300,7 +317,7 @@ class StructuredOutputManager:
                     err = "no output satisfies it (no token can start it)"
                 else:
                     so.grammar = grammar
-                    so.budget = StepBudget(self.limits.step_budget_ms / 1e3)
+                    so.budget = StepBudget(self.step_budget_ms / 1e3)
                     return True
             except Exception as e:  # the backend's bug: this request fails, not the step
                 log.exception("structured-output backend %s raised in new_grammar", self.backend.name)

@@ -23,7 +23,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams
-from schedkit.core.structured_output import GrammarBitmask, StructuredOutputBackend
+from schedkit.core.structured_output import (
+    DEFAULT_STEP_BUDGET_MS,
+    GrammarBitmask,
+    StructuredOutputBackend,
+)
 
 SUPPORTED_KINDS = ("regex", "choice")
 _SPIECE_SPACE = "\u2581"  # SentencePiece's word-start marker
@@ -147,6 +151,11 @@ class PythonBackend(StructuredOutputBackend):
                    **kwargs)
 
     # -- the backend interface -----------------------------------------------------------
+    def default_step_budget_ms(self) -> float:
+        """2 ms per 1,000 tokens of vocabulary, at least the common default: a new state
+        tries every token (a permissive pattern over 49,152 tokens: about 50 ms)."""
+        return max(DEFAULT_STEP_BUDGET_MS, 2.0 * self.vocab_size / 1000)
+
     def validate(self, params: StructuredOutputsParams) -> None:
         self._pattern(params)
 

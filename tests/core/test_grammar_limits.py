@@ -257,3 +257,20 @@ def test_a_constraint_that_timed_out_fails_again_at_once_even_when_no_schedule_r
     assert "compile_timeout_s" in again.structured_output.error and "busy" in sched.requests
     backend.gate("never").set()
     mgr.shutdown()
+
+
+def test_the_step_budget_is_the_backends_unless_the_config_sets_one():
+    """A backend whose honest fills cost more (the python backend tries every token of
+    its vocabulary for each new state) brings its own default budget; the config's
+    value, when set, wins for every backend."""
+    from schedkit.structured.python_backend import PythonBackend
+
+    small = PythonBackend(["a", "b"], [0], vocab_size=4)
+    big = PythonBackend(["a", "b"], [0], vocab_size=49152)
+    assert small.default_step_budget_ms() == 10.0
+    assert big.default_step_budget_ms() == pytest.approx(98.304)
+    assert SequenceBackend().default_step_budget_ms() == 10.0
+    mgr, _ = manager(limits=limits())
+    assert mgr.step_budget_ms == 10.0
+    mgr, _ = manager(limits=limits(step_budget_ms=3))
+    assert mgr.step_budget_ms == 3

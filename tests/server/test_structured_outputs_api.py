@@ -356,7 +356,7 @@ def test_a_full_compile_queue_is_a_429_with_retry_after_and_the_server_goes_on(t
     s = start_server(tmp_path_factory.mktemp("serve-busy"), cfg)
     try:
         def send(letters: str):
-            regex = "[^{0}]{{0,20000}}[^{1}]{{0,20000}}".format(*letters)  # seconds to compile and ship
+            regex = f"[^{letters[0]}]{{0,20000}}[^{letters[1]}]{{0,20000}}"  # seconds to compile and ship
             with s.client() as c:
                 return c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2,
                                                        "structured_outputs": {"regex": regex}})

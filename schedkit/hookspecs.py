@@ -1,10 +1,16 @@
 """The plugin contract: every policy decision schedkit makes is one of these hooks.
 
 Plugins implement hooks with ``@schedkit.hookimpl`` on functions or methods whose names
-are exactly the spec names below; they may accept any subset of the arguments. All hooks
-run in the engine-core process (the process that owns the Scheduler). Every call passes
-keyword arguments only, and hooks are called once per step or once per decision with
-whole lists, never per token or per block.
+are exactly the spec names below; they may accept any subset of the arguments. Every
+call passes keyword arguments only, and hooks are called once per step or once per
+decision with whole lists, never per token or per block.
+
+Each hook's docstring is its whole contract, in these sections: a summary and what the
+hook is for, then ``Called`` (when, how often, in which process), ``Args``, ``Returns``,
+``Errors`` (what an exception or an answer the caller refuses does), ``Built-in`` (what
+answers when no plugin does) and the version it appeared in. Whether the first answer
+wins is the marker's ``firstresult``. docs/hooks.md's reference is generated from this
+module by ``scripts/gen_hooks_reference.py``: edit here, then regenerate.
 """
 
 from __future__ import annotations
@@ -36,8 +42,14 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
                                   clock: Callable[[], float]) -> RequestQueue | None:
     """Create the waiting queue, which fixes the order in which requests are admitted.
 
-    Stops at first non-None result. Called in the engine-core process, once, when the
-    Scheduler is built.
+    The scheduler only ever ``add``s new requests, ``peek``s and ``pop``s the head, puts
+    preempted requests back with ``prepend_request`` and the requests it skipped this
+    step with ``prepend_requests``, and removes aborted ones. Ready-made queues:
+    ``FCFSQueue`` (a deque) and ``KeyedQueue(key)`` (a heap on ``key(request)``, ties in
+    insertion order; "prepend" re-inserts by key), both ``from schedkit import ...``.
+
+    Called:
+        Once, in the engine-core process, when the Scheduler is built.
 
     Args:
         scheduler_config: The scheduler section of the config. Do not mutate.
@@ -48,12 +60,26 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
             order changes with waiting time.
 
     Returns:
-        An object with the :class:`schedkit.core.queues.RequestQueue` methods (``add``,
-        ``peek``, ``pop``, ``prepend_request``, ``prepend_requests``, ``remove_request(s)``,
-        ``__len__``, ``__iter__`` in serving order), or None to defer to the next plugin.
-        The built-in ``fcfs`` plugin returns a FIFO whose ``prepend_request`` puts a
-        preempted request at the head; ``priority`` returns a heap keyed by
-        ``(priority, arrival_time, request_id)`` (smaller priority first).
+        An object with the :class:`schedkit.RequestQueue` methods (``add``, ``peek``,
+        ``pop``, ``prepend_request``, ``prepend_requests``, ``remove_request``,
+        ``remove_requests``, ``__len__``, ``__iter__`` in serving order), or None to let
+        the next plugin decide. The scheduler holds it behind a guard:
+        ``scheduler.waiting.policy_queue`` is your object, other attributes read
+        through, and the guard counts its requests itself, so ``len()`` of the
+        scheduler's queue never calls yours.
+
+    Errors:
+        An answer without those methods raises PluginError. Anything a queue method
+        raises later, or a key function a ``KeyedQueue`` calls, becomes a PluginError
+        whose hook reads ``schedkit_create_waiting_queue (KeyedQueue.add)`` (the queue's
+        class and method) and whose ``request_id`` is the request the call was about. A
+        raising ``add`` rejects that request (nothing is registered); a raise inside a
+        step undoes the step like any hook.
+
+    Built-in:
+        ``fcfs`` returns a FIFO whose ``prepend_request`` puts a preempted request at the
+        head; ``priority`` returns a ``KeyedQueue`` on ``(priority, arrival_time,
+        request_id)`` (smaller priority first).
 
     .. versionadded:: 0.1
     """
@@ -62,11 +88,16 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
 @hookspec(firstresult=True)
 def schedkit_select_preemption_victim(running: Sequence[Request],
                                       request: Request) -> Request | Preemption | None:
-    """Choose the running request to preempt when ``request`` cannot get its KV blocks.
+    """Choose the running request that loses its KV blocks when ``request`` cannot get
+    the blocks it needs this step (recompute preemption).
 
-    Stops at first non-None result. Called in the engine-core process, at most once per
-    failed block allocation (then again after each preemption until the allocation fits
-    or ``request`` itself is chosen). Never called per token.
+    Called:
+        In the engine-core process, while running requests are scheduled, at most once
+        per failed block allocation; after each preemption the allocation is retried and
+        the hook is asked again until it fits or ``request`` itself is chosen. Not called
+        while the KV connector reports pending block frees, never for waiting requests (a
+        waiting request that does not fit simply waits) and never per token. A step that
+        preempted anyone this way admits no waiting request.
 
     Args:
         running: Running requests in admission order, possibly including requests
@@ -75,13 +106,22 @@ def schedkit_select_preemption_victim(running: Sequence[Request],
             which ends scheduling of running requests for this step.
 
     Returns:
-        A member of ``running`` (the scheduler frees its blocks, resets its computed
-        tokens, keeps its outputs and re-queues it with ``prepend_request``), or one as
-        ``Preemption(request, reason, save_kv)`` to say whether a KV connector that keeps
-        KV (``cpu-offload``) swaps it out (``save_kv``; the reason is not counted), or
-        None to defer. Built-ins: ``fcfs`` returns ``running[-1]``; ``priority`` returns the first
-        request with the largest ``(priority, arrival_time)``. Returning an object that is
-        not running raises PluginError.
+        A member of ``running``: the scheduler frees its blocks, resets its computed
+        tokens, keeps its outputs and re-queues it with ``prepend_request``; it appears
+        in the step's ``preempted_req_ids``. Or the victim as ``Preemption(victim,
+        reason, save_kv)``, where ``save_kv`` True or False says whether a KV connector
+        that keeps KV (``cpu-offload``) swaps it out instead of letting it recompute (a
+        bare request, or None, leaves that to the connector's ``save_on_preemption``;
+        the reason is not counted). Or None to let the next plugin decide.
+
+    Errors:
+        An answer that is not a running request (None from every plugin included), or a
+        ``save_kv`` that is not True, False or None, raises PluginError naming the
+        request that needed blocks, and the step is undone.
+
+    Built-in:
+        ``fcfs`` returns ``running[-1]`` (the newest); ``priority`` returns the first
+        request with the largest ``(priority, arrival_time)``.
 
     .. versionadded:: 0.1
     """
@@ -92,17 +132,23 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
                                           max_num_running: int, kv_cache_usage: float,
                                           now: float, max_preemptions: int,
                                           ) -> Sequence[Preemption] | None:
-    """Preempt running requests on purpose, at the start of a step, to make room for
-    waiting ones the policy ranks higher (MLFQ demotion, preemptive SRPT, priority with
-    preemption, a deadline that must be met now, a quota).
+    """Preempt running requests on purpose, before the step schedules anything, so that
+    waiting requests the policy ranks higher get their seats, budget and blocks now.
 
-    Stops at first non-None result. Called in the engine-core process, once at the start
-    of every schedule() in which requests are running, requests are waiting, waiting
-    requests are served (the scheduler is not paused), the step has a token budget,
-    ``scheduler.max_voluntary_preemptions``
-    is above 0 and at least one plugin implements the hook; never per token. Its cost is
-    one call with whole lists per such step: a plugin should look at the head of
-    ``waiting`` (it iterates in serving order) rather than at all of it.
+    For MLFQ demotion, preemptive shortest-remaining-first, priority with preemption, a
+    deadline that must be met now, a tenant over its quota. Without it, as in vLLM, a
+    running request is preempted only when the KV cache runs out, and running requests
+    are always scheduled before waiting ones, so no waiting order can overtake a running
+    request.
+
+    Called:
+        In the engine-core process, once at the start of every schedule() in which
+        requests are running and waiting, the scheduler is not paused, the step has a
+        token budget, ``scheduler.max_voluntary_preemptions`` (default 4) is above 0 and
+        some plugin implements the hook (with none, it is never called and costs
+        nothing); never per token. Its cost is one call with whole lists per such step:
+        iterate ``waiting`` only as far as needed (it yields in serving order, head
+        first).
 
     Args:
         running: Running requests in admission order. Do not mutate.
@@ -118,17 +164,34 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
             (``scheduler.max_voluntary_preemptions``).
 
     Returns:
-        Up to ``max_preemptions`` :class:`schedkit.core.hooks.Preemption` ``(request,
-        reason)`` of distinct running requests (the reason is counted in the engine's
-        stats; a bare request is taken as ``Preemption(request, <plugin name>)``);
-        an empty sequence or None preempts nobody. Each is preempted exactly as on KV
-        pressure: its blocks are freed (those cached stay reusable), its outputs kept, its
-        computed tokens reset and counted as recomputed when computed again; then it goes
-        back into the waiting queue with ``add``, so the policy's order places it, and it
-        is not admitted again in the same step. The step then goes on as usual, admissions
-        included. Anything else (a request that is not running, a duplicate, too many)
-        raises PluginError and the step is undone. No built-in implements it, so fcfs and
-        priority behave exactly as vLLM.
+        Up to ``max_preemptions`` distinct running requests, each as
+        ``Preemption(request, reason)`` (``from schedkit import Preemption``) or bare
+        (the reason is then the plugin's name); None or an empty sequence preempts
+        nobody. Each victim is preempted exactly as on KV pressure (its blocks freed,
+        those in the prefix cache staying reusable; its outputs kept; its computed tokens
+        reset, and counted as recomputed when computed again; ``num_preemptions`` and the
+        step's ``preempted_req_ids`` as usual), then queued with ``add``, so the policy's
+        order places it, and it is not admitted again in the same step. Unlike a
+        KV-pressure preemption, the step still admits waiting requests; the seats freed
+        go to whichever waiting requests the admission phase takes, so if the request a
+        policy made room for is not admitted this step (its admission hook skips it, the
+        budget or the KV cache runs out), another may take its seat.
+        ``Preemption(request, reason, save_kv=True)`` asks a KV connector that keeps KV
+        (``cpu-offload``) to swap the victim out instead of letting it recompute
+        (False: let it recompute; None, the default: the connector's own setting).
+        Voluntary preemptions are counted by reason in
+        ``Scheduler.voluntary_preemptions`` and the engine's stats
+        (``voluntary_preemptions``).
+
+    Errors:
+        An answer that is not a sequence, names a request that is not running or names
+        one twice, holds more than ``max_preemptions`` items, a reason that is not a
+        ``str`` or a ``save_kv`` that is not True, False or None raises PluginError (with
+        no ``request_id``: the answer is step-wide), and the step is undone.
+
+    Built-in:
+        None: ``fcfs`` and ``priority`` never preempt on purpose, which keeps them
+        identical to vLLM.
 
     .. versionadded:: 0.3
     """
@@ -136,22 +199,34 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
 
 @hookspec(firstresult=True)
 def schedkit_prefill_chunk_limit(request: Request, num_new_tokens: int, threshold: int) -> int | None:
-    """Cap how many tokens ``request`` gets this step (chunked-prefill threshold).
+    """Cap how many tokens ``request`` gets this step (the chunked-prefill threshold),
+    before the step's budget is applied.
 
-    Stops at first non-None result. Called in the engine-core process, once per
-    scheduling decision for a request that would get more than one token this step
-    (a prompt chunk, a resumed request, or a decode with drafts); plain one-token decodes
-    never call it.
+    Called:
+        In the engine-core process, once per scheduling decision for a running or
+        waiting request that would get more than one token this step: a prompt chunk, a
+        resumed request, or a decode with draft tokens. Plain one-token decodes never
+        call it.
 
     Args:
         request: The running or waiting request being scheduled. Do not mutate.
-        num_new_tokens: Tokens it would get before the step budget is applied.
-        threshold: The configured ``long_prefill_token_threshold``, or 0 when the request
-            is alone in the scheduler (a lone request is never capped) or when it is off.
+        num_new_tokens: Tokens it would get without a cap.
+        threshold: This step's threshold: ``scheduler.long_prefill_token_threshold``,
+            raised with ``scheduler.long_prefill_token_threshold_adaptive`` to at least
+            ``max_num_batched_tokens`` divided by the requests in the scheduler (running,
+            waiting and loading KV); 0 when it is off or when the request is alone in the
+            scheduler (a lone request is never capped by the built-in).
 
     Returns:
-        A cap >= 1 (values >= num_new_tokens change nothing), or None for no cap. The
-        built-in default returns ``threshold`` when it is positive, else None.
+        A cap >= 1 (a cap >= ``num_new_tokens`` changes nothing), or None for no cap
+        from this plugin (the next plugin decides).
+
+    Errors:
+        Any other answer (0, a negative number, a float, a bool) raises PluginError
+        naming the request, and the step is undone.
+
+    Built-in:
+        ``defaults`` returns ``threshold`` when it is positive, else None.
 
     .. versionadded:: 0.1
     """
@@ -160,10 +235,13 @@ def schedkit_prefill_chunk_limit(request: Request, num_new_tokens: int, threshol
 @hookspec(firstresult=True)
 def schedkit_step_token_budget(max_num_batched_tokens: int, running: Sequence[Request],
                                waiting: RequestQueue, kv_cache_usage: float, step: int) -> int | None:
-    """Set this step's token budget.
+    """Set how many tokens this step may schedule in total, for adaptive policies (back
+    off under KV pressure, warm up, leave room for latency-critical requests).
 
-    Stops at first non-None result. Called in the engine-core process, once at the start
-    of every schedule().
+    Called:
+        In the engine-core process, exactly once at the start of every schedule(), also
+        when nothing is waiting or running; not while the scheduler is paused with
+        ``PAUSED_ALL`` (the step's budget is then 0).
 
     Args:
         max_num_batched_tokens: The configured budget (an upper bound for the answer).
@@ -174,7 +252,14 @@ def schedkit_step_token_budget(max_num_batched_tokens: int, running: Sequence[Re
 
     Returns:
         A budget in ``[0, max_num_batched_tokens]`` (0 schedules nothing this step), or
-        None to defer. The built-in default returns ``max_num_batched_tokens``.
+        None to let the next plugin decide.
+
+    Errors:
+        Any other answer (a number outside the range, a float, a bool) raises
+        PluginError, and the step is undone.
+
+    Built-in:
+        ``defaults`` returns ``max_num_batched_tokens``.
 
     .. versionadded:: 0.1
     """
@@ -183,11 +268,18 @@ def schedkit_step_token_budget(max_num_batched_tokens: int, running: Sequence[Re
 @hookspec(firstresult=True)
 def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: float,
                            now: float) -> AdmissionDecision | Rejection | None:
-    """Decide whether the request at the head of the waiting queue may be admitted now.
+    """Decide whether the request at the head of the waiting queue may be admitted now:
+    SLO admission control, quotas, load shedding.
 
-    Stops at first non-None result. Called in the engine-core process, once per waiting
-    request examined in a step (only in steps that preempted nobody, while budget and
-    running slots remain).
+    Called:
+        In the engine-core process, once per waiting request examined in a step, only in
+        steps that preempted nobody for KV blocks, and only while token budget and
+        running seats (``scheduler.max_num_active_seqs``, by default ``max_num_seqs``)
+        remain. Requests whose KV load finished are examined first, then the waiting
+        queue (not while the scheduler is paused). Preempted requests waiting to resume
+        are examined too; a request that is not ready (its KV load or grammar compile
+        still running, preempted on purpose in this very step, outputs from before its
+        preemption still in flight) is passed over without a call.
 
     Args:
         request: The request at the head of the waiting queue. Do not mutate.
@@ -196,12 +288,33 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
         now: The scheduler clock (seconds; virtual in the simulator).
 
     Returns:
-        ``AdmissionDecision.ADMIT`` to try to schedule it (it may still wait for blocks
-        or budget, which blocks the queue head as in vLLM), ``SKIP`` to pass over it this
-        step (it goes back to the head afterwards), ``REJECT`` to finish it with finish
-        reason "abort" and stop_reason "rejected" (or ``Rejection(reason)``: the same, with
-        the reason the client is told), or None to leave the decision to the next plugin. The
-        built-in default admits.
+        An ``AdmissionDecision`` (``from schedkit import AdmissionDecision``), a
+        ``Rejection``, or None to leave the decision to the next plugin.
+        ``ADMIT``: try to schedule it; it may still wait for KV blocks or budget, which
+        blocks the queue head as in vLLM (no request behind it is examined this step).
+        ``SKIP``: pass over it this step; the scheduler examines the next request, and
+        at the end of the step puts the skipped requests back with
+        ``prepend_requests`` (for a FIFO queue: at the head, in their order; a keyed
+        queue re-inserts them by key). ``DEFER`` is a deprecated alias.
+        ``REJECT``: finish it at the end of this schedule() with status
+        ``FINISHED_ABORTED`` (finish reason "abort") and stop_reason "rejected",
+        freeing whatever it held; the next update_from_output() delivers its output (no
+        tokens) and calls ``schedkit_on_request_finished`` for it. Rejections are
+        counted per plugin and the request's ``rejected_by`` names the plugin.
+        ``Rejection(reason)`` (``from schedkit import Rejection``): the same as
+        ``REJECT``, with a sentence for the client; it travels as the request's
+        ``rejection_reason`` (on ``Request``, ``EngineCoreOutput`` and the clients'
+        ``RequestOutput``), and ``schedkit serve`` puts it in the 429's message after
+        the plugin's name. Don't put secrets in it: the client reads it.
+
+    Errors:
+        An answer that is not an ``AdmissionDecision`` or a ``Rejection``, or a
+        ``Rejection`` whose reason is not a non-empty ``str`` of at most 512 characters
+        (``MAX_REJECTION_REASON``), raises PluginError naming the request, and the step
+        is undone.
+
+    Built-in:
+        ``defaults`` admits.
 
     .. versionadded:: 0.1
     """
@@ -209,19 +322,35 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
 
 @hookspec(firstresult=True)
 def schedkit_create_kv_connector(role: KVConnectorRole, config: Any) -> KVConnectorBase | None:
-    """Create the KV connector for one side (scheduler or worker).
+    """Create the KV connector that moves KV blocks between this engine and somewhere
+    else (host memory, disk, another engine), for one side: scheduler or worker.
 
-    Stops at first non-None result. Called once per role: in the engine-core process
-    when the Scheduler is built (role SCHEDULER) and in the runner's process when the
-    runner starts (role WORKER).
+    A connector subclasses ``schedkit.KVConnectorBase`` and overrides only what it
+    needs; the "KV connectors" section of docs/hooks.md says which process calls each
+    method and how often.
+
+    Called:
+        Once per role, in the engine-core process: role SCHEDULER when the Scheduler is
+        built, and role WORKER right after it, when the engine core is built, only if its
+        runner has a worker side (the paged runner, which runs in the engine-core
+        process; the fake runner and the simulator have none).
 
     Args:
         role: ``KVConnectorRole.SCHEDULER`` or ``KVConnectorRole.WORKER``.
         config: The cache section of the config. Do not mutate.
 
     Returns:
-        A :class:`schedkit.kv.connector.KVConnectorBase`, or None; when every plugin
-        returns None the scheduler uses a no-op connector.
+        A :class:`schedkit.KVConnectorBase`, or None to let the next plugin decide; when
+        every plugin returns None the scheduler uses ``NoOpConnector`` (and a runner
+        gets no worker-side connector).
+
+    Errors:
+        An answer that is not a ``KVConnectorBase`` raises PluginError, and the engine
+        does not start.
+
+    Built-in:
+        None (the no-op connector is the fallback). Bundled, switched on under
+        ``plugins``: ``kv-storage`` and ``cpu-offload``.
 
     .. versionadded:: 0.1
     """
@@ -231,11 +360,26 @@ def schedkit_create_kv_connector(role: KVConnectorRole, config: Any) -> KVConnec
 def schedkit_create_structured_output_backend(config: StructuredOutputsConfig, tokenizer: Any,
                                               vocab_size: int,
                                               eos_token_ids: Sequence[int]) -> StructuredOutputBackend | None:
-    """Create the backend that compiles structured-output constraints into grammars.
+    """Create the backend that turns the constraints of structured requests (a JSON
+    schema, any JSON object, a regular expression, a choice of strings, an EBNF grammar)
+    into the grammars that mask each step's logits.
 
-    Stops at first non-None result. Called in the engine-core process, once, when the
-    first request with ``structured_outputs`` arrives (so engines that never see one
-    never import a grammar library).
+    A backend subclasses ``schedkit.core.structured_output.StructuredOutputBackend``:
+    ``validate`` checks a constraint (raise ``ValueError``) and ``compile`` builds the
+    grammar, both on the manager's compile workers, under
+    ``structured_outputs.compile_timeout_s`` (threads, so ``compile`` must be
+    thread-safe; or worker processes, which can be stopped, when the backend's
+    ``process_compiler`` says how), and ``new_grammar`` returns one request's matcher, a
+    ``StructuredOutputGrammar`` that accepts and rolls back tokens and fills its row of
+    the step's bitmask. docs/structured-outputs.md describes the interface and the
+    built-in backends.
+
+    Called:
+        In the engine-core process, once, when the first request with
+        ``structured_outputs`` arrives, so an engine that never sees one never calls it
+        (nor imports a grammar library). Once built, the backend serves the engine for
+        good; a hook that raised or refused is asked again by the next structured
+        request.
 
     Args:
         config: The ``structured_outputs`` section; ``config.backend`` names the backend
@@ -249,11 +393,22 @@ def schedkit_create_structured_output_backend(config: StructuredOutputsConfig, t
             once the output is complete.
 
     Returns:
-        A :class:`schedkit.core.structured_output.StructuredOutputBackend`, or None. The
-        built-in ``structured-outputs`` plugin (trylast) answers ``auto``, ``xgrammar``
-        and ``python``. Raise :class:`schedkit.errors.RequestError` when the backend
-        cannot serve (its message goes back to the request); when every plugin returns
-        None, structured requests are refused naming ``config.backend``.
+        A ``StructuredOutputBackend``, or None to leave the choice to the next plugin.
+        When every plugin returns None, structured requests are refused with a
+        RequestError that names ``config.backend``.
+
+    Errors:
+        Raise :class:`schedkit.errors.RequestError` when the backend cannot serve at all
+        (a missing package, no tokenizer): the structured request that asked fails with
+        its message. Any other exception, or an answer that is not a
+        ``StructuredOutputBackend``, becomes a PluginError that the engine turns into a
+        RequestError for that request ("the structured-output backend ... could not be
+        created: ..."); the engine keeps serving.
+
+    Built-in:
+        ``structured-outputs`` (trylast) answers ``auto`` (xgrammar when it is
+        installed, else ``python``), ``xgrammar`` and ``python``, and needs the tokenizer
+        for each of them.
 
     .. versionadded:: 0.1
     """
@@ -262,19 +417,37 @@ def schedkit_create_structured_output_backend(config: StructuredOutputsConfig, t
 @hookspec
 def schedkit_on_step_end(scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs],
                          stats: SchedulerStats | None, now: float) -> None:
-    """Observe a finished step (accounting for fair share, MLFQ levels, metrics).
+    """Observe a finished step: accounting for fair-share and multi-level-feedback
+    policies, metrics, tracing.
 
-    Called on every plugin that implements it, in the engine-core process, once at the
-    end of every update_from_output(), after all state changes of the step.
+    Called:
+        On every plugin that implements it, in the engine-core process, once at the end
+        of every update_from_output(), after all state changes of the step (finished
+        requests are already freed and ``schedkit_on_request_finished`` has been called
+        for them). With ``scheduler.async_scheduling`` a step's output is processed
+        while the next step is in flight, so ``scheduler_output`` is then the older of
+        the two.
 
     Args:
-        scheduler_output: The step's plan. Do not mutate.
-        outputs: New tokens and finishes per client index. Do not mutate.
-        stats: Scheduler statistics of the step (None when stats are off).
+        scheduler_output: The step's plan (its ``step`` field is the step number). Do
+            not mutate.
+        outputs: The step's new tokens and finishes by client index, requests rejected
+            by ``schedkit_admit_request`` included. Do not mutate.
+        stats: The step's scheduler statistics (None when the scheduler was built with
+            ``log_stats=False``).
         now: The scheduler clock.
 
     Returns:
         Nothing; return values are ignored.
+
+    Errors:
+        An exception becomes a PluginError naming the plugin; the step itself has
+        already been applied, so the error carries the step's outputs as
+        ``error.outputs``, and the observer calls of that step that had not run yet are
+        skipped.
+
+    Built-in:
+        None.
 
     .. versionadded:: 0.1
     """
@@ -282,17 +455,39 @@ def schedkit_on_step_end(scheduler_output: SchedulerOutput, outputs: dict[int, E
 
 @hookspec
 def schedkit_on_request_finished(request: Request, now: float) -> None:
-    """Observe a request that just finished (stop, length, abort, error, rejected).
+    """Observe a request that just finished, for any reason: stop (EOS or stop token),
+    length, abort by the client (``finish_requests``), error, or rejection by
+    ``schedkit_admit_request`` (status ``FINISHED_ABORTED``, ``stop_reason ==
+    "rejected"``).
 
-    Called on every plugin that implements it, in the engine-core process, once per
-    finished request, after its blocks were released.
+    Called:
+        On every plugin that implements it, in the engine-core process, once per
+        finished request, after its blocks were released (unless the KV connector asked
+        to delay the free): from update_from_output() for stops, length caps and
+        requests rejected by the step's schedule(), and from finish_requests() for
+        aborts. Within one update_from_output() it fires for the step's finished
+        requests before that step's ``schedkit_on_step_end``, so a plugin that accounts
+        per step should keep a finished request's state until its next
+        ``schedkit_on_step_end``.
 
     Args:
-        request: The finished request (its events hold the timeline). Do not mutate.
+        request: The finished request (``request.get_finished_reason()``,
+            ``request.stop_reason``; ``request.events`` hold the timeline). Do not
+            mutate.
         now: The scheduler clock.
 
     Returns:
         Nothing; return values are ignored.
+
+    Errors:
+        An exception becomes a PluginError naming the plugin and the request; the
+        request has finished all the same. Raised from update_from_output(), the error
+        carries the step's outputs as ``error.outputs`` and the step's later observer
+        calls are skipped; raised from finish_requests(), it carries the finished
+        requests as ``error.finished_requests``.
+
+    Built-in:
+        None.
 
     .. versionadded:: 0.1
     """
@@ -301,26 +496,39 @@ def schedkit_on_request_finished(request: Request, now: float) -> None:
 # -- the router (front-end process, in front of replicas.count engines) -------------------
 # A router plugin is switched on by ``router.policy`` / ``router.plugins`` and lives in the
 # process that runs the router (the front end, or the cluster simulation), not in the
-# engines. The router never fails a request because a router plugin raised: the raising
-# plugin's answer is dropped for that decision (counted and logged) and the rest decide.
+# engines. Each router hook's Errors section says what a raise or a wrong answer does: the
+# router never fails a request because of a router plugin.
 
 
 @hookspec
 def schedkit_router_filter(request: RouteRequest,
                            replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState] | None:
-    """Narrow the replicas that may take ``request``.
+    """Narrow the replicas that may take ``request``: keep requests off overloaded
+    replicas, pin a tenant to a subset, drain a replica.
 
-    Called on every router plugin that implements it, once per routing decision, in
-    turn: each sees what the ones before it left.
+    Called:
+        On every router plugin that implements it, in the router's process, once per
+        routing decision, in turn: each filter sees what the ones before it left.
 
     Args:
-        request: The request to place. Do not mutate.
-        replicas: The candidates: healthy replicas, in index order. Do not mutate.
+        request: The request to place (``RouteRequest``: id, prompt, tenant, priority,
+            session id, ``block_hashes``). Do not mutate.
+        replicas: The candidates: healthy replicas, in index order, less those earlier
+            filters dropped. Do not mutate.
 
     Returns:
-        The members of ``replicas`` that may take it, or None for no opinion. An empty
-        answer is ignored (counted as the plugin's error): a filter cannot leave a
-        request nowhere to go.
+        The members of ``replicas`` that may take it, or None for no opinion.
+
+    Errors:
+        An exception, an answer that is not an iterable of replicas, one naming a replica
+        that is not a candidate, or an empty one (a filter cannot leave a request nowhere
+        to go) is ignored: that answer is dropped, counted in the router's
+        ``num_hook_errors`` and logged (at most a line per 10 s), and the other plugins
+        decide.
+
+    Built-in:
+        ``prefix-affinity`` drops replicas with more than ``max_imbalance`` requests
+        outstanding above the least loaded candidate.
 
     .. versionadded:: 0.2
     """
@@ -328,19 +536,32 @@ def schedkit_router_filter(request: RouteRequest,
 
 @hookspec
 def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState]) -> Sequence[float] | None:
-    """Score each candidate replica for ``request`` (higher is better).
+    """Score each candidate replica for ``request``, higher is better; the router weighs
+    and adds the scores of every scoring plugin.
 
-    Called on every router plugin that implements it, once per routing decision, after
-    the filters. The router multiplies each plugin's scores by its ``router.weights``
-    entry (default 1) and adds them up per replica.
+    Called:
+        On every router plugin that implements it and whose ``router.weights`` entry
+        (default 1) is not 0, in the router's process, once per routing decision, after
+        the filters. The router multiplies each plugin's scores by its weight and adds
+        them up per replica.
 
     Args:
         request: The request to place. Do not mutate.
         replicas: The candidates left by the filters, in index order. Do not mutate.
 
     Returns:
-        One finite score per candidate, in order (the built-ins give 0..1), or None for
-        no opinion.
+        One finite number per candidate, in order (the built-ins give 0 to 1), or None
+        for no opinion.
+
+    Errors:
+        An exception, an answer that is not numbers, of the wrong length, or with a NaN
+        or infinite score is ignored: dropped, counted in the router's
+        ``num_hook_errors`` and logged, and the other scorers decide.
+
+    Built-in:
+        ``least-outstanding``, ``kv-usage``, ``prefix-affinity``, ``session-affinity``,
+        ``weighted``; with none of them on every score is 0 and the picker's rotation
+        decides.
 
     .. versionadded:: 0.2
     """
@@ -351,7 +572,8 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
                          scores: Sequence[float]) -> ReplicaState | None:
     """Choose the replica that gets ``request``.
 
-    Stops at first non-None result. Called once per routing decision, after the scorers.
+    Called:
+        In the router's process, once per routing decision, after the scorers.
 
     Args:
         request: The request to place. Do not mutate.
@@ -359,10 +581,18 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
         scores: Their weighted total scores, in the same order (all 0 without scorers).
 
     Returns:
-        A member of ``replicas``, or None to defer. The built-in default picks the
-        highest score; among equal scores, the first candidate after the replica that
-        got the previous request (so with no scorer it is round-robin). An answer that
-        is not a candidate is counted as the plugin's error and the default decides.
+        A member of ``replicas``, or None to defer to the next picker.
+
+    Errors:
+        An exception or an answer that is not a candidate is ignored: counted in the
+        router's ``num_hook_errors``, logged, and the next picker is asked (the built-in
+        last). Should every picker fail, the request goes to the first candidate.
+
+    Built-in:
+        ``best-score`` (always on, trylast): the highest total; among equal totals the
+        first candidate after the replica that got the previous request, so with no
+        scorer it is round-robin. ``round-robin`` answers the next replica in turn,
+        whatever the scores.
 
     .. versionadded:: 0.2
     """
@@ -370,16 +600,29 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
 
 @hookspec
 def schedkit_on_route_event(event: RouteEvent) -> None:
-    """Observe a routing outcome: routed, finished, failed, re-routed (its replica died
-    before it produced a token).
+    """Observe a routing outcome: a request routed (``ROUTED``, with every candidate's
+    total score), finished (``FINISHED``), failed (``FAILED``: an error, or its replica
+    died after it produced tokens) or moved because its replica died before it produced a
+    token (``REROUTED``, followed by a ``ROUTED`` to the new replica).
 
-    Called on every router plugin that implements it, once per outcome.
+    Called:
+        On every router plugin that implements it, in the router's process, once per
+        outcome.
 
     Args:
-        event: What happened, to which request and replica. Do not mutate.
+        event: What happened (``kind``, ``request``, ``replica``, ``scores``). Do not
+            mutate.
 
     Returns:
         Nothing; return values are ignored.
+
+    Errors:
+        An exception is counted in the router's ``num_hook_errors`` and logged; the
+        request and the other plugins' calls go on.
+
+    Built-in:
+        ``best-score`` remembers the last replica routed to (its tie rotation);
+        ``session-affinity`` remembers where each session went.
 
     .. versionadded:: 0.2
     """

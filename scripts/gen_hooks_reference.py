@@ -23,9 +23,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from schedkit import hookspecs
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's hook specs, not an installed schedkit's
+
+from schedkit import hookspecs  # noqa: E402
+
 HOOKS_MD = ROOT / "docs" / "hooks.md"
 START = "<!-- hooks-reference:start -->"
 END = "<!-- hooks-reference:end -->"

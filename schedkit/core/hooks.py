@@ -1,7 +1,8 @@
 """The scheduler's view of the plugin layer: a Protocol, never pluggy itself.
 
 ``schedkit.plugins.facade.HookFacade`` implements this over a pluggy PluginManager;
-tests and the overhead benchmark may pass any other implementation.
+tests and the overhead benchmark may pass any other implementation. What each hook is
+asked, when, and which answers it may give is stated once, in ``schedkit/hookspecs.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class AdmissionDecision(enum.Enum):
     DEFER = "skip"
     """Deprecated alias of ``SKIP``."""
     REJECT = "reject"
-    """Finish it now with finish reason "abort" and stop_reason "rejected"."""
+    """Finish it (at the end of this schedule()) with finish reason "abort" and
+    stop_reason "rejected"."""
 
 
 class Rejection(NamedTuple):
@@ -66,7 +68,8 @@ class Preemption(NamedTuple):
 
 
 class SchedulerHooks(Protocol):
-    """One method per policy decision; keyword arguments only."""
+    """One method per engine hook (``schedkit_<method>`` in ``schedkit/hookspecs.py``,
+    whose docstring is its contract); keyword arguments only."""
 
     def create_waiting_queue(self, *, scheduler_config: SchedulerConfig,
                              kv_cache_manager: KVCacheManager,

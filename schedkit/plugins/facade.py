@@ -1,6 +1,7 @@
 """Typed calls into the plugin layer; implements :class:`schedkit.core.hooks.SchedulerHooks`.
 
-Each method calls one hook with keyword arguments, checks the answer, and turns any
+Each method calls one hook with keyword arguments, checks the answer (the answers a
+hook may give are stated in its spec, ``schedkit/hookspecs.py``), and turns any
 exception raised inside a plugin into a :class:`PluginError` that names the plugin and
 the hook. The facade walks the registered implementations itself (in pluggy's call
 order: tryfirst, then normal, then trylast; later registrations first within a class),

@@ -289,23 +289,25 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
 
     Returns:
         An ``AdmissionDecision`` (``from schedkit import AdmissionDecision``), a
-        ``Rejection``, or None to leave the decision to the next plugin.
-        ``ADMIT``: try to schedule it; it may still wait for KV blocks or budget, which
-        blocks the queue head as in vLLM (no request behind it is examined this step).
-        ``SKIP``: pass over it this step; the scheduler examines the next request, and
-        at the end of the step puts the skipped requests back with
-        ``prepend_requests`` (for a FIFO queue: at the head, in their order; a keyed
-        queue re-inserts them by key). ``DEFER`` is a deprecated alias.
-        ``REJECT``: finish it at the end of this schedule() with status
-        ``FINISHED_ABORTED`` (finish reason "abort") and stop_reason "rejected",
-        freeing whatever it held; the next update_from_output() delivers its output (no
-        tokens) and calls ``schedkit_on_request_finished`` for it. Rejections are
-        counted per plugin and the request's ``rejected_by`` names the plugin.
-        ``Rejection(reason)`` (``from schedkit import Rejection``): the same as
-        ``REJECT``, with a sentence for the client; it travels as the request's
-        ``rejection_reason`` (on ``Request``, ``EngineCoreOutput`` and the clients'
-        ``RequestOutput``), and ``schedkit serve`` puts it in the 429's message after
-        the plugin's name. Don't put secrets in it: the client reads it.
+        ``Rejection``, or None to leave the decision to the next plugin:
+
+        * ``ADMIT``: try to schedule it; it may still wait for KV blocks or budget,
+          which blocks the queue head as in vLLM (no request behind it is examined this
+          step).
+        * ``SKIP``: pass over it this step; the scheduler examines the next request, and
+          at the end of the step puts the skipped requests back with
+          ``prepend_requests`` (for a FIFO queue: at the head, in their order; a keyed
+          queue re-inserts them by key). ``DEFER`` is a deprecated alias.
+        * ``REJECT``: finish it at the end of this schedule() with status
+          ``FINISHED_ABORTED`` (finish reason "abort") and stop_reason "rejected",
+          freeing whatever it held; the next update_from_output() delivers its output
+          (no tokens) and calls ``schedkit_on_request_finished`` for it. Rejections are
+          counted per plugin and the request's ``rejected_by`` names the plugin.
+        * ``Rejection(reason)`` (``from schedkit import Rejection``): the same as
+          ``REJECT``, with a sentence for the client; it travels as the request's
+          ``rejection_reason`` (on ``Request``, ``EngineCoreOutput`` and the clients'
+          ``RequestOutput``), and ``schedkit serve`` puts it in the 429's message after
+          the plugin's name. Don't put secrets in it: the client reads it.
 
     Errors:
         An answer that is not an ``AdmissionDecision`` or a ``Rejection``, or a

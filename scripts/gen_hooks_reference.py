@@ -80,14 +80,18 @@ def markdown(text: str) -> str:
 
 
 def paragraphs(lines: Sequence[str]) -> list[str]:
-    """Blank-line separated blocks, each joined into one line."""
+    """Blank-line separated blocks, each joined into one line; in a block of ``* ``
+    items, one line per item."""
     out: list[str] = []
     block: list[str] = []
     for line in [*lines, ""]:
-        if line.strip():
-            block.append(line.strip())
+        text = line.strip()
+        if text.startswith("* ") or (text and not block):
+            block.append(text)
+        elif text:
+            block[-1] += " " + text
         elif block:
-            out.append(markdown(" ".join(block)))
+            out.append(markdown("\n".join(block)))
             block = []
     return out
 

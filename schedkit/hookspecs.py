@@ -297,7 +297,7 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
         * ``SKIP``: pass over it this step; the scheduler examines the next request, and
           at the end of the step puts the skipped requests back with
           ``prepend_requests`` (for a FIFO queue: at the head, in their order; a keyed
-          queue re-inserts them by key). ``DEFER`` is a deprecated alias.
+          queue re-inserts them by key).
         * ``REJECT``: finish it at the end of this schedule() with status
           ``FINISHED_ABORTED`` (finish reason "abort") and stop_reason "rejected",
           freeing whatever it held; the next update_from_output() delivers its output
@@ -583,7 +583,7 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
         scores: Their weighted total scores, in the same order (all 0 without scorers).
 
     Returns:
-        A member of ``replicas``, or None to defer to the next picker.
+        A member of ``replicas``, or None to leave the choice to the next picker.
 
     Errors:
         An exception or an answer that is not a candidate is ignored: counted in the

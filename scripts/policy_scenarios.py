@@ -40,7 +40,7 @@ e, about 73 for f's):
   which gaps grow with the length of the run.
 - e1, e2: two priority classes (0: a quarter of the requests, TTFT SLO 0.5 s; 1: TTFT
   SLO 2 s, via ``slo.by_priority``) at about 1.15x (e1) and 1.4x (e2) capacity: fcfs,
-  priority, priority-preemptive, edf with ``on_miss`` reject, defer and admit. e3: the
+  priority, priority-preemptive, edf with ``on_miss`` reject, skip and admit. e3: the
   same classes with long outputs (256 to 1,024 tokens; the server completes about 9 of
   these requests/s), class 0's TTFT SLO 0.25 s and class 1's 5 s, 400 requests at
   8.5/s (about 95% load): fcfs, priority, priority-preemptive.
@@ -299,13 +299,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              config(workload=priorities(45.0), num_blocks=AMPLE_BLOCKS, profiles=[
                  FCFS, profile("priority", "priority"),
                  profile("priority-preemptive", "priority-preemptive"),
-                 edf("reject"), edf("defer"), edf("admit")]),
+                 edf("reject"), edf("skip"), edf("admit")]),
              E_COLUMNS),
     Scenario("e2", "Two priority classes, per-class TTFT SLO, ~1.4x load (55 req/s)",
              config(workload=priorities(55.0), num_blocks=AMPLE_BLOCKS, profiles=[
                  FCFS, profile("priority", "priority"),
                  profile("priority-preemptive", "priority-preemptive"),
-                 edf("reject"), edf("defer"), edf("admit")]),
+                 edf("reject"), edf("skip"), edf("admit")]),
              E_COLUMNS),
     Scenario("e3", "Two priority classes, long outputs, class 0 TTFT SLO 0.25 s, ~0.95x load (8.5 req/s)",
              config(workload=LONG_PRIORITIES, num_blocks=AMPLE_BLOCKS, profiles=[

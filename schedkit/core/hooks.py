@@ -30,8 +30,6 @@ class AdmissionDecision(enum.Enum):
     """Pass over it this step (it stays waiting, back at its place); the scheduler looks
     at the next request. Not to be confused with returning None, which leaves the
     decision to the next plugin."""
-    DEFER = "skip"
-    """Deprecated alias of ``SKIP``."""
     REJECT = "reject"
     """Finish it (at the end of this schedule()) with finish reason "abort" and
     stop_reason "rejected"."""

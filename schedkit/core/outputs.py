@@ -217,7 +217,7 @@ class SpecDecodingStats:
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
-    """Waiting requests (``kv_holding`` included) not deferred by the last step."""
+    """Waiting requests (``kv_holding`` included) not skipped by the last step."""
     num_skipped_waiting_reqs: int = 0
     """Waiting requests the last schedule() passed over (blocked: a load in progress, a
     stale output pending, an admission hook's SKIP, a connector's "ask again")."""

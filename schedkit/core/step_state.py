@@ -3,7 +3,7 @@
 
 ``schedule()`` runs as a transaction: the KV cache manager journals every block change,
 and a :class:`StepUndo` records the scheduler's own changes before they happen (each
-touched request's counters, the running list, the deferred set, finished loads taken).
+touched request's counters, the running list, the skipped set, finished loads taken).
 ``Scheduler._rollback`` restores all of it, so the scheduler and the KV cache (references, free
 queue, prefix-cache hashes and statistics) are exactly as before the step; requests go
 back to their queues in their original order. What a plugin did to its own state, or a

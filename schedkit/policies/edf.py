@@ -12,7 +12,7 @@ from schedkit.policies.common import check_number, check_positive_map
 
 __all__ = ["EarliestDeadlineFirst"]
 
-ON_MISS = ("reject", "defer", "admit")
+ON_MISS = ("reject", "skip", "admit")
 _WAITING = RequestStatus.WAITING
 
 
@@ -31,7 +31,7 @@ class EarliestDeadlineFirst:
 
     * ``reject``: finished at once (finish reason "abort", stop_reason "rejected"), with
       a ``Rejection`` whose reason gives the SLO, the wait and the estimate;
-    * ``defer``: skipped this step and moved behind every request that can still meet
+    * ``skip``: skipped this step and moved behind every request that can still meet
       its deadline (a second tier, itself in deadline order); it is admitted when it
       reaches the head of that tier, i.e. when no on-time request waits, so it is
       delayed, never dropped;
@@ -48,12 +48,12 @@ class EarliestDeadlineFirst:
 
     Hooks: ``schedkit_create_waiting_queue`` (a heap on ``(tier, deadline, arrival,
     id)``), ``schedkit_admit_request`` (the check above; None, i.e. no objection,
-    otherwise), ``schedkit_on_request_finished`` (forgets deferred requests).
+    otherwise), ``schedkit_on_request_finished`` (forgets skipped requests).
 
     Args:
         ttft_slo_s: Default TTFT SLO in seconds (> 0, default 1.0).
         slo_by_priority: ``priority -> SLO seconds`` overrides (each > 0; default none).
-        on_miss: ``reject`` (default), ``defer`` or ``admit``.
+        on_miss: ``reject`` (default), ``skip`` or ``admit``.
         prefill_s_per_token: Estimated prefill seconds per prompt token, subtracted from
             the slack (>= 0, default 0: refuse only once the deadline has passed).
 
@@ -109,7 +109,7 @@ class EarliestDeadlineFirst:
             return Rejection(f"its TTFT deadline cannot be met: SLO {self.slo(request):g} s, waited "
                              f"{max(now - request.arrival_time, 0.0):.3f} s, estimated prefill "
                              f"{est:.3f} s for {request.num_prompt_tokens} prompt tokens")
-        # Deferred requests are popped and re-inserted after this step, by the new key.
+        # Skipped requests are popped and re-inserted after this step, by the new key.
         self._late.add(rid)
         return AdmissionDecision.SKIP
 

@@ -108,7 +108,7 @@ class FlakyPlugin:
         return FlakyMetaConnector(role, config)
 
 
-def test_connector_error_rolls_back_the_step_without_duplicating_deferred_requests():
+def test_connector_error_rolls_back_the_step_without_duplicating_skipped_requests():
     sched = make_scheduler(plugins=[DeferB(), FlakyPlugin()])
     for rid in ("a", "b", "c"):
         sched.add_request(make_request(rid, [1, 2, 3], max_tokens=2))

@@ -121,7 +121,7 @@ class DeferOnce:
 
 
 def test_key_raising_when_a_skipped_request_goes_back_fails_only_it():
-    """x is deferred; putting it back calls its key, which now raises. The step is
+    """x is skipped; putting it back calls its key, which now raises. The step is
     undone, x cannot be put back, and only x fails."""
     calls: dict[str, int] = {}
 

@@ -141,7 +141,7 @@ def ids(queue) -> list[str]:
     return [r.request_id for r in queue]
 
 
-def test_a_request_whose_grammar_is_compiling_waits_deferred_and_blocks_nobody():
+def test_a_request_whose_grammar_is_compiling_waits_skipped_and_blocks_nobody():
     mgr, backend = manager()
     sched = make_scheduler(structured_output_manager=mgr)
     g = structured("g", [1, 2, 3], "gate:g")

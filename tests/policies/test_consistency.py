@@ -31,7 +31,7 @@ POLICIES: dict[str, tuple[Callable[[], list[Any]], str]] = {
     "sjf": (lambda: [ShortestJobFirst(aging_rate=50.0)], "fcfs"),
     "sjf-max-tokens": (lambda: [ShortestJobFirst(use_max_tokens=True)], "fcfs"),
     "edf-reject": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.3, slo_by_priority={1: 0.6})], "fcfs"),
-    "edf-defer": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="defer")], "fcfs"),
+    "edf-skip": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="skip")], "fcfs"),
     "vtc": (lambda: [VirtualTokenCounter(tenant_weights={"t1": 2.0})], "fcfs"),
     "mlfq": (lambda: [MultiLevelFeedbackQueue(base_quantum=2, prefill_tokens_per_step=16)], "fcfs"),
     "lpm": (lambda: [LongestPrefixMatch(max_rank=4, max_wait_s=0.2)], "fcfs"),
@@ -42,7 +42,7 @@ POLICIES: dict[str, tuple[Callable[[], list[Any]], str]] = {
     "aging+vtc": (lambda: [VirtualTokenCounter(), AgingWrapper(max_wait_s=0.1)], "fcfs"),
     "aging+mlfq": (lambda: [MultiLevelFeedbackQueue(base_quantum=2), AgingWrapper(max_wait_s=0.1)], "fcfs"),
     "aging+lpm": (lambda: [LongestPrefixMatch(max_rank=4), AgingWrapper(max_wait_s=0.1)], "fcfs"),
-    "aging+edf": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="defer"),
+    "aging+edf": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="skip"),
                            AgingWrapper(max_wait_s=0.1)], "fcfs"),
 }
 SEEDS = (0, 1, 2)

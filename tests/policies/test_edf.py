@@ -65,8 +65,8 @@ def test_prefill_estimate_rejects_before_the_deadline_passes():
     assert run(reqs(), [EarliestDeadlineFirst(ttft_slo_s=SLO)], max_num_seqs=1).rejected() == []
 
 
-def test_defer_serves_late_requests_only_when_no_on_time_request_waits():
-    edf = EarliestDeadlineFirst(ttft_slo_s=SLO, on_miss="defer",
+def test_skip_serves_late_requests_only_when_no_on_time_request_waits():
+    edf = EarliestDeadlineFirst(ttft_slo_s=SLO, on_miss="skip",
                                 prefill_s_per_token=ONE_STEP_PER_16_TOKENS)
     res = run(overload(), [edf], max_num_seqs=1, check=True, num_blocks=64)
     fcfs = run(overload(), max_num_seqs=1)
@@ -96,7 +96,7 @@ def test_a_preempted_request_is_never_refused():
 
 
 def test_on_time_requests_get_no_opinion_so_other_plugins_decide():
-    edf = EarliestDeadlineFirst(ttft_slo_s=SLO, on_miss="defer")
+    edf = EarliestDeadlineFirst(ttft_slo_s=SLO, on_miss="skip")
     assert edf.schedkit_admit_request(request=req("x", 8, t=0.0), now=0.1) is None
     assert EarliestDeadlineFirst(ttft_slo_s=SLO, on_miss="admit").schedkit_admit_request(
         request=req("y", 8, t=0.0), now=99.0) is None
@@ -108,7 +108,7 @@ def test_on_time_requests_get_no_opinion_so_other_plugins_decide():
     ({"slo_by_priority": {"high": 1.0}}, "slo_by_priority"),
     ({"slo_by_priority": {0: 0.0}}, "slo_by_priority"),
     ({"slo_by_priority": [1.0]}, "slo_by_priority"),
-    ({"on_miss": "drop"}, "on_miss"),
+    ({"on_miss": "drop"}, "on_miss"), ({"on_miss": "defer"}, "on_miss"),
     ({"prefill_s_per_token": -0.1}, "prefill_s_per_token"),
 ])
 def test_bad_settings_name_the_setting_and_value(kwargs, name):

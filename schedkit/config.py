@@ -179,7 +179,7 @@ class SchedulerConfig(_Strict):
     """Schedule step t+1 while step t runs (vLLM's AsyncScheduler): decode requests are
     scheduled again before their sampled token is known, with output placeholders."""
     max_voluntary_preemptions: int = Field(default=4, ge=0)
-    """Most running requests a policy may preempt on purpose at the start of one step
+    """Most running requests a policy may preempt voluntarily at the start of one step
     (``schedkit_select_voluntary_preemptions``; 0: the hook is never called)."""
 
     @model_validator(mode="after")

@@ -132,8 +132,9 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
                                           max_num_running: int, kv_cache_usage: float,
                                           now: float, max_preemptions: int,
                                           ) -> Sequence[Preemption] | None:
-    """Preempt running requests on purpose, before the step schedules anything, so that
-    waiting requests the policy ranks higher get their seats, budget and blocks now.
+    """Preempt running requests voluntarily (not for KV blocks), before the step schedules
+    anything, so that waiting requests the policy ranks higher get their seats, budget and
+    blocks now.
 
     For MLFQ demotion, preemptive shortest-remaining-first, priority with preemption, a
     deadline that must be met now, a tenant over its quota. Without it, as in vLLM, a
@@ -190,7 +191,7 @@ def schedkit_select_voluntary_preemptions(running: Sequence[Request], waiting: R
         no ``request_id``: the answer is step-wide), and the step is undone.
 
     Built-in:
-        None: ``fcfs`` and ``priority`` never preempt on purpose, which keeps them
+        None: ``fcfs`` and ``priority`` never preempt voluntarily, which keeps them
         identical to vLLM.
 
     .. versionadded:: 0.3
@@ -278,7 +279,7 @@ def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: f
         remain. Requests whose KV load finished are examined first, then the waiting
         queue (not while the scheduler is paused). Preempted requests waiting to resume
         are examined too; a request that is not ready (its KV load or grammar compile
-        still running, preempted on purpose in this very step, outputs from before its
+        still running, preempted voluntarily in this very step, outputs from before its
         preemption still in flight) is passed over without a call.
 
     Args:

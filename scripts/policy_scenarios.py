@@ -20,7 +20,7 @@ e, about 73 for f's):
   ``max_tokens`` (an oracle: the simulator generates exactly ``max_tokens``), srpt (the
   oracle sjf with ``preemptive: true``), mlfq (preemptive, its default), mlfq with
   ``preemptive: false`` and ``starvation_s: .inf`` (exactly the non-preemptive mlfq of
-  before preemption on purpose: the starvation promotion runs at every step's end, with
+  before voluntary preemption: the starvation promotion runs at every step's end, with
   or without ``preemptive``), and the oracle sjf under aging. mlfq and srpt use the
   default ``min_run_tokens: 0``. Short/long requests are the lower/upper half by output
   length. The script checks whether non-preemptive mlfq's per-request latencies equal
@@ -29,7 +29,7 @@ e, about 73 for f's):
   fcfs, mlfq, non-preemptive mlfq (as in a), mlfq + aging, mlfq + least-computed,
   mlfq + cpu-offload (preemption by swap to host memory, default settings:
   ``max_blocks: 4096``, ``save_on_eviction: false``), oracle sjf, srpt; preemptions
-  (for KV blocks and on purpose together), recomputed tokens and waits.
+  (for KV blocks and voluntary together), recomputed tokens and waits.
 - c1, c2, c3: 90% of the prompts start with one of 16 shared 1,024-token prefixes.
   c1: 700 KV blocks, prefix caching on (fcfs, least-computed, least-computed with
   ``count_shared_prefix: false``, lpm); c2: the same with prefix caching off (fcfs,
@@ -103,7 +103,7 @@ def config(*, workload: dict[str, Any], profiles: list[dict[str, Any]], num_bloc
 SJF_ORACLE = plugin("sjf", use_max_tokens=True)
 FCFS = profile("fcfs", "fcfs")
 MLFQ = profile("mlfq", "mlfq")  # preemptive (the default)
-# The mlfq of before preemption on purpose: no voluntary preemption and no starvation
+# The mlfq of before voluntary preemption: no voluntary preemption and no starvation
 # promotion (which runs at every step's end, with or without ``preemptive``).
 MLFQ_NP = profile("mlfq (non-preemptive)", "mlfq",
                   plugin("mlfq", preemptive=False, starvation_s=math.inf))

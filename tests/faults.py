@@ -1,6 +1,6 @@
 """Fault injection for the failure-path property tests: a plugin that implements every
 per-step hook and the waiting queue (its methods and its key function), and raises at
-random calls; it also preempts running requests on purpose now and then. It records which requests each raise concerned, so a test can check that
+random calls; it also preempts running requests voluntarily now and then. It records which requests each raise concerned, so a test can check that
 only those fail. The invariants are the test kit's ``assert_scheduler_consistent``.
 
 :class:`SlowGrammars` is a structured-output backend whose grammars are slow, for some
@@ -46,7 +46,7 @@ class FaultInjector:
         self.defer_rng = random.Random(seed + 1)
         self.preempt_rng = random.Random(seed + 2)
         self.num_voluntary = 0
-        """Running requests it preempted on purpose."""
+        """Running requests it preempted voluntarily."""
         self.rate = rate
         self.keyed = keyed
         self.touched: set[str] = set()
@@ -92,7 +92,7 @@ class FaultInjector:
     @hookimpl
     def schedkit_select_voluntary_preemptions(self, running, max_preemptions):
         self.maybe_raise("schedkit_select_voluntary_preemptions")
-        if self.preempt_rng.random() < 0.05:  # preempt on purpose now and then
+        if self.preempt_rng.random() < 0.05:  # a voluntary preemption now and then
             self.num_voluntary += 1
             return [self.preempt_rng.choice(list(running))]
         return None

@@ -139,7 +139,7 @@ class MultiLevelFeedbackQueue:
         preemptive: Preempt running requests for higher-level waiting ones (default true).
         min_run_tokens: New tokens a request must have computed since it (re)started
             (beyond its prompt, and beyond what it recomputes after a preemption) before
-            it may be preempted on purpose (>= 0, default 0): with one seat, a long job
+            it may be preempted voluntarily (>= 0, default 0): with one seat, a long job
             would otherwise pay a recompute for every token; with many seats sparing it
             moves the preemption to another request, which the lab measured as no
             better (docs/policies.md).

@@ -17,8 +17,8 @@ __all__ = ["PreemptivePriority"]
 
 class PreemptivePriority:
     """vLLM's ``priority`` order (smaller ``priority`` first, then earlier arrival, then
-    request id) and victim (the largest ``(priority, arrival_time)``), plus preemption
-    on purpose: at the start of each step, a waiting request that finds no free seat
+    request id) and victim (the largest ``(priority, arrival_time)``), plus voluntary
+    preemption: at the start of each step, a waiting request that finds no free seat
     takes the place of the least important running request when its ``priority`` is
     strictly smaller (at most ``scheduler.max_voluntary_preemptions`` per step, the most
     important waiting requests first). The preempted request waits by its key.

@@ -123,7 +123,7 @@ def test_the_faults_reach_every_hook_and_queue_method():
                                            keyed, 0.05)
             raised += faults.raised
             voluntary += faults.num_voluntary
-    assert voluntary > 10  # and the preemptions it makes on purpose
+    assert voluntary > 10  # and its voluntary preemptions
     expected = set(HOOKS) | {"add", "peek", "pop", "prepend_request", "prepend_requests",
                              "remove_requests", "key"}
     assert expected <= set(raised), expected - set(raised)

@@ -3,7 +3,7 @@ keyed by their prefix-cache hash, so that a preempted request resumes by loading
 KV instead of recomputing it (preemption by swap). The worker side, which moves the
 tensors, is :mod:`schedkit.runners.paged.kv_offload`.
 
-When a request is preempted (for KV blocks, or on purpose by a policy), the full blocks
+When a request is preempted (for KV blocks, or voluntarily by a policy), the full blocks
 it had computed are saved unless their hash is stored already, and so is every cached
 block that the prefix cache evicts to reuse it (with ``save_on_eviction``, off by
 default: in a small store they push the victims' blocks out); the saves are

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check of issues 4 and 5 as ONE prepared run on the H200; results in $OUT.
+# Every GPU check (CUDA tests, runner against the peer, the simulator's calibration,
+# decode and kernel benchmarks) as ONE prepared run on an H200; results in $OUT.
 #
 # On the dev machine first (keep both folders out of git; .git/info/exclude):
 #   bash ../shared/gpu/wheels.sh .whl      # pydantic, msgspec, pyzmq: the GPU machine lacks them
 #   rm -rf .peer && cp -r ../shared/bench .peer   # the peer benchmark travels with the tree
-# then one call:
-#   run(command="bash scripts/gpu_checks.sh", carry=[".whl", ".peer"], timeout_s=540)
+# then, on the GPU machine, with both folders beside the tree (ends within 540 s):
+#   bash scripts/gpu_checks.sh
 #
 # Sections run in order of importance, each time-boxed and never past the overall
 # budget (BUDGET_S, default 480 s, so the call ends inside its timeout with partial

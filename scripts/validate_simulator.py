@@ -1,4 +1,4 @@
-"""Check the simulator against the real runner on one workload (issue 4's 10% target).
+"""Check the simulator against the real runner on one workload (target: within 10%).
 
     python scripts/validate_simulator.py CONFIG.yaml --profile NAME [--policy fcfs --policy sjf]
 

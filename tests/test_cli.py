@@ -119,8 +119,8 @@ def test_run_output_has_queueing_delay_like_compare(tmp_path):
 
 
 def test_check_builds_the_scheduler_so_build_hook_answers_are_checked(tmp_path, capsys, install_plugin):
-    """A create_waiting_queue answer that is no queue used to pass `check` and fail only
-    when the engine started (outside audit)."""
+    """A create_waiting_queue answer that is no queue fails `check` already, not only
+    the engine's start: `check` builds the scheduler."""
     install_plugin("badqueue_plugin", "from schedkit import hookimpl\n\n"
                    "class BadQueue:\n"
                    "    @hookimpl\n"

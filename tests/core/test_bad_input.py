@@ -89,8 +89,8 @@ def test_engine_keeps_serving_after_a_rejected_request():
     ("sampling_params", {"max_tokens": 3}), ("skip_reading_prefix_cache", 1),
 ])
 def test_badly_typed_request_fields_are_errors(field, value):
-    """Issue 10, defect 4: these used to be accepted in process, and to kill the whole
-    message at the engine-process boundary."""
+    """Refused in process too, with the field named, not only at the engine-process
+    boundary (where one of them would fail the whole message)."""
     kwargs = {"request_id": "r", "prompt_token_ids": [1, 2], "sampling_params": SamplingParams(),
               "arrival_time": 0.0, field: value}
     with pytest.raises(RequestError, match=f"'r': {field} must be") as e:

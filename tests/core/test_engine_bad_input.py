@@ -1,4 +1,4 @@
-"""Bad input to the engine core fails only its request (issue 10, defects 5 and 8):
+"""Bad input to the engine core fails only its request:
 a KV pool smaller than max_model_len caps sequences instead of livelocking, and
 arrival offsets must be finite seconds."""
 
@@ -32,7 +32,8 @@ def _req(rid: str, n: int = 8, max_tokens: int = 4) -> Request:
 
 def test_pool_smaller_than_max_model_len_caps_sequences(caplog):
     """9 usable blocks of 4 = 36 tokens < max_model_len 256: a request whose prompt fits
-    but prompt + output does not used to be preempted forever, blocking the queue."""
+    but prompt + output does not is capped at 36 tokens instead of being preempted
+    forever and blocking the queue."""
     with caplog.at_level(logging.WARNING, logger="schedkit.scheduler"):
         engine = _engine(num_blocks=10)
     assert "max_model_len = 256" in caplog.text and "36 tokens" in caplog.text

@@ -1,5 +1,5 @@
 """Plugins whose answers are valid but never let anything run must not spin the engine
-forever (outside audit, defect 8): after STALL_STEPS empty steps and STALL_S seconds
+forever: after STALL_STEPS empty steps and STALL_S seconds
 the waiting requests fail with a message saying why."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Wrong answers from plugin code fail only the request concerned and never end the
-engine (outside audit of issue 10): victims that are no request, queues that answer
-None, duplicate, lose or invent requests, keys that do not compare, connector answers
-of the wrong shape, request-scoped hooks answering out of range, SystemExit."""
+engine: victims that are no request, queues that answer None, duplicate, lose or
+invent requests, keys that do not compare, connector answers of the wrong shape,
+request-scoped hooks answering out of range, SystemExit."""
 
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def test_a_plugin_constructor_raising_anything_is_a_plugin_error():
 
 
 class OddPops:
-    """Second audit: queues whose pop disagrees with their peek, or peek answers None once."""
+    """Queues whose pop disagrees with their peek, or peek answers None once."""
 
     def __init__(self, bug: str) -> None:
         self.bug = bug

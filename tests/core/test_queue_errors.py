@@ -1,6 +1,6 @@
 """A policy's waiting queue is plugin code: whatever it raises (its methods, the key
 function of a KeyedQueue) becomes a PluginError naming plugin, queue and method, fails
-only the request(s) concerned, and leaves the scheduler consistent (issue 10, defect 2)."""
+only the request(s) concerned, and leaves the scheduler consistent."""
 
 from __future__ import annotations
 

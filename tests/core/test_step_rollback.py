@@ -1,4 +1,4 @@
-"""A step whose plugin raises inside schedule() is undone completely (issue 10, defect 1):
+"""A step whose plugin raises inside schedule() is undone completely:
 the KV cache (references, free queue, prefix-cache hashes, statistics) and the
 scheduler (running list, queues, request counters) are exactly as before the step."""
 

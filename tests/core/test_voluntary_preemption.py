@@ -171,9 +171,9 @@ def test_not_called_without_waiting_requests_or_with_the_bound_at_zero():
 
 def test_seats_taken_by_finished_kv_loads_are_not_the_waiting_requests_to_take():
     """A request whose KV load finished is admitted before the waiting queue, so it would
-    take the seat freed: the policy is told (max_num_running counts it) and waits (outside
-    review: low1 was preempted, remote-1 took the seat, and was preempted itself at the
-    next step, its loaded KV thrown away)."""
+    take the seat freed: the policy is told (max_num_running counts it) and waits, rather
+    than preempting low1 for a seat that remote-1 then takes, only to preempt remote-1 at
+    the next step and throw its loaded KV away."""
     from schedkit.core.outputs import KVConnectorOutput
     from schedkit.policies.priority_preemptive import PreemptivePriority
     from tests.core.test_async_kv_loads import h4

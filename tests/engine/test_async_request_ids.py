@@ -1,5 +1,5 @@
 """A request id already streaming in an AsyncLLM is refused at once; the running stream
-is unaffected (issue 10, defect 7)."""
+is unaffected."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Liveness comes from the engine's heartbeats, also those that arrived while the client
-was idle (issue 10, defect 3)."""
+was idle."""
 
 from __future__ import annotations
 

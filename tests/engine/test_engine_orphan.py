@@ -1,5 +1,5 @@
 """The engine leaves when its parent is killed, even after the parent forked a child that
-holds the engine's stdin pipe (issue 10, defect 10)."""
+holds the engine's stdin pipe."""
 
 from __future__ import annotations
 

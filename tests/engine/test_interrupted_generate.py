@@ -1,4 +1,4 @@
-"""An interrupted LLM.generate aborts its unfinished requests (issue 10, defect 9)."""
+"""An interrupted LLM.generate aborts its unfinished requests."""
 
 from __future__ import annotations
 

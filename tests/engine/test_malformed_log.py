@@ -1,4 +1,4 @@
-"""The engine's log line about malformed messages is rate limited (issue 10)."""
+"""The engine's log line about malformed messages is rate limited."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A third-party queue whose key function raises, inside the engine process: only the
-requests whose key raised fail, the engine stays alive and serves later calls (issue 10,
-defect 2: the engine process used to die with EngineDeadError)."""
+requests whose key raised fail, the engine stays alive and serves later calls (no
+EngineDeadError)."""
 
 from __future__ import annotations
 

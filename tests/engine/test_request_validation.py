@@ -1,5 +1,5 @@
 """Badly typed request fields: the client raises RequestError naming the field and the
-request; an engine fed them anyway fails only those requests (issue 10, defects 4, 8)."""
+request; an engine fed them anyway fails only those requests."""
 
 from __future__ import annotations
 

@@ -213,8 +213,8 @@ def _fused_case(dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
     ("block", -2, "block id outside"), ("block", 10**6, "block id outside"),
     ("position", 32, "position outside")])
 def test_bad_indices_are_refused_before_anything_is_written(field: str, value: int, message: str) -> None:
-    """A bad slot, block id or position used to be an IndexError in torch; the kernel
-    checks them all up front instead of writing into another layer's cache."""
+    """A bad slot, block id or position is refused by name: the kernel checks them all
+    up front instead of writing into another layer's cache."""
     qkv, positions, cos, sin, k_cache, v_cache, meta, heads = _fused_case()
     if field == "slot":
         meta.slot_mapping[2] = value

@@ -93,8 +93,8 @@ def test_kv_cache_that_does_not_fit_memory(model_dir: Any) -> None:
 
 
 def test_out_of_vocabulary_prompt_is_rejected_at_add(model_dir: Any) -> None:
-    """A token id >= the vocabulary used to be accepted and then fail the whole step
-    (IndexError in the embedding), failing every request in it (issue 10, defect 6)."""
+    """A token id >= the vocabulary is refused when the request is added, so it cannot
+    fail the whole step (an IndexError in the embedding) and every request in it."""
     from schedkit.errors import RequestError
     from schedkit.runners.paged.testing import greedy_request, run_engine
 

@@ -1,7 +1,7 @@
 """The fault-injection property test on the paged runner (tiny Llama, CPU float32):
 random plugin faults on random traces with prefix caching and preemption; the requests
 no fault touched get exactly the greedy tokens of a fault-free run, so no rolled-back
-step left KV behind that a later request reads (issue 10)."""
+step left KV behind that a later request reads."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 * Before compiling (:func:`constraint_limit_error`): the constraint's text size and a
   JSON schema's nesting depth. Compiling a schema costs about the cube of its depth
-  (xgrammar 0.2.9: 18 ms at 64 levels, 375 ms at 200, tens of seconds at 600), so a
+  (figures in docs/structured-outputs.md), so a
   deep schema is refused at once instead of occupying a compile worker until its
   timeout.
 * Each step (:class:`StepBudget`): the time a request's matcher takes to fill its

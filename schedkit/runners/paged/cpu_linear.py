@@ -12,16 +12,15 @@ model's dtype.
 
 A step with one row (the decode of a single sequence: most steps of a lightly loaded
 server) skips oneDNN: :func:`cpu_kernels.gemv` streams a second copy of the weight, laid
-out for it at load, in one pass (oneDNN spends about 15 us a call on set-up, and reads
-the weight more slowly at one row; SmolLM2-135M's 121 linear layers of a one-sequence
-bfloat16 decode step took 23.0 instead of 25.3 ms on one Sapphire Rapids core,
-docs/results.md). Where the kernel is built for float32 (AVX-512) or bfloat16
+out for it at load, in one pass (oneDNN spends a fixed set-up on every call and reads
+the weight more slowly at one row; ``SCHEDKIT_CPU_GEMV=0`` gives oneDNN's figure, and
+docs/model-runner.md has the decode steps measured both ways). Where the kernel is built for float32 (AVX-512) or bfloat16
 (AVX512-BF16), the weights are kept twice; ``SCHEDKIT_CPU_GEMV=0`` turns it off.
 
 The same kernel also takes float32 steps of several rows, in register tiles of 6 rows x
 16 outputs over that second copy, where :func:`multi_row_gemm` says so: always on CPUs
-without AVX-512 (a 128-token prefill of SmolLM2 about 1.17x, a decode step of 32
-sequences 1.19x faster than through oneDNN on Zen 3, docs/model-runner.md), on AVX-512
+without AVX-512 (faster than oneDNN there for prefills and batched decodes, measured
+by ``scripts/bench_cpu_linear.py``; figures in docs/model-runner.md), on AVX-512
 CPUs where it beat oneDNN in a probe on the machine. ``SCHEDKIT_CPU_GEMM=0`` keeps oneDNN
 for them, ``1`` the tiles.
 """

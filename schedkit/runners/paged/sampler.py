@@ -4,8 +4,8 @@ Random rows draw by inverting their cumulative distribution: one uniform number 
 scaled to the row's total mass, located in the row's running sum of probabilities by a
 binary search, so a whole batch samples with one softmax, one cumsum and one
 ``searchsorted``. (The exponential race, ``argmax(probs / Exp(1))``, needs a random number
-per vocabulary entry: on the CPU torch's ``exponential_`` took 12 of the 20 ms that race
-cost for 16 rows of 49,152, against 1 ms for the whole inverse draw.) A token of
+per vocabulary entry, and on the CPU drawing those numbers cost most of the race and a
+large share of a decode step; docs/model-runner.md has the figures.) A token of
 probability 0 (masked by top-k, top-p or a grammar) is never drawn: its running sum
 equals its predecessor's, and the search takes the first entry strictly above the
 target. A row with a seed draws its number from a generator seeded by ``(seed, position
@@ -126,7 +126,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, words: torch.Tensor, logit_rows:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)``; on the CPU by the compiled kernel where it is built (the
-    same answer, rows on every thread: torch's takes 2 ms for 64 rows of 49,152)."""
+    same answer, rows on every thread, where torch's argmax uses one)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
             and logits.stride(1) == 1:
         from schedkit.runners.paged import cpu_kernels

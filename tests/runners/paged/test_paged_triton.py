@@ -79,7 +79,7 @@ def test_split_mode_is_chosen_only_for_small_decode_batches() -> None:
 
 def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     """Lower the kernels through PTX and ptxas for the H200 (sm_90), in a process without
-    TRITON_INTERPRET, so compile errors show up before a GPU session."""
+    TRITON_INTERPRET, so compile errors show up before a run on a GPU."""
     import json
     import subprocess
     import sys

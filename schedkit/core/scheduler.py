@@ -1086,7 +1086,7 @@ class Scheduler:
         next (jump-forward) and its first-token event. ``stale``: the tokens were
         scheduled before its last preemption; ``status``: its status when the step's
         update began. Returns its output for the step."""
-        had_outputs = bool(req.output_token_ids)
+        is_first = not req.output_token_ids
         error = None
         so = req.structured_output
         if so is not None and so.grammar is not None:
@@ -1102,7 +1102,7 @@ class Scheduler:
         if (self.jump_forward and not is_stopped and status is _RUNNING and not stale
                 and not req.num_output_placeholders):
             new_ids, is_stopped = self._jump_forward(req, new_ids)
-        if not had_outputs:
+        if is_first:
             req.record_event(EventType.FIRST_TOKEN, self.clock())
         if is_stopped:
             return EngineCoreOutput(req.request_id, new_ids, FINISH_REASONS[req.status], req.stop_reason,

@@ -1037,21 +1037,27 @@ class Scheduler:
     def _append_sampled(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                         skip: set[str], by_client: dict[int, list[EngineCoreOutput]],
                         spec_stats: SpecDecodingStats | None) -> tuple[list[Request], list[Request]]:
-        """Apply each request's sampled tokens: the requests whose tokens count, their
-        rejected drafts rolled back (:meth:`_apply_spec_result`), then the tokens
-        (:meth:`_apply_sampled`); each output goes to its client's list. Returns the
-        requests that stopped, and those of them that were waiting."""
+        """Apply each request's sampled tokens: leave out void ones, roll back rejected
+        drafts (:meth:`_apply_spec_result`), append the tokens and check stops (through
+        the grammar: :meth:`_append_constrained`), count the placeholders they fill
+        (:meth:`_fill_placeholders`), append what the grammar forces (:meth:`_jump_forward`),
+        then the output. This runs for every request in every step: the plain case (one
+        token, no grammar) stays inline. Returns the requests that stopped, and those of
+        them that were waiting."""
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
         requests = self.requests
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        max_model_len = self.max_model_len
+        jump_forward = self.jump_forward
         stopped: list[Request] = []
         stopped_waiting: list[Request] = []
+        client = -1
+        outs: list[EngineCoreOutput] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            maybe = requests.get(rid)
-            if maybe is None:
+            req = requests.get(rid)
+            if req is None:
                 continue  # finished while the step ran
-            req = maybe
             req.num_in_flight_tokens -= n
             stale = req.num_stale_output_tokens > 0
             if stale:  # scheduled before the request's last preemption
@@ -1059,55 +1065,45 @@ class Scheduler:
                 if req.stale_drop:
                     continue
             status = req.status
-            if (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
-                continue  # finished while the step ran, or read bad KV: void
             i = index.get(rid)
             gen = sampled[i] if i is not None else None
-            if not gen:
-                continue  # a prefill chunk that sampled nothing
-            if spec_sched and not stale:
-                drafts = spec_sched.get(rid)
-                if drafts:
-                    self._apply_spec_result(req, drafts, len(gen), spec_stats)
-            out = self._apply_sampled(req, gen, stale, status)
-            if out.finish_reason is not None:
+            if not gen or (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
+                continue  # a prefill chunk that sampled nothing, finished while the step ran, read bad KV
+            if spec_sched and not stale and (drafts := spec_sched.get(rid)):
+                self._apply_spec_result(req, drafts, len(gen), spec_stats)
+            # The tokens.
+            is_first = not req.output_token_ids
+            error = None
+            so = req.structured_output
+            if so is not None and so.grammar is not None:
+                new_ids, is_stopped, error = self._append_constrained(req, gen)
+            elif len(gen) == 1:
+                req.append_output_token_ids(gen[0])
+                is_stopped = check_stop(req, max_model_len)
+                new_ids = gen
+            else:
+                new_ids, is_stopped = self._append_tokens(req, gen)
+            if req.num_output_placeholders and not stale:
+                self._fill_placeholders(req, len(new_ids), status is _RUNNING and not is_stopped)
+            if (jump_forward and not is_stopped and status is _RUNNING and not stale
+                    and not req.num_output_placeholders):
+                new_ids, is_stopped = self._jump_forward(req, new_ids)
+            if is_first:
+                req.record_event(EventType.FIRST_TOKEN, self.clock())
+            # The output.
+            if is_stopped:
                 stopped.append(req)
                 if status is _PREEMPTED:
                     stopped_waiting.append(req)
-            lst = by_client.get(req.client_index)
-            if lst is None:
-                by_client[req.client_index] = lst = []
-            lst.append(out)
+                out = EngineCoreOutput(rid, new_ids, FINISH_REASONS[req.status], req.stop_reason,
+                                       req.num_cached_tokens, error=error)
+            else:
+                out = EngineCoreOutput(rid, new_ids, None, None, req.num_cached_tokens)
+            if req.client_index != client:  # consecutive requests mostly share a client
+                client = req.client_index
+                outs = by_client.setdefault(client, [])
+            outs.append(out)
         return stopped, stopped_waiting
-
-    def _apply_sampled(self, req: Request, gen: list[int], stale: bool, status: RequestStatus) -> EngineCoreOutput:
-        """Append one request's sampled tokens (through its grammar, if it has one), and
-        check its stops; then the placeholders they fill, the tokens its grammar forces
-        next (jump-forward) and its first-token event. ``stale``: the tokens were
-        scheduled before its last preemption; ``status``: its status when the step's
-        update began. Returns its output for the step."""
-        is_first = not req.output_token_ids
-        error = None
-        so = req.structured_output
-        if so is not None and so.grammar is not None:
-            new_ids, is_stopped, error = self._append_constrained(req, gen)
-        elif len(gen) == 1:
-            req.append_output_token_ids(gen[0])
-            is_stopped = check_stop(req, self.max_model_len)
-            new_ids = gen
-        else:
-            new_ids, is_stopped = self._append_tokens(req, gen)
-        if req.num_output_placeholders and not stale:
-            self._fill_placeholders(req, len(new_ids), status is _RUNNING and not is_stopped)
-        if (self.jump_forward and not is_stopped and status is _RUNNING and not stale
-                and not req.num_output_placeholders):
-            new_ids, is_stopped = self._jump_forward(req, new_ids)
-        if is_first:
-            req.record_event(EventType.FIRST_TOKEN, self.clock())
-        if is_stopped:
-            return EngineCoreOutput(req.request_id, new_ids, FINISH_REASONS[req.status], req.stop_reason,
-                                    req.num_cached_tokens, error=error)
-        return EngineCoreOutput(req.request_id, new_ids, None, None, req.num_cached_tokens)
 
     def _append_constrained(self, req: Request, gen: list[int]) -> tuple[list[int], bool, str | None]:
         """Append a structured request's tokens as far as its grammar takes them

@@ -16,7 +16,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from schedkit.config import CacheConfig, SchedulerConfig
 from schedkit.core.hooks import AdmissionDecision, Preemption, SchedulerHooks
@@ -52,8 +52,42 @@ _SKIP = AdmissionDecision.SKIP
 
 log = logging.getLogger("schedkit.scheduler")
 
-_NO_LOOKUP: tuple[list[int], int, int, bool] = ([], 0, 0, False)
-"""``_lookup``'s answer for a request that already holds its computed tokens."""
+class Lookup(NamedTuple):
+    """What a waiting request already has computed when it is considered for admission
+    (:meth:`Scheduler._lookup`)."""
+
+    hit_blocks: list[int]
+    """Its prefix-cache hit blocks."""
+    num_local_tokens: int
+    """The tokens those blocks hold."""
+    num_external_tokens: int
+    """The tokens the KV connector loads for it."""
+    load_async: bool
+    """The connector loads them asynchronously: the request waits for the load."""
+    num_computed_tokens: int
+    """Where its admission starts: the hits plus the external tokens, or, for a request
+    that holds its computed tokens already, its own count."""
+    looked_up: bool
+    """False for a request that holds its computed tokens already (loaded ones): nothing
+    was looked up, so no prefix-cache statistics are recorded."""
+
+
+class _Head(enum.Enum):
+    """What the waiting phase did with the request at the head of a queue
+    (:meth:`Scheduler._take_head`): the phase goes on with the next head, or stops."""
+
+    LEFT = "left"
+    """Admitted, rejected by the policy, or dropped (it had finished in the queue)."""
+    TO_WAITING = "to_waiting"
+    """Passed over (not ready, skipped by the policy, the connector asks again): back
+    into ``waiting`` at the end of the phase."""
+    TO_KV_HOLDING = "to_kv_holding"
+    """Passed over while holding KV blocks, or its asynchronous load started: back into
+    ``kv_holding`` at the end of the phase."""
+    NO_TOKENS = "no_tokens"
+    """Stop: the budget has no room for its tokens (it blocks the queue's head)."""
+    NO_BLOCKS = "no_blocks"
+    """Stop: the KV cache has no room for its blocks."""
 
 
 class PauseState(enum.Enum):
@@ -561,80 +595,110 @@ class Scheduler:
 
     def _schedule_waiting(self, st: StepState) -> None:
         """Admit waiting requests: those holding KV blocks (``kv_holding``) first, then
-        ``waiting``, each in its policy's order, until the budget, ``max_num_seqs`` or
-        the KV cache runs out. Per request: is it ready (:meth:`_ready`), does the policy
-        admit it, what is already computed (:meth:`_lookup`), then blocks, and either
-        admission or the start of an asynchronous load (the request gets blocks for the
-        loaded tokens, consumes no budget and waits in ``kv_holding`` until the worker
-        reports the load finished)."""
-        waiting, kv_holding, running = self.waiting, self.kv_holding, self.running
-        kv = self.kv_cache_manager
-        skipped: list[Request] = []
-        kv_skipped: list[Request] = []
+        ``waiting``, each in its policy's order, until there is no queue to serve
+        (:meth:`_admission_queue`) or the head request finds no room (:class:`_Head`).
+        The requests passed over go back to the front of their queues, in order."""
+        to_waiting: list[Request] = []
+        to_kv_holding: list[Request] = []
         now = self.clock()
-        serve_waiting = self.pause_state is PauseState.UNPAUSED
-        while st.budget > 0 and len(running) < self.max_num_active_seqs:
-            queue = kv_holding if kv_holding else waiting
-            if not queue or (queue is waiting and not serve_waiting):
-                break
+        while (queue := self._admission_queue(st)) is not None:
             req = queue.peek()
-            if req.is_finished:  # its queue failed to remove it when it finished
-                queue.pop()
+            head = self._take_head(queue, req, st, now)
+            if head is _Head.LEFT:
                 continue
-            if not self._ready(req, st):
-                st.popped.append(queue.pop())
-                (kv_skipped if req.status is _LOADING else skipped).append(req)
-                continue
-            decision = self.hooks.admit_request(
-                request=req, num_running=len(running), kv_cache_usage=kv.usage, now=now)
-            if decision is not _ADMIT:
-                st.popped.append(queue.pop())
-                if decision is not _SKIP:
-                    st.rejected.append(req)
-                else:
-                    (kv_skipped if self._holds_blocks(req) else skipped).append(req)
-                continue
-            lookup = self._lookup(req)
-            if lookup is None:  # the connector asks to be asked again later
-                st.popped.append(queue.pop())
-                skipped.append(req)
-                continue
-            hit_blocks, num_local, num_ext, load_async = lookup
-            computed = num_local + num_ext if lookup is not _NO_LOOKUP else req.num_computed_tokens
-            if load_async:
-                n, reserved = 0, self.kv_loads.blocks_reserved(running, self.max_model_len,
-                                                               self.num_spec_tokens)
-            else:
-                n, reserved = self._num_tokens_to_admit(req, computed, st), 0
-                if n == 0:
-                    break
-            new_blocks = kv.allocate_slots(
-                req, n, num_local, hit_blocks, num_external_computed_tokens=num_ext,
-                delay_cache_blocks=load_async, reserved_blocks=reserved,
-                full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
-                apply_watermark=bool(running))
-            if new_blocks is None:
+            if head is _Head.TO_WAITING:
+                to_waiting.append(req)
+            elif head is _Head.TO_KV_HOLDING:
+                to_kv_holding.append(req)
+            else:  # NO_TOKENS, NO_BLOCKS
                 break
-            self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id), num_ext)
-            if lookup is not _NO_LOOKUP:
-                self._record_lookup(req, num_local, num_ext, st)
+        self._put_back(to_kv_holding, to_waiting, st)
+
+    def _admission_queue(self, st: StepState) -> RequestQueue | None:
+        """The queue whose head is considered next: ``kv_holding`` while it has requests,
+        then ``waiting`` (unless paused). None once the budget or ``max_num_seqs`` is
+        spent, or there is no request left to consider."""
+        if st.budget <= 0 or len(self.running) >= self.max_num_active_seqs:
+            return None
+        if self.kv_holding:
+            return self.kv_holding
+        if self.waiting and self.pause_state is PauseState.UNPAUSED:
+            return self.waiting
+        return None
+
+    def _take_head(self, queue: RequestQueue, req: Request, st: StepState, now: float) -> _Head:
+        """Consider ``req``, the head of ``queue``: is it ready (:meth:`_ready`), does the
+        policy admit it, what is already computed (:meth:`_lookup`); then
+        :meth:`_allocate_head`. A request that leaves the head is popped from ``queue``."""
+        if req.is_finished:  # its queue failed to remove it when it finished
+            queue.pop()
+            return _Head.LEFT
+        if not self._ready(req, st):
             st.popped.append(queue.pop())
-            if load_async:
-                st.loads_started.append(req)
-                st.undo.save(req)
-                req.status = _LOADING
-                req.num_computed_tokens = computed
-                kv_skipped.append(req)
-                continue
-            self._admit(req, n, computed, st, now)
-            if n > 1 and req.num_tokens - computed == 1:
-                st.spec_tokens[req.request_id] = [-1] * (n - 1)  # padded admission
-        st.returned = kv_skipped + skipped
+            return _Head.TO_KV_HOLDING if req.status is _LOADING else _Head.TO_WAITING
+        decision = self.hooks.admit_request(request=req, num_running=len(self.running),
+                                            kv_cache_usage=self.kv_cache_manager.usage, now=now)
+        if decision is not _ADMIT:
+            st.popped.append(queue.pop())
+            if decision is not _SKIP:
+                st.rejected.append(req)
+                return _Head.LEFT
+            return _Head.TO_KV_HOLDING if self._holds_blocks(req) else _Head.TO_WAITING
+        lookup = self._lookup(req)
+        if lookup is None:  # the connector asks to be asked again later
+            st.popped.append(queue.pop())
+            return _Head.TO_WAITING
+        return self._allocate_head(queue, req, lookup, st, now)
+
+    def _allocate_head(self, queue: RequestQueue, req: Request, lookup: Lookup, st: StepState,
+                       now: float) -> _Head:
+        """Give the head request its tokens and blocks, then admit it, or start its
+        asynchronous load (it gets blocks for the loaded tokens, consumes no budget and
+        waits in ``kv_holding`` until the worker reports the load finished)."""
+        kv = self.kv_cache_manager
+        running = self.running
+        computed = lookup.num_computed_tokens
+        if lookup.load_async:
+            n, reserved = 0, self.kv_loads.blocks_reserved(running, self.max_model_len, self.num_spec_tokens)
+        else:
+            n, reserved = self._num_tokens_to_admit(req, computed, st), 0
+            if n == 0:
+                return _Head.NO_TOKENS
+        new_blocks = kv.allocate_slots(
+            req, n, lookup.num_local_tokens, lookup.hit_blocks,
+            num_external_computed_tokens=lookup.num_external_tokens,
+            delay_cache_blocks=lookup.load_async, reserved_blocks=reserved,
+            full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
+            apply_watermark=bool(running))
+        if new_blocks is None:
+            return _Head.NO_BLOCKS
+        self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id),
+                             lookup.num_external_tokens)
+        if lookup.looked_up:
+            self._record_lookup(req, lookup.num_local_tokens, lookup.num_external_tokens, st)
+        st.popped.append(queue.pop())
+        if lookup.load_async:
+            self._start_load(req, computed, st)
+            return _Head.TO_KV_HOLDING
+        self._admit(req, n, computed, st, now)
+        return _Head.LEFT
+
+    def _start_load(self, req: Request, computed: int, st: StepState) -> None:
+        """The request's asynchronous KV load begins: it waits in ``kv_holding``."""
+        st.loads_started.append(req)
+        st.undo.save(req)
+        req.status = _LOADING
+        req.num_computed_tokens = computed
+
+    def _put_back(self, to_kv_holding: list[Request], to_waiting: list[Request], st: StepState) -> None:
+        """The requests the waiting phase passed over return to the front of their queues,
+        in their order, and are marked deferred."""
+        st.returned = to_kv_holding + to_waiting
         self._defer(st.returned, st)
-        if kv_skipped:
-            kv_holding.prepend_requests(kv_skipped)
-        if skipped:
-            waiting.prepend_requests(skipped)
+        if to_kv_holding:
+            self.kv_holding.prepend_requests(to_kv_holding)
+        if to_waiting:
+            self.waiting.prepend_requests(to_waiting)
 
     def _ready(self, req: Request, st: StepState) -> bool:
         """Whether the head request may be considered now: a load still in progress, a
@@ -665,17 +729,17 @@ class Scheduler:
             self.grammar_compile_error_reqs[req.request_id] = req
         return False
 
-    def _lookup(self, req: Request) -> tuple[list[int], int, int, bool] | None:
+    def _lookup(self, req: Request) -> Lookup | None:
         """What a new (or preempted) request holding no blocks already has computed: its
-        prefix-cache hits, then the tokens the connector will load. Returns (hit blocks,
-        hit tokens, external tokens, load asynchronously); ``_NO_LOOKUP`` for a request
-        that holds blocks (loaded ones); None when the connector says "ask again".
+        prefix-cache hits, then the tokens the connector will load. A request that holds
+        blocks (loaded ones) looks nothing up (``looked_up`` False). None when the
+        connector says "ask again".
 
         Raises:
             PluginError: The connector's answer is impossible.
         """
         if req.num_computed_tokens or self._holds_blocks(req):
-            return _NO_LOOKUP
+            return Lookup([], 0, 0, False, req.num_computed_tokens, looked_up=False)
         hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(req)
         answer = self._connector_call("get_num_new_matched_tokens", req, num_local)
         if (not isinstance(answer, tuple) or len(answer) != 2 or type(answer[1]) is not bool
@@ -697,7 +761,7 @@ class Scheduler:
                 f"{max(limit, 0)} (a synchronous load leaves one token to compute), and > 0 "
                 "for an asynchronous load", plugin=type(self.connector).__name__,
                 hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
-        return hit_blocks, num_local, num_ext, load_async
+        return Lookup(hit_blocks, num_local, num_ext, load_async, num_local + num_ext, looked_up=True)
 
     def _defer(self, reqs: list[Request], st: StepState) -> None:
         deferred = self.deferred_ids
@@ -761,6 +825,8 @@ class Scheduler:
         req.record_event(EventType.SCHEDULED, now)
         st.num_scheduled[req.request_id] = n
         st.budget -= n
+        if n > 1 and req.num_tokens - computed == 1:
+            st.spec_tokens[rid] = [-1] * (n - 1)  # padded admission
 
     def _remove_queued(self, reqs: list[Request]) -> None:
         """Take finished requests out of the queues. If the policy's queue raises, they
@@ -971,22 +1037,27 @@ class Scheduler:
     def _append_sampled(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                         skip: set[str], by_client: dict[int, list[EngineCoreOutput]],
                         spec_stats: SpecDecodingStats | None) -> tuple[list[Request], list[Request]]:
-        """Append each request's sampled tokens, roll back rejected drafts, check stops.
-        Returns the requests that stopped, and those of them that were waiting."""
+        """Apply each request's sampled tokens: leave out void ones, roll back rejected
+        drafts (:meth:`_apply_spec_result`), append the tokens and check stops (through
+        the grammar: :meth:`_append_constrained`), count the placeholders they fill
+        (:meth:`_fill_placeholders`), append what the grammar forces (:meth:`_jump_forward`),
+        then the output. This runs for every request in every step: the plain case (one
+        token, no grammar) stays inline. Returns the requests that stopped, and those of
+        them that were waiting."""
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
         requests = self.requests
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
+        jump_forward = self.jump_forward
         stopped: list[Request] = []
         stopped_waiting: list[Request] = []
-        kv = self.kv_cache_manager
-        cache_after_placeholders = kv.enable_caching
+        client = -1
+        outs: list[EngineCoreOutput] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            maybe = requests.get(rid)
-            if maybe is None:
+            req = requests.get(rid)
+            if req is None:
                 continue  # finished while the step ran
-            req = maybe
             req.num_in_flight_tokens -= n
             stale = req.num_stale_output_tokens > 0
             if stale:  # scheduled before the request's last preemption
@@ -994,43 +1065,32 @@ class Scheduler:
                 if req.stale_drop:
                     continue
             status = req.status
-            if (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
-                continue  # finished while the step ran, or read bad KV: void
             i = index.get(rid)
             gen = sampled[i] if i is not None else None
-            if not gen:
-                continue  # a prefill chunk that sampled nothing
-            if spec_sched and not stale:
-                drafts = spec_sched.get(rid)
-                if drafts:
-                    self._apply_spec_result(req, drafts, len(gen), spec_stats)
-            had_outputs = bool(req.output_token_ids)
+            if not gen or (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
+                continue  # a prefill chunk that sampled nothing, finished while the step ran, read bad KV
+            if spec_sched and not stale and (drafts := spec_sched.get(rid)):
+                self._apply_spec_result(req, drafts, len(gen), spec_stats)
+            # The tokens.
+            is_first = not req.output_token_ids
             error = None
-            if req.structured_output is not None and req.structured_output.grammar is not None:
-                gen, error = self._advance_grammar(req, gen)
-            if len(gen) == 1:
+            so = req.structured_output
+            if so is not None and so.grammar is not None:
+                new_ids, is_stopped, error = self._append_constrained(req, gen)
+            elif len(gen) == 1:
                 req.append_output_token_ids(gen[0])
                 is_stopped = check_stop(req, max_model_len)
                 new_ids = gen
             else:
                 new_ids, is_stopped = self._append_tokens(req, gen)
-            if req.structured_output is not None and req.structured_output.grammar is not None:
-                if error is not None and len(new_ids) == len(gen):  # the rejected token was kept
-                    req.status, req.stop_reason, is_stopped = RequestStatus.FINISHED_ERROR, "grammar_rejected", True
-                elif not is_stopped and req.structured_output.grammar.is_terminated():
-                    req.status, is_stopped = RequestStatus.FINISHED_STOPPED, True
-                else:
-                    error = None
             if req.num_output_placeholders and not stale:
-                req.num_output_placeholders -= len(new_ids)
-                if cache_after_placeholders and status is _RUNNING and not is_stopped:
-                    # Blocks filled by tokens that were placeholders at allocation.
-                    kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
-            if (self.jump_forward and not is_stopped and status is _RUNNING and not stale
+                self._fill_placeholders(req, len(new_ids), status is _RUNNING and not is_stopped)
+            if (jump_forward and not is_stopped and status is _RUNNING and not stale
                     and not req.num_output_placeholders):
                 new_ids, is_stopped = self._jump_forward(req, new_ids)
-            if not had_outputs:
+            if is_first:
                 req.record_event(EventType.FIRST_TOKEN, self.clock())
+            # The output.
             if is_stopped:
                 stopped.append(req)
                 if status is _PREEMPTED:
@@ -1039,11 +1099,37 @@ class Scheduler:
                                        req.num_cached_tokens, error=error)
             else:
                 out = EngineCoreOutput(rid, new_ids, None, None, req.num_cached_tokens)
-            lst = by_client.get(req.client_index)
-            if lst is None:
-                by_client[req.client_index] = lst = []
-            lst.append(out)
+            if req.client_index != client:  # consecutive requests mostly share a client
+                client = req.client_index
+                outs = by_client.setdefault(client, [])
+            outs.append(out)
         return stopped, stopped_waiting
+
+    def _append_constrained(self, req: Request, gen: list[int]) -> tuple[list[int], bool, str | None]:
+        """Append a structured request's tokens as far as its grammar takes them
+        (:meth:`_advance_grammar`). A token the grammar rejected, once appended, fails
+        the request; a grammar that terminated stops it. Returns the tokens appended,
+        whether the request stopped, and its error (None unless it failed)."""
+        so = req.structured_output
+        assert so is not None and so.grammar is not None
+        kept, error = self._advance_grammar(req, gen)
+        new_ids, is_stopped = self._append_tokens(req, kept)
+        if error is not None and len(new_ids) == len(kept):  # the rejected token was kept
+            req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, "grammar_rejected"
+            return new_ids, True, error
+        if not is_stopped and so.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return new_ids, True, None
+        return new_ids, is_stopped, None
+
+    def _fill_placeholders(self, req: Request, num_new: int, cache: bool) -> None:
+        """The step's ``num_new`` tokens take the place of the output placeholders counted
+        for them at scheduling (asynchronous scheduling). With ``cache`` (the request
+        runs on), the blocks they filled enter the prefix cache."""
+        req.num_output_placeholders -= num_new
+        kv = self.kv_cache_manager
+        if cache and kv.enable_caching:
+            kv.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
 
     def _jump_forward(self, req: Request, new_ids: list[int]) -> tuple[list[int], bool]:
         """Append the tokens the request's grammar forces next, without sampling them:

@@ -45,11 +45,13 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import Config
+from schedkit.core.outputs import EngineCoreOutput
 from schedkit.core.request import Request, SamplingParams
+from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError, SchedkitError
 from schedkit.kv.hashing import BlockHasher
@@ -144,7 +146,7 @@ def run_cluster_workload(config: Config, workload: list[WorkloadRequest] | None 
         raise ValueError(f"the workload's request ids must be unique for the cluster "
                          f"simulation{f': {dup[:5]} repeat' if dup else ''}")
     with _fewer_collections():
-        return _run(config, workload, router_extra_plugins)
+        return _ClusterRun(config, workload, router_extra_plugins).run()
 
 
 @contextlib.contextmanager
@@ -168,43 +170,91 @@ def _fewer_collections() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _run(config: Config, workload: list[WorkloadRequest],
-         router_extra_plugins: Iterable[Any]) -> ClusterRunResult:
-    wall0 = time.perf_counter()
-    n = config.replicas.count
-    rconfig = replica_config(config)
-    engines = [EngineCore(rconfig) for _ in range(n)]
-    if not all(e.is_virtual for e in engines):
-        raise ConfigError("the cluster simulation needs a virtual clock: runner.kind fake or "
-                          "simulated, with runner.clock virtual")
-    router = Router(config, n, extra_plugins=router_extra_plugins)
-    replicas = [_Replica(i, e) for i, e in enumerate(engines)]
-    start = engines[0].start_time
-    assert all(e.start_time == start for e in engines)
+class _Report(NamedTuple):
+    """What a replica's step ended with, due to the router when the step ends. Ordered
+    in the heap by ``time``, then ``seq`` (unique: the order the steps ended in)."""
 
-    cache = rconfig.cache
-    block_size = cache.block_size
-    hasher = BlockHasher(block_size, cache.hash_algo) if cache.enable_prefix_caching else None
-    eos = config.runner.eos_token_id
-    slo = config.workload.slo
-    order = sorted(range(len(workload)), key=lambda k: workload[k].arrival_time)
-    arrivals = [start + workload[k].arrival_time for k in order]
-    num_arrivals = len(order)
-    next_arrival = 0  # index into order / arrivals of the next request to route
+    time: float
+    seq: int
+    replica: int
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    kv_events: list[Any]
+    finished: list[tuple[str, bool]]
+    """(request_id, failed) of each request that finished in the step."""
 
-    ready: list[tuple[float, int, int]] = []  # (step start, replica index, version)
-    updates: list[tuple[float, int, int, int, int, float, list[Any], list[tuple[str, bool]]]] = []
-    """Reports due to the router: (time, seq, replica, waiting, running, kv usage, KV
-    events, finished (request_id, failed))."""
-    update_seq = 0
 
-    live: dict[str, Request] = {}
-    token_times: dict[str, list[float]] = {}
-    failed: dict[str, str] = {}
-    metrics: list[RequestMetrics] = []
-    replica_of: dict[str, int] = {}
+class _ClusterRun:
+    """One replay through the cluster (module docstring): the replicas and the router,
+    the arrivals in order, the heaps of replica steps and of reports due to the router,
+    and what became of each request. :meth:`run` replays it once."""
 
-    def next_step_time(rep: _Replica) -> float | None:
+    def __init__(self, config: Config, workload: list[WorkloadRequest],
+                 router_extra_plugins: Iterable[Any]) -> None:
+        self.wall0 = time.perf_counter()
+        n = config.replicas.count
+        rconfig = replica_config(config)
+        self.engines = [EngineCore(rconfig) for _ in range(n)]
+        if not all(e.is_virtual for e in self.engines):
+            raise ConfigError("the cluster simulation needs a virtual clock: runner.kind fake or "
+                              "simulated, with runner.clock virtual")
+        self.router = Router(config, n, extra_plugins=router_extra_plugins)
+        self.replicas = [_Replica(i, e) for i, e in enumerate(self.engines)]
+        self.start = self.engines[0].start_time
+        assert all(e.start_time == self.start for e in self.engines)
+        cache = rconfig.cache
+        self.block_size = cache.block_size
+        self.hasher = BlockHasher(cache.block_size, cache.hash_algo) if cache.enable_prefix_caching else None
+        self.eos = config.runner.eos_token_id
+        self.slo = config.workload.slo
+        self.workload = workload
+        self.order = sorted(range(len(workload)), key=lambda k: workload[k].arrival_time)
+        self.arrivals = [self.start + workload[k].arrival_time for k in self.order]
+        self.num_arrivals = len(self.order)
+        self.next_arrival = 0
+        """Index into ``order`` / ``arrivals`` of the next request to route."""
+        self.ready: list[tuple[float, int, int]] = []
+        """Replica steps due: (step start, replica index, version)."""
+        self.reports: list[_Report] = []
+        """Reports due to the router (a heap)."""
+        self.num_reports = 0
+        self.live: dict[str, Request] = {}
+        self.token_times: dict[str, list[float]] = {}
+        self.failed: dict[str, str] = {}
+        self.metrics: list[RequestMetrics] = []
+        self.replica_of: dict[str, int] = {}
+
+    def run(self) -> ClusterRunResult:
+        """Step the replica due first, or route the next arrival when it comes before
+        (or with) every step due; then deliver the reports left and sum up."""
+        while True:
+            rep = self._replica_due()
+            if rep is not None:
+                self._step(rep)
+            elif self.next_arrival < self.num_arrivals:
+                self._route_next_arrival()
+            else:
+                break
+        self._apply_reports(_INF)
+        return self._result()
+
+    def _replica_due(self) -> _Replica | None:
+        """The replica whose step starts first, if it starts before the next arrival
+        (stale heap entries are dropped on the way)."""
+        ready, replicas = self.ready, self.replicas
+        t_next = self.arrivals[self.next_arrival] if self.next_arrival < self.num_arrivals else _INF
+        while ready and ready[0][2] != replicas[ready[0][1]].version:
+            heapq.heappop(ready)
+        if ready and ready[0][0] < t_next:
+            key, i, _ = heapq.heappop(ready)
+            rep = replicas[i]
+            rep.key = None
+            rep.engine.advance_to(key)
+            return rep
+        return None
+
+    def _next_step_time(self, rep: _Replica) -> float | None:
         """When the replica's next step starts (None: it has nothing to do)."""
         e = rep.engine
         if not e.has_requests():
@@ -217,117 +267,127 @@ def _run(config: Config, workload: list[WorkloadRequest],
             # Its last step ran nothing and nothing came since: like the engine's clock,
             # which then jumps to its next held arrival, it waits for the next arrival
             # (to anyone); with none left it steps on, as run_workload's engine would.
-            return max(now, arrivals[next_arrival]) if next_arrival < num_arrivals else now
+            return max(now, self.arrivals[self.next_arrival]) if self.next_arrival < self.num_arrivals else now
         return now
 
-    def schedule(rep: _Replica) -> None:
-        key = next_step_time(rep)
+    def _schedule(self, rep: _Replica) -> None:
+        """Put the replica's next step in the heap (a new version: older entries go stale)."""
+        key = self._next_step_time(rep)
         if key == rep.key:
             return
         rep.version += 1
         rep.key = key
         if key is not None:
-            heapq.heappush(ready, (key, rep.index, rep.version))
+            heapq.heappush(self.ready, (key, rep.index, rep.version))
 
-    def apply_updates(upto: float) -> None:
-        while updates and updates[0][0] <= upto:
-            _, _, i, waiting, running, usage, events, finished = heapq.heappop(updates)
-            router.update_load(i, num_waiting=waiting, num_running=running, kv_cache_usage=usage)
-            if events:
-                router.apply_kv_events(i, events)
-            for rid, bad in finished:
+    def _step(self, rep: _Replica) -> None:
+        """Run one step of the replica; record its tokens and finished requests, and
+        queue its report to the router for when the step ends."""
+        e = rep.engine
+        before = e.now()
+        outputs = e.step()
+        now = e.now()
+        rep.busy_s += now - before
+        rep.added = False
+        finished: list[tuple[str, bool]] = []
+        for group in outputs.values():
+            for o in group.outputs:
+                if self._record_output(o, now):
+                    finished.append((o.request_id, o.error is not None))
+        sched = e.scheduler
+        kv = sched.kv_cache_manager
+        self.num_reports += 1
+        heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index, len(sched.waiting),
+                                             len(sched.running), kv.usage, kv.take_events(),
+                                             finished))
+        self._schedule(rep)
+
+    def _record_output(self, o: EngineCoreOutput, now: float) -> bool:
+        """One request's output of a step: its token times, and its metrics when it
+        finished. Returns whether it finished."""
+        rid = o.request_id
+        times = self.token_times.get(rid)
+        if times is not None and o.new_token_ids:
+            times.extend([now] * len(o.new_token_ids))
+        if o.finish_reason is None:
+            return False
+        ended = self.live.pop(rid, None)
+        if o.error is not None:
+            self.failed[rid] = o.error
+        if ended is not None:
+            times = self.token_times.pop(rid)
+            if not ended.is_finished:  # refused when it arrived
+                self.metrics.append(_refused(ended, self.start, o.error or "refused"))
+            else:
+                self.metrics.append(request_metrics(ended, times, self.start, self.failed.get(rid)))
+        return True
+
+    def _apply_reports(self, upto: float) -> None:
+        """Deliver to the router every report due by ``upto``."""
+        reports, router = self.reports, self.router
+        while reports and reports[0].time <= upto:
+            r = heapq.heappop(reports)
+            router.update_load(r.replica, num_waiting=r.num_waiting, num_running=r.num_running,
+                               kv_cache_usage=r.kv_cache_usage)
+            if r.kv_events:
+                router.apply_kv_events(r.replica, r.kv_events)
+            for rid, bad in r.finished:
                 router.finished(rid, failed=bad)
 
-    while True:
-        t_next = arrivals[next_arrival] if next_arrival < num_arrivals else _INF
-        # Drop stale heap entries.
-        while ready and ready[0][2] != replicas[ready[0][1]].version:
-            heapq.heappop(ready)
-        if ready and ready[0][0] < t_next:
-            key, i, _ = heapq.heappop(ready)
-            rep = replicas[i]
-            rep.key = None
-            e = rep.engine
-            e.advance_to(key)
-            before = e.now()
-            outputs = e.step()
-            now = e.now()
-            rep.busy_s += now - before
-            rep.added = False
-            finished: list[tuple[str, bool]] = []
-            for group in outputs.values():
-                for o in group.outputs:
-                    rid = o.request_id
-                    times = token_times.get(rid)
-                    if times is not None and o.new_token_ids:
-                        times.extend([now] * len(o.new_token_ids))
-                    if o.finish_reason is None:
-                        continue
-                    ended = live.pop(rid, None)
-                    if o.error is not None:
-                        failed[rid] = o.error
-                    if ended is not None:
-                        times = token_times.pop(rid)
-                        if not ended.is_finished:  # refused when it arrived
-                            metrics.append(_refused(ended, start, o.error or "refused"))
-                        else:
-                            metrics.append(request_metrics(ended, times, start, failed.get(rid)))
-                    finished.append((rid, o.error is not None))
-            sched = e.scheduler
-            kv = sched.kv_cache_manager
-            update_seq += 1
-            heapq.heappush(updates, (now, update_seq, i, len(sched.waiting), len(sched.running),
-                                     kv.usage, kv.take_events(), finished))
-            schedule(rep)
-            continue
-        if next_arrival >= num_arrivals:
-            break
-        # Route the next arrival, on what the replicas had reported by its arrival time.
-        w = workload[order[next_arrival]]
-        t = t_next
-        next_arrival += 1
-        apply_updates(t)
+    def _route_next_arrival(self) -> None:
+        """Route the next arrival, on what the replicas had reported by its arrival
+        time, and add it to the chosen replica (a refusal is recorded as one)."""
+        w = self.workload[self.order[self.next_arrival]]
+        t = self.arrivals[self.next_arrival]
+        self.next_arrival += 1
+        self._apply_reports(t)
         req = Request(w.request_id, w.prompt_token_ids,
-                      SamplingParams(max_tokens=w.max_tokens, eos_token_id=eos),
+                      SamplingParams(max_tokens=w.max_tokens, eos_token_id=self.eos),
                       arrival_time=t, priority=w.priority, tenant=w.tenant,
-                      ttft_slo_s=slo.class_target("ttft_s", w.tenant, w.priority))
-        if hasher is not None:
-            # Hash the prompt once, for the replica's prefix cache and the router both (the
-            # same hasher the schedulers build; a request that comes with its block hashes
-            # keeps them): on long-prompt traces hashing is a large share of the run.
-            req.set_block_hasher(hasher.extend, block_size)
-            # The prompt's blocks as they are now (the list grows with output blocks later).
-            route = router.make_request(w.request_id, req.prompt_token_ids, tenant=w.tenant,
-                                        priority=w.priority, block_hashes=req.block_hashes[:])
-        else:
-            route = router.make_request(w.request_id, w.prompt_token_ids, tenant=w.tenant,
-                                        priority=w.priority)
-        j = router.route(route).index
-        replica_of[w.request_id] = j
-        rep = replicas[j]
+                      ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority))
+        j = self.router.route(self._route_request(w, req)).index
+        self.replica_of[w.request_id] = j
+        rep = self.replicas[j]
         try:
             rep.engine.add_request_at(req, t)
         except SchedkitError as err:
-            failed[w.request_id] = str(err)
-            metrics.append(_refused(req, start, str(err)))
-            router.finished(w.request_id, failed=True)
-            continue
-        live[w.request_id] = req
-        token_times[w.request_id] = []
+            self.failed[w.request_id] = str(err)
+            self.metrics.append(_refused(req, self.start, str(err)))
+            self.router.finished(w.request_id, failed=True)
+            return
+        self.live[w.request_id] = req
+        self.token_times[w.request_id] = []
         rep.added = True
-        schedule(rep)
-    apply_updates(_INF)
-    metrics.sort(key=lambda m: (m.arrival_time, m.request_id))
-    prefix = []
-    for e in engines:
-        totals = e.scheduler.kv_cache_manager.prefix_cache_totals
-        prefix.append({"queries": totals.queries + totals.preempted_queries,
-                       "hits": totals.hits + totals.preempted_hits})
-    return ClusterRunResult(
-        metrics, failed, sum(e.num_steps for e in engines), time.perf_counter() - wall0, start,
-        num_replicas=n, replica_of=replica_of, replica_steps=[e.num_steps for e in engines],
-        replica_busy_s=[r.busy_s for r in replicas], engine_prefix_cache=prefix,
-        router_stats=router.stats())
+        self._schedule(rep)
+
+    def _route_request(self, w: WorkloadRequest, req: Request) -> RouteRequest:
+        """What the router sees of the request. With prefix caching the prompt is hashed
+        once, for the replica's prefix cache and the router both (the same hasher the
+        schedulers build; a request that comes with its block hashes keeps them): on
+        long-prompt traces hashing is a large share of the run."""
+        if self.hasher is None:
+            return self.router.make_request(w.request_id, w.prompt_token_ids, tenant=w.tenant,
+                                            priority=w.priority)
+        req.set_block_hasher(self.hasher.extend, self.block_size)
+        # The prompt's blocks as they are now (the list grows with output blocks later).
+        return self.router.make_request(w.request_id, req.prompt_token_ids, tenant=w.tenant,
+                                        priority=w.priority, block_hashes=req.block_hashes[:])
+
+    def _result(self) -> ClusterRunResult:
+        """The run's metrics (sorted by arrival) and the replicas' and router's figures."""
+        self.metrics.sort(key=lambda m: (m.arrival_time, m.request_id))
+        engines = self.engines
+        prefix = []
+        for e in engines:
+            totals = e.scheduler.kv_cache_manager.prefix_cache_totals
+            prefix.append({"queries": totals.queries + totals.preempted_queries,
+                           "hits": totals.hits + totals.preempted_hits})
+        return ClusterRunResult(
+            self.metrics, self.failed, sum(e.num_steps for e in engines),
+            time.perf_counter() - self.wall0, self.start, num_replicas=len(engines),
+            replica_of=self.replica_of, replica_steps=[e.num_steps for e in engines],
+            replica_busy_s=[r.busy_s for r in self.replicas], engine_prefix_cache=prefix,
+            router_stats=self.router.stats())
 
 
 # -- the cluster summary -------------------------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -236,76 +236,136 @@ class EventStream(Response):
                 await aclose()
 
 
-def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes: int,
-              api_key: str | None, body_timeout_s: float = 30.0,
-              ) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
-    """The ASGI app; ``server_factory`` starts the engine (at startup), returning the
-    :class:`Server`. Returns the app (behind the limits) and a getter for the server."""
-    state: dict[str, Server] = {}
+def _refuse_logprobs(req: Any) -> None:
+    """Logprobs cannot be served: a request asking for them is refused (400 naming the
+    field)."""
+    wants_logprobs = req.logprobs is not None and req.logprobs is not False
+    if wants_logprobs or getattr(req, "top_logprobs", None) is not None:
+        param = "logprobs" if wants_logprobs else "top_logprobs"
+        raise APIError(400, f"{param}: logprobs are not available, schedkit's runners return "
+                       "sampled token ids only", param=param)
+
+
+async def _chat_prompts(s: Server, req: ChatCompletionRequest) -> tuple[list[list[int]], int | None, str]:
+    """The chat request's one prompt, its output limit and the limit's field name."""
+    s.check_capacity(req.n, 1, "n")
+    prompts = [await s.chat_prompt(req.messages, req.add_generation_prompt)]
+    if req.max_completion_tokens is not None:
+        return prompts, req.max_completion_tokens, "max_completion_tokens"
+    return prompts, req.max_tokens, "max_tokens"
+
+
+async def _completion_prompts(s: Server, req: CompletionRequest) -> tuple[list[list[int]], int | None, str]:
+    """The completion request's prompts (one or a batch), its output limit and the
+    limit's field name."""
+    texts = req.prompts()
+    # before any work per prompt: a batch the pending limit can never take is refused whole
+    s.check_capacity(req.n, len(texts), "prompt" if len(texts) > 1 else "n")
+    prompts = [await s.encode(p, f"prompt[{i}]" if len(texts) > 1 else "prompt")
+               for i, p in enumerate(texts)]
+    return prompts, req.max_tokens, "max_tokens"
+
+
+async def _answer(request: Request, gen: Generation, stream: bool, headers: dict[str, str]) -> Response:
+    """The generation's response: a stream of events, or the whole answer; 499 when the
+    client left before there was anything to send."""
+    if stream:
+        gone = await _unless_disconnected(request, gen.first())
+        if isinstance(gone, Response):  # the client left before the first token
+            gen.cancel()
+            return gone
+        if gen.open == 0 and not gen.pending:
+            return Response(status_code=499)
+        return EventStream(gen.stream(), headers)
+    answer = await _unless_disconnected(request, gen.collect())
+    if isinstance(answer, Response):  # the client left: cancelling collect() stops no choice
+        gen.cancel()
+        return answer
+    return JSONResponse(answer, headers=headers)
+
+
+class ServerRoutes:
+    """The HTTP routes and error handlers, bound to the :class:`Server` they serve.
+    ``router`` carries the routes; :meth:`lifespan` starts the server (with
+    ``server_factory``) before the first request and closes it at shutdown."""
+
+    def __init__(self, server_factory: Callable[[], Awaitable[Server]]) -> None:
+        self.server_factory = server_factory
+        self.server: Server | None = None
+        """The server, once the lifespan started it (it stays after shutdown)."""
+        self.router = APIRouter()
+        add = self.router.add_api_route
+        add("/v1/completions", self.completions, methods=["POST"])
+        add("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        add("/v1/models", self.models, methods=["GET", "HEAD"])
+        add("/tokenize", self.tokenize, methods=["POST"])
+        add("/detokenize", self.detokenize, methods=["POST"])
+        add("/health", self.health, methods=["GET", "HEAD"])
+        add("/metrics", self.metrics, methods=["GET"])
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["server"] = await server_factory()
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """Start the server; at shutdown, drain it: abort what runs, close the engine."""
+        self.server = await self.server_factory()
         freeze_startup_heap()  # imports, tokenizer, app: never garbage, so no GC pass walks them
         try:
             yield
         finally:
-            srv = state["server"]
+            srv = self.server
             srv.draining = True
             srv.abort_all()
             await asyncio.sleep(0)
             await srv.llm.close()
             srv.close()
 
-    app = FastAPI(title="schedkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    def get_server(self) -> Server | None:
+        """The server, None until the lifespan started it."""
+        return self.server
 
-    def srv() -> Server:
-        return state["server"]
+    def _srv(self) -> Server:
+        """The server, which the lifespan started before any request came."""
+        assert self.server is not None
+        return self.server
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        state["server"].metrics.http_error(e.status)
+    def count_error(self, status: int) -> None:
+        """Count an error response of the limits in front of the app (no server yet: none)."""
+        if self.server is not None:
+            self.server.metrics.http_error(status)
+
+    # -- error handlers ------------------------------------------------------------------
+    async def api_error(self, request: Request, e: APIError) -> JSONResponse:
+        """An :class:`APIError`, counted, in OpenAI's error shape."""
+        self._srv().metrics.http_error(e.status)
         return _error_response(e, _valid_request_id(request.headers.get("x-request-id")))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        # an unknown route (404) or method (405): OpenAI's error shape, like every other error
-        return await _api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: "
-                                                  f"{e.detail}", headers=dict(e.headers or {})))
+    async def http_error(self, request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """An unknown route (404) or method (405): OpenAI's error shape, like every other error."""
+        return await self.api_error(request, APIError(e.status_code, f"{request.method} {request.url.path}: "
+                                                      f"{e.detail}", headers=dict(e.headers or {})))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
+    async def internal_error(self, request: Request, e: Exception) -> JSONResponse:
+        """Any other exception: logged, and a 500 naming its type."""
         log.exception("unhandled error on %s", request.url.path)
-        return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}"))
+        return await self.api_error(request, APIError(500, f"internal error: {type(e).__name__}"))
 
-    async def _generate(request: Request, kind: str) -> Response:
+    # -- routes --------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        """A completion or chat request: decoded and checked, its prompts encoded, then
+        generated and answered (:func:`_answer`)."""
         arrival = time.perf_counter()  # the latencies recorded count from here
-        s = srv()
-        if kind == "chat":
-            req: Any = await _request_of(request, ChatCompletionRequest, s)
-            prefix = "chatcmpl"
-        else:
-            req = await _request_of(request, CompletionRequest, s)
-            prefix = "cmpl"
+        s = self._srv()
+        is_chat = kind == "chat"
+        req: Any = await _request_of(request, ChatCompletionRequest if is_chat else CompletionRequest, s)
         s.check_model(req.model)
-        wants_logprobs = req.logprobs is not None and req.logprobs is not False
-        if wants_logprobs or getattr(req, "top_logprobs", None) is not None:
-            param = "logprobs" if wants_logprobs else "top_logprobs"
-            raise APIError(400, f"{param}: logprobs are not available, schedkit's runners return "
-                           "sampled token ids only", param=param)
-        rid = request_id_from_header(request.headers.get("x-request-id"), prefix)
-        if kind == "chat":
-            s.check_capacity(req.n, 1, "n")
-            prompts = [await s.chat_prompt(req.messages, req.add_generation_prompt)]
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        else:
-            texts = req.prompts()
-            # before any work per prompt: a batch the pending limit can never take is refused whole
-            s.check_capacity(req.n, len(texts), "prompt" if len(texts) > 1 else "n")
-            prompts = [await s.encode(p, f"prompt[{i}]" if len(texts) > 1 else "prompt")
-                       for i, p in enumerate(texts)]
-            max_tokens, param = req.max_tokens, "max_tokens"
+        _refuse_logprobs(req)
+        rid = request_id_from_header(request.headers.get("x-request-id"), "chatcmpl" if is_chat else "cmpl")
+        prompts, max_tokens, param = await (_chat_prompts(s, req) if is_chat else _completion_prompts(s, req))
         choices = s.make_choices(req, rid, prompts, max_tokens, param)
         gen = Generation(s, kind, rid, req, prompts, choices, arrival)
         try:
@@ -314,40 +374,14 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
             gen.cancel()
             raise
 
-    async def _answer(request: Request, gen: Generation, stream: bool,
-                      headers: dict[str, str]) -> Response:
-        if stream:
-            gone = await _unless_disconnected(request, gen.first())
-            if isinstance(gone, Response):  # the client left before the first token
-                gen.cancel()
-                return gone
-            if gen.open == 0 and not gen.pending:
-                return Response(status_code=499)
-            return EventStream(gen.stream(), headers)
-        answer = await _unless_disconnected(request, gen.collect())
-        if isinstance(answer, Response):  # the client left: cancelling collect() stops no choice
-            gen.cancel()
-            return answer
-        return JSONResponse(answer, headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(request, "chat")
-
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models() -> dict[str, Any]:
-        s = srv()
+    async def models(self) -> dict[str, Any]:
+        s = self._srv()
         return {"object": "list", "data": [{
             "id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "schedkit",
             "root": s.config.model.name, "max_model_len": s.max_model_len}]}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        s = srv()
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        s = self._srv()
         req = await _request_of(request, TokenizeRequest, s)
         s.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -358,27 +392,24 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
             ids = await s.tokenize(req.prompt, what="tokenize", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        s = srv()
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        s = self._srv()
         req = await _request_of(request, DetokenizeRequest, s)
         s.check_model(req.model)
         tok = s._need_tokenizer("detokenize", "tokens")
         ids = await s.encode(list(req.tokens), "tokens") if req.tokens else []
         return {"prompt": await s.off_loop(tok.decode, ids, size=len(ids))}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        s = srv()
+    async def health(self) -> Response:
+        s = self._srv()
         if not s.llm_alive():
             return JSONResponse(APIError(503, "the engine is not running").body(), status_code=503)
         if s.draining:
             return JSONResponse(APIError(503, "the server is shutting down").body(), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        s = srv()
+    async def metrics(self) -> Response:
+        s = self._srv()
         collector = s.metrics.engine
         if s.llm_alive():
             try:
@@ -390,9 +421,19 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
             collector.stats = collector.stats | {"dead": True}
         return Response(s.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def count_error(status: int) -> None:
-        if "server" in state:
-            state["server"].metrics.http_error(status)
 
-    return (LimitsMiddleware(app, max_body_bytes, api_key, count_error, body_timeout_s),
-            lambda: state.get("server"))
+def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes: int,
+              api_key: str | None, body_timeout_s: float = 30.0,
+              ) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
+    """The ASGI app: a FastAPI app with :class:`ServerRoutes`' routes and error handlers,
+    behind :class:`LimitsMiddleware`. ``server_factory`` starts the engine (at startup),
+    returning the :class:`Server`. Returns the app and a getter for the server (None
+    until it started)."""
+    routes = ServerRoutes(server_factory)
+    app = FastAPI(title="schedkit", lifespan=routes.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(routes.router)
+    app.exception_handler(APIError)(routes.api_error)
+    app.exception_handler(StarletteHTTPException)(routes.http_error)
+    app.exception_handler(Exception)(routes.internal_error)
+    return (LimitsMiddleware(app, max_body_bytes, api_key, routes.count_error, body_timeout_s),
+            routes.get_server)

@@ -175,7 +175,7 @@ class Scheduler:
         """Requests whose asynchronous load failed: they start over at promotion."""
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        self.deferred_ids: set[str] = set()
+        self.skipped_ids: set[str] = set()
         """Waiting requests the last schedule() passed over (vLLM's deferred_waiting)."""
         self._preempted_ids: set[str] = set()
         self._pending_outputs: list[tuple[Request, EngineCoreOutput]] = []
@@ -692,9 +692,9 @@ class Scheduler:
 
     def _put_back(self, to_kv_holding: list[Request], to_waiting: list[Request], st: StepState) -> None:
         """The requests the waiting phase passed over return to the front of their queues,
-        in their order, and are marked deferred."""
+        in their order, and are marked skipped."""
         st.returned = to_kv_holding + to_waiting
-        self._defer(st.returned, st)
+        self._skip(st.returned, st)
         if to_kv_holding:
             self.kv_holding.prepend_requests(to_kv_holding)
         if to_waiting:
@@ -703,7 +703,7 @@ class Scheduler:
     def _ready(self, req: Request, st: StepState) -> bool:
         """Whether the head request may be considered now: a load still in progress, a
         preempted request whose outputs from before its preemption are still in flight,
-        or one preempted on purpose in this very step, waits. A finished load is
+        or one preempted voluntarily in this very step, waits. A finished load is
         promoted here."""
         if req.status is _LOADING:
             if not self.kv_loads.is_done(req):
@@ -763,13 +763,13 @@ class Scheduler:
                 hook="KVConnector.get_num_new_matched_tokens", request_id=req.request_id)
         return Lookup(hit_blocks, num_local, num_ext, load_async, num_local + num_ext, looked_up=True)
 
-    def _defer(self, reqs: list[Request], st: StepState) -> None:
-        deferred = self.deferred_ids
-        newly = st.undo.newly_deferred
+    def _skip(self, reqs: list[Request], st: StepState) -> None:
+        skipped = self.skipped_ids
+        newly = st.undo.newly_skipped
         for req in reqs:
             rid = req.request_id
-            if rid not in deferred:
-                deferred.add(rid)
+            if rid not in skipped:
+                skipped.add(rid)
                 newly.append(rid)
 
     def _record_lookup(self, req: Request, num_local: int, num_ext: int, st: StepState) -> None:
@@ -813,9 +813,9 @@ class Scheduler:
     def _admit(self, req: Request, n: int, computed: int, st: StepState, now: float) -> None:
         rid = req.request_id
         st.undo.save(req)
-        if rid in self.deferred_ids:
-            self.deferred_ids.discard(rid)
-            st.undo.undeferred.append(rid)
+        if rid in self.skipped_ids:
+            self.skipped_ids.discard(rid)
+            st.undo.unskipped.append(rid)
         self.running.append(req)
         (st.new_reqs if req.status is _WAITING else st.resumed_reqs).append(req)
         req.status = _RUNNING
@@ -864,8 +864,8 @@ class Scheduler:
             self.voluntary_preemptions = undo.voluntary
         if undo.preempted_before is not None:
             self._preempted_ids = undo.preempted_before
-        self.deferred_ids.update(undo.undeferred)
-        self.deferred_ids.difference_update(undo.newly_deferred)
+        self.skipped_ids.update(undo.unskipped)
+        self.skipped_ids.difference_update(undo.newly_skipped)
         for rid, in_finished, in_failed in undo.promoted:
             self.kv_loads.restore(rid, in_finished, in_failed)
         if undo.connector_stats is not None:
@@ -1266,8 +1266,8 @@ class Scheduler:
     def _make_stats(self, spec_stats: SpecDecodingStats | None) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.kv_holding) - len(self.deferred_ids),
-            num_skipped_waiting_reqs=len(self.deferred_ids),
+            num_waiting_reqs=len(self.waiting) + len(self.kv_holding) - len(self.skipped_ids),
+            num_skipped_waiting_reqs=len(self.skipped_ids),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preempted_reqs=self.num_preemptions_total,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
@@ -1284,7 +1284,7 @@ class Scheduler:
             self._deferred_errors.append(self._connector_error("request_finished", e, req))
             delay, params = False, None
         self.finished_req_ids.add(rid)
-        self.deferred_ids.discard(rid)
+        self.skipped_ids.discard(rid)
         if self._structured.pop(rid, None) is not None and self.structured_output_manager is not None:
             self.structured_output_manager.release(req)  # its compile, if nobody else waits
         req.record_event(EventType.FINISHED, now)

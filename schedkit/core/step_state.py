@@ -42,8 +42,8 @@ class StepUndo:
     saved: dict[int, tuple[Request, tuple, int]] = field(default_factory=dict)
     """id(request) -> (request, its fields before the step, its number of events)."""
     preempted_before: set[str] | None = None
-    undeferred: list[str] = field(default_factory=list)
-    newly_deferred: list[str] = field(default_factory=list)
+    unskipped: list[str] = field(default_factory=list)
+    newly_skipped: list[str] = field(default_factory=list)
     promoted: list[tuple[str, bool, bool]] = field(default_factory=list)
     """Loads promoted: (id, was in finished_recving_ids, was in failed_recving_ids)."""
     connector_stats: PrefixCacheStats | None = None

@@ -259,7 +259,7 @@ def assert_scheduler_consistent(sched: Scheduler, requests: Iterable[Request] = 
         assert not sched.kv_cache_manager.get_num_blocks(req.request_id), (
             f"{req.request_id} holds KV blocks but is in waiting")
     waiting_ids += holding_ids
-    assert sched.deferred_ids <= set(waiting_ids), "a skipped request is not waiting"
+    assert sched.skipped_ids <= set(waiting_ids), "a skipped request is not waiting"
     assert len(running_ids) <= sched.max_num_seqs
     for rid, req in sched.requests.items():
         if req.is_finished:

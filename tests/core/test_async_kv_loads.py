@@ -442,7 +442,7 @@ def test_skipped_waiting_requests_in_stats():  # docs/scheduler-behaviour.md#wai
     out = sched.schedule()  # the two loads start (no budget); 0 and 1 fill the budget
     assert list(out.num_scheduled_tokens) == ["local-0", "local-1"]
     assert len(sched.waiting) == 1 and len(sched.kv_holding) == 2
-    assert sched.deferred_ids == {"remote-3", "remote-4"}
+    assert sched.skipped_ids == {"remote-3", "remote-4"}
     outs = sched.update_from_output(out, runner_output(out, {"local-0": [1], "local-1": [1]}))
     stats = outs[0].scheduler_stats
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_skipped_waiting_reqs) == (2, 1, 2)
@@ -450,4 +450,4 @@ def test_skipped_waiting_requests_in_stats():  # docs/scheduler-behaviour.md#wai
          kv_connector_output=KVConnectorOutput(finished_recving={"remote-3", "remote-4"}))  # loads done: admitted next step
     out = sched.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == ["remote-3", "remote-4"]
-    assert not sched.deferred_ids
+    assert not sched.skipped_ids

@@ -43,7 +43,7 @@ def sched_state(sched) -> tuple:
         [(r.request_id, r.status, r.num_computed_tokens, r.num_preemptions, r.num_cached_tokens,
           r.num_recomputed_tokens, list(r.spec_token_ids), len(r.events)) for r in reqs],
         kv.prefix_cache_totals.queries, kv.prefix_cache_totals.hits,
-        sched.num_preemptions_total, sched.current_step, set(sched.deferred_ids),
+        sched.num_preemptions_total, sched.current_step, set(sched.skipped_ids),
     )
 
 

@@ -150,7 +150,7 @@ def test_a_request_whose_grammar_is_compiling_waits_skipped_and_blocks_nobody():
     res = step(sched, sampled=7)
     assert not res.scheduler_output.scheduled_new_reqs and not sched.running
     assert ids(sched.waiting) == ["g"] and not list(sched.kv_holding)
-    assert sched.deferred_ids == {"g"} and res.outputs == [] and g.status is FSM
+    assert sched.skipped_ids == {"g"} and res.outputs == [] and g.status is FSM
     plain = make_request("plain", [4, 5])
     sched.add_request(plain)
     res = step(sched, sampled=7)
@@ -160,7 +160,7 @@ def test_a_request_whose_grammar_is_compiling_waits_skipped_and_blocks_nobody():
     wait_compiled(mgr, g)
     res = step(sched, sampled={"plain": [7], "g": [1]})
     assert [r.req_id for r in res.scheduler_output.scheduled_new_reqs] == ["g"]
-    assert g.status is RequestStatus.RUNNING and "g" not in sched.deferred_ids
+    assert g.status is RequestStatus.RUNNING and "g" not in sched.skipped_ids
 
 
 class OneShotRemote(KVConnectorBase):
@@ -266,7 +266,7 @@ def test_a_grammar_that_does_not_compile_fails_its_request_at_the_next_update():
     (out,) = res.outputs
     assert out.finish_reason == "error" and "does not compile" in out.error
     assert "this grammar never compiles" in out.error and "bad" not in sched.requests
-    assert not list(sched.waiting) and not sched.deferred_ids
+    assert not list(sched.waiting) and not sched.skipped_ids
 
 
 def test_invalid_constraints_fail_at_the_next_update_and_schedulers_without_structured_outputs_refuse():

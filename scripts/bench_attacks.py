@@ -273,7 +273,7 @@ def main() -> None:
             t.proc.terminate()
             t.proc.wait(30)
             out["server_log_errors"] = [line for line in log.read_text().splitlines()
-                                        if "Traceback" in line or " ERROR " in line][:20]
+                                        if "Traceback" in line or line.startswith(("ERROR", "CRITICAL"))][:20]
     print(markdown(base, rows))
     if out["server_log_errors"]:
         print("server log errors:", *out["server_log_errors"], sep="\n  ")

@@ -49,6 +49,14 @@ SCHEMA = ('{"type":"object","properties":{"name":{"type":"string","maxLength":24
 VOCAB_SIZE = 49152
 
 
+def deep_schema(levels: int) -> str:
+    """A JSON schema of ``levels`` nested arrays around an integer."""
+    schema = '{"type":"integer"}'
+    for _ in range(levels):
+        schema = '{"type":"array","items":' + schema + "}"
+    return schema
+
+
 def make_engine(tokenizer_dir: str, step_time_ms: float) -> EngineCore:
     return EngineCore(config_from_dict({
         "model": {"tokenizer": tokenizer_dir},
@@ -100,9 +108,7 @@ def scenario(name: str, tokenizer_dir: str, step_time_ms: float) -> dict[str, fl
         eng.add_request(request("attacker", 2000, grammar=AMBIGUOUS))
         eng.add_request(victim("attacked"))
     elif name == "deep":
-        schema = '{"type":"integer"}'
-        for _ in range(600):
-            schema = '{"type":"array","items":' + schema + "}"
+        schema = deep_schema(600)
         eng.add_request(victim("attacked"))
         eng.step()
         t = time.monotonic()

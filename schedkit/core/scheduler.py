@@ -35,7 +35,7 @@ from schedkit.core.request import FINISH_REASONS, EventType, Request, RequestSta
 from schedkit.core.scheduler_output import build_scheduler_output
 from schedkit.core.step_state import UNDO_FIELDS, StepState, StepUndo
 from schedkit.core.stop import check_stop
-from schedkit.core.structured_output import StructuredOutputManager
+from schedkit.core.structured_output import GrammarFailure, StructuredOutputManager
 from schedkit.errors import PluginError, RequestError
 from schedkit.kv.connector import KVConnectorBase, KVConnectorRole, NoOpConnector
 from schedkit.kv.hashing import BlockHasher
@@ -413,15 +413,15 @@ class Scheduler:
             pending = pending or req.num_output_placeholders > 1
         output.pending_structured_output_tokens = pending
 
-    def fill_grammar_bitmask(self, output: SchedulerOutput) -> dict[str, str]:
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> dict[str, GrammarFailure]:
         """Set ``output.grammar_bitmask`` from the grammars' current states. Call it once
         the tokens of every earlier step are processed (with async scheduling, after the
         step in flight when ``output.pending_structured_output_tokens``).
 
         Returns:
-            The requests to fail, with why: their grammar raised filling its rows, or
-            went over its per-step budget (their rows allow every token; the caller
-            fails them).
+            The requests to fail, with why and their stop reason: their grammar raised
+            filling its rows, or went over its per-step budget (their rows allow every
+            token; the caller fails them).
         """
         rows = output.structured_output_request_ids
         if not rows or self.structured_output_manager is None:

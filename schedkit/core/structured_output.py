@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from schedkit.config import StructuredOutputsConfig
 from schedkit.core.compile_pool import (
@@ -44,6 +44,18 @@ from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsPara
 from schedkit.core.grammar_limits import StepBudget, constraint_limit_error
 from schedkit.core.request import Request
 from schedkit.errors import EngineBusyError, RequestError
+
+GRAMMAR_OVER_BUDGET = "grammar_over_budget"
+"""The stop reason of a request failed for going over ``structured_outputs.step_budget_ms``."""
+
+
+class GrammarFailure(NamedTuple):
+    """Why a structured request fails in this step, and its stop reason (None: the
+    backend's fault, not the request's)."""
+
+    why: str
+    stop_reason: str | None = None
+
 
 log = logging.getLogger("schedkit.structured_output")
 
@@ -351,7 +363,8 @@ class StructuredOutputManager:
         return so is not None and so.grammar is None and so.error is None and not so.compiled.done()
 
     def grammar_bitmask(self, requests: dict[str, Request], rows: dict[str, int],
-                        spec_tokens: dict[str, list[int]], num_rows: int) -> tuple[GrammarBitmask, dict[str, str]]:
+                        spec_tokens: dict[str, list[int]], num_rows: int
+                        ) -> tuple[GrammarBitmask, dict[str, GrammarFailure]]:
         """The step's bitmask: for each structured request, its row for the next token
         and one after each of its scheduled drafts (the matcher advances over the draft
         to fill the next row, then rolls back). A draft placeholder (-1) or a draft the
@@ -361,7 +374,7 @@ class StructuredOutputManager:
         backend = self.backend
         bitmask = GrammarBitmask.allocate(num_rows, backend.vocab_size)
         view = backend.bitmask_view(bitmask)
-        failed: dict[str, str] = {}
+        failed: dict[str, GrammarFailure] = {}
         for rid, row in rows.items():
             req = requests.get(rid)
             try:
@@ -370,12 +383,13 @@ class StructuredOutputManager:
                 over = self._over_budget(req, time.perf_counter() - t0)
             except Exception:  # the backend's bug: this request fails, not the step
                 log.exception("request %r: its grammar raised filling the bitmask", rid)
-                failed[rid] = "the structured-output backend raised filling its grammar's bitmask (logged)"
+                failed[rid] = GrammarFailure("the structured-output backend raised filling its grammar's "
+                                             "bitmask (logged)")
                 continue
             if over is not None:
                 self.num_over_budget += 1
                 log.warning("request %r: %s; failing it", rid, over)
-                failed[rid] = f"request {rid!r}: {over}"
+                failed[rid] = GrammarFailure(f"request {rid!r}: {over}", GRAMMAR_OVER_BUDGET)
         return bitmask, failed
 
     @staticmethod

@@ -348,8 +348,8 @@ class EngineCore:
         runs without their bitmask; their tokens are dropped)."""
         try:
             outputs: dict[int, EngineCoreOutputs] = {}
-            for rid, why in self.scheduler.fill_grammar_bitmask(scheduler_output).items():
-                _merge(outputs, self.fail_requests([rid], why))
+            for rid, failure in self.scheduler.fill_grammar_bitmask(scheduler_output).items():
+                _merge(outputs, self.fail_requests([rid], failure.why, failure.stop_reason))
             return outputs
         except Exception as e:
             log.exception("the structured-output backend failed filling the bitmask")
@@ -465,12 +465,14 @@ class EngineCore:
             self.scheduler.finished_req_ids = set()
         return outputs
 
-    def fail_requests(self, request_ids: list[str], message: str) -> dict[int, EngineCoreOutputs]:
-        """Finish requests with an error; returns their error outputs per client."""
+    def fail_requests(self, request_ids: list[str], message: str,
+                      stop_reason: str | None = None) -> dict[int, EngineCoreOutputs]:
+        """Finish requests with an error (and ``stop_reason``, saying whose); returns their
+        error outputs per client."""
         outputs: dict[int, EngineCoreOutputs] = {}
         for req in self._finish(request_ids, RequestStatus.FINISHED_ERROR):
             _add_output(outputs, req.client_index, EngineCoreOutput(
-                req.request_id, [], FinishReason.ERROR, None, req.num_cached_tokens, error=message))
+                req.request_id, [], FinishReason.ERROR, stop_reason, req.num_cached_tokens, error=message))
         return outputs
 
     # -- utility calls -------------------------------------------------------------------

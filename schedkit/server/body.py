@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from schedkit.server.protocol import APIError
@@ -78,7 +79,7 @@ def has_lone_surrogate_escape(text: str) -> bool:
 def _lone_surrogate_error(body: Any) -> APIError:
     try:
         path = _unencodable_path(body, MAX_WALK_VALUES)
-    except (_WalkTooLong, RecursionError):
+    except _WalkTooLong:
         path = None
     if path is None:  # not found in time (or not at all: the scan found one; still a 400)
         return APIError(400, "the request body has text that is not valid Unicode (a lone UTF-16 "
@@ -94,33 +95,43 @@ class _WalkTooLong(Exception):
 
 def _unencodable_path(value: Any, budget: int) -> list[str | int] | None:
     """The keys and indices to the first string in ``value`` that UTF-8 cannot encode
-    (for a key, the path of its object), or None.
+    (for a key, the path of its object), or None. A loop over a stack of iterators, not
+    a recursive closure: it leaves no reference cycle behind (nothing for the garbage
+    collector) and no depth limit.
 
     Raises:
         _WalkTooLong: Over ``budget`` values were looked at first.
     """
-    left = budget
-
-    def walk(v: Any) -> list[str | int] | None:  # the path reversed
-        nonlocal left
-        items = enumerate(v) if isinstance(v, list) else v.items()
-        for k, x in items:
-            left -= 1
-            if left < 0:
-                raise _WalkTooLong
-            if isinstance(k, str) and not _encodes(k):
-                return []
-            if isinstance(x, str):
-                if not _encodes(x):
-                    return [k]
-            elif isinstance(x, (list, dict)) and (found := walk(x)) is not None:
-                return [*found, k]
-        return None
-
     if isinstance(value, str):
         return None if _encodes(value) else []
-    found = walk(value) if isinstance(value, (list, dict)) else None
-    return None if found is None else found[::-1]
+    if not isinstance(value, (list, dict)):
+        return None
+    path: list[str | int] = []  # the keys to the container on top of the stack
+    stack = [_items(value)]
+    while stack:
+        step = next(stack[-1], None)
+        if step is None:
+            stack.pop()
+            if path:
+                path.pop()
+            continue
+        budget -= 1
+        if budget < 0:
+            raise _WalkTooLong
+        k, x = step
+        if isinstance(k, str) and not _encodes(k):
+            return path
+        if isinstance(x, str):
+            if not _encodes(x):
+                return [*path, k]
+        elif isinstance(x, (list, dict)):
+            path.append(k)
+            stack.append(_items(x))
+    return None
+
+
+def _items(container: list[Any] | dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    return enumerate(container) if isinstance(container, list) else iter(container.items())
 
 
 def _encodes(s: str) -> bool:

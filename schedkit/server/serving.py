@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from schedkit.config import Config
 from schedkit.core.request import SamplingParams
+from schedkit.core.structured_output import GRAMMAR_OVER_BUDGET
 from schedkit.engine.client import AsyncLLM, RequestOutput
 from schedkit.errors import EngineBusyError, EngineDeadError, RequestError
 from schedkit.server.metrics import ServerMetrics
@@ -557,9 +558,8 @@ class Server:
             c.finish_reason, c.stop_reason = "stop", c.text.stop_reason
         elif out.finished:
             text += c.text.finish()
-            if out.finish_reason == "error" and out.stop_reason == "grammar_compile_failed" and not n_before:
-                # its constraint failed to compile (or matches nothing) before any token: the
-                # client's mistake, found after the request was accepted
+            if out.finish_reason == "error" and _constraint_failed(out, n_before):
+                # the client's mistake, found after the request was accepted
                 c.error = APIError(400, _without_request_id(out.error or "the constraint does not compile",
                                                             c.request_id),
                                    param=c.constraint_field)
@@ -597,6 +597,13 @@ def _too_many_stop_strings() -> APIError:
 def _too_many_stop_token_ids(count: int) -> APIError:
     return APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {count}",
                     param="stop_token_ids")
+
+
+def _constraint_failed(out: RequestOutput, num_tokens_before: int) -> bool:
+    """Whether a request failed for its output constraint: it failed to compile (or
+    matches nothing) before any token, or its matcher went over its per-step budget."""
+    return ((out.stop_reason == "grammar_compile_failed" and not num_tokens_before)
+            or out.stop_reason == GRAMMAR_OVER_BUDGET)
 
 
 def _without_request_id(message: str, request_id: str) -> str:

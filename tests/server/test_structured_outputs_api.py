@@ -337,6 +337,39 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(stru
     assert (text, reason) == ("ok", "stop")
 
 
+@pytest.fixture(scope="module")
+def tight_budget_server(tmp_path_factory):
+    """A server whose per-step grammar budget no matcher meets (1 us)."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("transformers")
+    from schedkit.structured.testing import byte_level_tokenizer
+    from tests.server.conftest import server_config, start_server, stop_server
+
+    path = tmp_path_factory.mktemp("bpe-budget")
+    byte_level_tokenizer().save_pretrained(path)
+    cfg = server_config(path, runner={"vocab_size": 320, "eos_token_id": 0},
+                        structured_outputs={"backend": "xgrammar", "step_budget_ms": 0.001})
+    s = start_server(tmp_path_factory.mktemp("serve-budget"), cfg)
+    yield s
+    stop_server(s)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_grammar_over_its_step_budget_is_a_400_naming_the_limit(tight_budget_server, stream):
+    """A matcher over ``structured_outputs.step_budget_ms`` is what the client's constraint
+    costs, not a fault of the server: a 400 naming the field and the key, and the server
+    goes on serving."""
+    with tight_budget_server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 8, "stream": stream,
+                                            "structured_outputs": {"regex": "(ab|c)+"}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "structured_outputs", err
+        assert "(structured_outputs.step_budget_ms)" in err["message"] and "cmpl-" not in err["message"]
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_a_full_compile_queue_is_a_429_with_retry_after_and_the_server_goes_on(tmp_path_factory):
     """The engine's compile queue (one worker, one compile waiting) refuses a third
     constraint while two are in hand: the engine is saturated, the client did nothing

@@ -169,8 +169,6 @@ class CompilePool:
         self._abandoned: list[threading.Thread] = []
         self.num_timeouts = 0
         self.num_cancelled = 0
-        self.num_worker_starts = 0
-        """Worker processes started (a kill is followed by a start for the next job)."""
         zygote = Zygote(preload, WORKER_START_TIMEOUT_S) if process_compiler is not None else None
         self._zygote = zygote
         self._workers = [_Worker(self, i, zygote) for i in range(num_workers)]
@@ -309,8 +307,6 @@ class _Worker:
             log.error("could not start a grammar compile worker process: %s", e)
             self._kill()
             return
-        with self.pool._cv:
-            self.pool.num_worker_starts += 1
 
     def _kill(self) -> None:
         if self.pid is not None:

@@ -1,7 +1,7 @@
 """Grammar compile worker processes, forked from a zygote.
 
 ``python -m schedkit.core.compile_worker MODULE...`` is the zygote: it imports the
-modules once (a backend's: xgrammar with torch takes seconds), says ``ready``, then forks
+modules once (a backend's: xgrammar with torch takes seconds), then forks
 one worker for each Unix-socket path it reads on stdin. A worker connects to that path,
 sends its pid, receives its compiler factory (pickled), calls it, then compiles each
 constraint it receives until the connection closes. Starting a worker is a fork
@@ -72,12 +72,10 @@ def main(modules: list[str]) -> None:
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops them (Ctrl-C reaches the group)
-    print("ready", flush=True)
     for line in sys.stdin:
         path = line.strip()
         if not path:
             continue
-        sys.stdout.flush()
         if os.fork() == 0:
             code = 0
             try:

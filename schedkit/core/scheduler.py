@@ -84,10 +84,9 @@ class _Head(enum.Enum):
     TO_KV_HOLDING = "to_kv_holding"
     """Passed over while holding KV blocks, or its asynchronous load started: back into
     ``kv_holding`` at the end of the phase."""
-    NO_TOKENS = "no_tokens"
-    """Stop: the budget has no room for its tokens (it blocks the queue's head)."""
-    NO_BLOCKS = "no_blocks"
-    """Stop: the KV cache has no room for its blocks."""
+    NO_ROOM = "no_room"
+    """Stop: the budget has no room for its tokens (it blocks the queue's head), or the
+    KV cache none for its blocks."""
 
 
 class PauseState(enum.Enum):
@@ -262,7 +261,8 @@ class Scheduler:
             raise
 
     def _forget_structured(self, request: Request) -> None:
-        """A structured request refused after its compile was queued: release it."""
+        """A structured request leaves (refused after its compile was queued, or
+        finished): release its compile, which stops if nobody else waits for it."""
         if self._structured.pop(request.request_id, None) is not None:
             assert self.structured_output_manager is not None
             self.structured_output_manager.release(request)
@@ -610,7 +610,7 @@ class Scheduler:
                 to_waiting.append(req)
             elif head is _Head.TO_KV_HOLDING:
                 to_kv_holding.append(req)
-            else:  # NO_TOKENS, NO_BLOCKS
+            else:  # NO_ROOM
                 break
         self._put_back(to_kv_holding, to_waiting, st)
 
@@ -663,7 +663,7 @@ class Scheduler:
         else:
             n, reserved = self._num_tokens_to_admit(req, computed, st), 0
             if n == 0:
-                return _Head.NO_TOKENS
+                return _Head.NO_ROOM
         new_blocks = kv.allocate_slots(
             req, n, lookup.num_local_tokens, lookup.hit_blocks,
             num_external_computed_tokens=lookup.num_external_tokens,
@@ -671,7 +671,7 @@ class Scheduler:
             full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
             apply_watermark=bool(running))
         if new_blocks is None:
-            return _Head.NO_BLOCKS
+            return _Head.NO_ROOM
         self._connector_call("update_state_after_alloc", req, kv.get_block_ids(req.request_id),
                              lookup.num_external_tokens)
         if lookup.looked_up:
@@ -1170,24 +1170,26 @@ class Scheduler:
         so = req.structured_output
         assert so is not None and so.grammar is not None
         rid = req.request_id
-        for j, tok in enumerate(gen):
-            try:
-                if so.grammar.is_terminated():
-                    return gen[:j], None
-                t0 = time.perf_counter()
-                ok = so.grammar.accept_tokens(rid, (tok,))
-                so.matcher_s += time.perf_counter() - t0  # counted against its step budget
-            except Exception as e:  # the backend's bug: this request fails, not the step
-                log.exception("request %r: its grammar raised accepting token %d", rid, tok)
-                why = f"the structured-output backend raised accepting token {tok}: {type(e).__name__}: {e}"
-                return gen[: j + 1], f"request {rid!r}: {why}"
-            if not ok:
-                log.error("request %r: its grammar rejected the sampled token %d (position %d of the "
-                          "step's %s)", rid, tok, j, gen)
-                return gen[: j + 1], (f"request {rid!r}: the sampled token {tok} (position "
-                                      f"{req.num_output_tokens + j} of its output) is not allowed by its "
-                                      f"{so.params.describe()}")
-        return gen, None
+        t0 = time.perf_counter()
+        try:
+            for j, tok in enumerate(gen):
+                try:
+                    if so.grammar.is_terminated():
+                        return gen[:j], None
+                    ok = so.grammar.accept_tokens(rid, (tok,))
+                except Exception as e:  # the backend's bug: this request fails, not the step
+                    log.exception("request %r: its grammar raised accepting token %d", rid, tok)
+                    why = f"the structured-output backend raised accepting token {tok}: {type(e).__name__}: {e}"
+                    return gen[: j + 1], f"request {rid!r}: {why}"
+                if not ok:
+                    log.error("request %r: its grammar rejected the sampled token %d (position %d of the "
+                              "step's %s)", rid, tok, j, gen)
+                    return gen[: j + 1], (f"request {rid!r}: the sampled token {tok} (position "
+                                          f"{req.num_output_tokens + j} of its output) is not allowed by its "
+                                          f"{so.params.describe()}")
+            return gen, None
+        finally:
+            so.matcher_s += time.perf_counter() - t0  # counted against its step budget
 
     def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
                            spec_stats: SpecDecodingStats | None) -> None:
@@ -1285,8 +1287,7 @@ class Scheduler:
             delay, params = False, None
         self.finished_req_ids.add(rid)
         self.skipped_ids.discard(rid)
-        if self._structured.pop(rid, None) is not None and self.structured_output_manager is not None:
-            self.structured_output_manager.release(req)  # its compile, if nobody else waits
+        self._forget_structured(req)  # its compile too, if nobody else waits
         req.record_event(EventType.FINISHED, now)
         if not (delay or hold_blocks):
             self.kv_cache_manager.free(req)

@@ -249,8 +249,7 @@ class StructuredOutputManager:
         if why is not None:
             self.num_refused += 1
             raise RequestError(f"request {rid!r}: {why}", request_id=rid)
-        self.backend  # noqa: B018 - raises RequestError when structured outputs are unavailable
-        so.compiled = self._compiled(request)
+        so.compiled = self._compiled(request)  # builds the backend first: RequestError if unavailable
 
     def _compiled(self, request: Request) -> Future[Any]:
         so = request.structured_output

@@ -84,8 +84,8 @@ class EngineGuard:
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)
-        self._monitors: list[zmq.Socket[Any]] = []
         self._names: dict[zmq.Socket[Any], str] = {}
+        """Each socket's monitor -> the socket's name."""
         self._log = RateLimitedLog(log, REFUSED_LOG_INTERVAL_S)
 
     def protect(self, sock: zmq.Socket[Any], name: str) -> None:
@@ -95,12 +95,11 @@ class EngineGuard:
         sock.curve_publickey = self.keys.server_public
         sock.zap_domain = ZAP_DOMAIN
         monitor = sock.get_monitor_socket(REFUSED_EVENTS)
-        self._monitors.append(monitor)
         self._names[monitor] = name
 
     def run(self, stop: threading.Event) -> None:
         poller = zmq.Poller()
-        for sock in (self._zap, *self._monitors):
+        for sock in (self._zap, *self._names):
             poller.register(sock, zmq.POLLIN)
         try:
             while not stop.is_set():
@@ -110,7 +109,7 @@ class EngineGuard:
                     else:
                         self._refused(self._names[sock], recv_monitor_message(sock))
         finally:
-            for sock in (self._zap, *self._monitors):
+            for sock in (self._zap, *self._names):
                 sock.close(0)
 
     def _answer(self, frames: list[bytes]) -> None:

@@ -450,10 +450,9 @@ class EngineProcess:
         runner_class(config.runner.kind)
         self.keys = keys if keys is not None else EngineKeys.generate()
         self._paths: list[Path] = []
-        self._dir: Path | None = None
         if transport == "ipc":
-            self._dir = Path(tempfile.mkdtemp(prefix="schedkit-"))  # mode 0700
-            self._paths = [self._dir / "in.sock", self._dir / "out.sock"]
+            private = Path(tempfile.mkdtemp(prefix="schedkit-"))  # mode 0700
+            self._paths = [private / "in.sock", private / "out.sock"]
             self.input_addr, self.output_addr = (f"ipc://{p}" for p in self._paths)
         elif transport == "tcp":
             self.input_addr = f"tcp://{host}:{_free_tcp_port(host)}"
@@ -520,11 +519,7 @@ class EngineProcess:
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
-        for p in self._paths:
-            p.unlink(missing_ok=True)
-        if self._dir is not None:
-            with contextlib.suppress(OSError):
-                self._dir.rmdir()
+        _remove_ipc_files(self.input_addr, self.output_addr)
 
 
 def _remove_ipc_files(*addrs: str) -> None:

@@ -67,7 +67,7 @@ class LimitsMiddleware:
     closing the connection), before any route runs."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
-                 on_error: Callable[[int], None], body_timeout_s: float = 30.0) -> None:
+                 on_error: Callable[[int], None], body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key.encode() if api_key else None
@@ -318,10 +318,6 @@ class ServerRoutes:
             await srv.llm.close()
             srv.close()
 
-    def get_server(self) -> Server | None:
-        """The server, None until the lifespan started it."""
-        return self.server
-
     def _srv(self) -> Server:
         """The server, which the lifespan started before any request came."""
         assert self.server is not None
@@ -423,7 +419,7 @@ class ServerRoutes:
 
 
 def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes: int,
-              api_key: str | None, body_timeout_s: float = 30.0,
+              api_key: str | None, body_timeout_s: float,
               ) -> tuple[LimitsMiddleware, Callable[[], Server | None]]:
     """The ASGI app: a FastAPI app with :class:`ServerRoutes`' routes and error handlers,
     behind :class:`LimitsMiddleware`. ``server_factory`` starts the engine (at startup),
@@ -436,4 +432,4 @@ def build_app(server_factory: Callable[[], Awaitable[Server]], *, max_body_bytes
     app.exception_handler(StarletteHTTPException)(routes.http_error)
     app.exception_handler(Exception)(routes.internal_error)
     return (LimitsMiddleware(app, max_body_bytes, api_key, routes.count_error, body_timeout_s),
-            routes.get_server)
+            lambda: routes.server)

@@ -90,7 +90,7 @@ def _lone_surrogate_error(body: Any) -> APIError:
 
 
 class _WalkTooLong(Exception):
-    pass
+    """The walk naming a lone surrogate's field gave up (too many values)."""
 
 
 def _unencodable_path(value: Any, budget: int) -> list[str | int] | None:

@@ -79,13 +79,7 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None,
     key = resolve_api_key(config, api_key)
     app, get_server = build_app(lambda: start_server(config), max_body_bytes=sc.max_body_bytes,
                                 api_key=key, body_timeout_s=sc.body_timeout_s)
-
-    def count_refused(status: int) -> None:
-        srv = get_server()
-        if srv is not None:
-            srv.metrics.http_error(status)
-
-    protocol = front_door_protocol(HeadLimits.from_config(sc), count_refused)
+    protocol = front_door_protocol(HeadLimits.from_config(sc), app.on_error)
     ucfg = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=protocol,
                           lifespan="on", log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=int(sc.drain_grace_s) + 5,

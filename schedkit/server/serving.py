@@ -176,6 +176,11 @@ class Event:
     error: APIError | None = None
 
 
+async def _run_on(pool: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on one of ``pool``'s threads, awaited from the loop."""
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+
 class Server:
     """What the endpoints share: the engine client, tokenizer, config, metrics, limits."""
 
@@ -217,11 +222,11 @@ class Server:
         a long prompt or chat template must not stall every stream on the event loop, and
         a short one has a thread of its own (:data:`SHORT_TEXT_CHARS`)."""
         lane = self._short_texts if size <= SHORT_TEXT_CHARS else self._long_texts
-        return await asyncio.get_running_loop().run_in_executor(lane, functools.partial(fn, *args, **kwargs))
+        return await _run_on(lane, fn, *args, **kwargs)
 
     async def in_body_thread(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` (a large body's decoding and validation) on the body thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._bodies, functools.partial(fn, *args))
+        return await _run_on(self._bodies, fn, *args)
 
     def check_text_fits(self, texts: Sequence[str], param: str) -> None:
         """Refuse, before tokenizing, text too long to ever fit ``max_model_len`` tokens.

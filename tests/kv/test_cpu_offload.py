@@ -8,8 +8,9 @@ import statistics
 
 import pytest
 
+from benchmarks.scenarios import kv_pressure
 from schedkit import Preemption, hookimpl
-from schedkit.config import CacheConfig, config_from_dict
+from schedkit.config import CacheConfig
 from schedkit.errors import PluginError
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.kv.connectors.offload import CPUOffloadConnector
@@ -136,22 +137,11 @@ def test_loads_of_an_undone_step_are_never_sent():
     assert meta.loads == []  # block 5 is not the victim's (it holds none now)
 
 
-def _pressure(seed, plugins):
-    return config_from_dict({
-        "runner": {"kind": "simulated"},
-        "cache": {"num_blocks": 400, "block_size": 16, "enable_prefix_caching": True},
-        "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 64},
-        "plugins": plugins,
-        "workload": {"rate": 40, "num_requests": 300, "prompt_len": [32, 512], "seed": seed,
-                     "output_len": {"dist": "lognormal", "median": 64, "sigma": 1.0, "min": 4,
-                                    "max": 800}}})
-
-
 def test_swap_cuts_the_recompute_of_kv_pressure_preemptions():
     ratios = []
     for seed in range(3):
-        recompute = summarize(run_workload(_pressure(seed, [])).metrics)
-        swap = summarize(run_workload(_pressure(seed, [{"name": "cpu-offload"}])).metrics)
+        recompute = summarize(run_workload(kv_pressure(seed, [])).metrics)
+        swap = summarize(run_workload(kv_pressure(seed, [{"name": "cpu-offload"}])).metrics)
         assert recompute["preemptions"] > 5 and swap["preemptions"] > 5
         ratios.append(swap["recomputed_tokens"] / recompute["recomputed_tokens"])
     assert statistics.mean(ratios) < 0.3, ratios

@@ -4,38 +4,15 @@ least-computed counting a shared prefix as work that survives."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 
-from schedkit.config import config_from_dict
+from benchmarks.scenarios import heavy_tailed, short_mean_e2e
 from schedkit.core.request import RequestStatus
 from schedkit.lab.metrics import summarize
 from schedkit.lab.simulate import run_workload
 from schedkit.plugins.testing import assert_scheduler_consistent, make_request, make_scheduler, step
 from schedkit.policies.priority_preemptive import PreemptivePriority
 from schedkit.policies.victims import LeastComputedFirst
-
-
-def heavy_tailed(policy, seed, settings=None, rate=60.0):
-    """Ample KV (no preemption for blocks), 16 seats, log-normal outputs (median 48,
-    up to 1,500 tokens): the seats, not memory, are what short jobs wait for."""
-    return config_from_dict({
-        "runner": {"kind": "simulated"},
-        "cache": {"num_blocks": 20000, "block_size": 16, "enable_prefix_caching": True},
-        "scheduler": {"policy": policy, "max_num_batched_tokens": 2048, "max_num_seqs": 16},
-        "plugins": [{"name": policy, "settings": settings}] if settings else [],
-        "workload": {"rate": rate, "num_requests": 300, "prompt_len": [32, 256], "seed": seed,
-                     "output_len": {"dist": "lognormal", "median": 48, "sigma": 1.4, "min": 4,
-                                    "max": 1500}},
-    })
-
-
-def short_mean_e2e(metrics):
-    """Mean E2E of the jobs asking for at most the median output length."""
-    cut = statistics.median(m.max_tokens for m in metrics)
-    return statistics.mean(m.e2e for m in metrics if m.max_tokens <= cut)
-
 
 SEEDS = (0, 1, 2)
 

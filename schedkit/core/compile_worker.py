@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -101,7 +100,6 @@ class Zygote:
         self.preload = preload
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[str] | None = None
-        self._dir: str | None = None
         self._lock = threading.Lock()
         self._count = 0
 
@@ -114,28 +112,26 @@ class Zygote:
         with self._lock:
             proc = self._started()
             self._count += 1
-            assert self._dir is not None
-            path = os.path.join(self._dir, f"w{self._count}.sock")
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                server.bind(path)
-                server.listen(1)
-                assert proc.stdin is not None
-                proc.stdin.write(path + "\n")
-                proc.stdin.flush()
-                sock = self._accept(server, proc, self.start_timeout_s)
-            finally:
-                server.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            # The socket's folder lives only while the worker connects (0700: this user
+            # only), so an engine that dies without stop() leaves nothing in /tmp.
+            with tempfile.TemporaryDirectory(prefix="schedkit-grammar-") as folder:
+                path = os.path.join(folder, f"w{self._count}.sock")
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    server.bind(path)
+                    server.listen(1)
+                    assert proc.stdin is not None
+                    proc.stdin.write(path + "\n")
+                    proc.stdin.flush()
+                    sock = self._accept(server, proc, self.start_timeout_s)
+                finally:
+                    server.close()
         conn = Connection(sock.detach())
         return conn.recv(), conn
 
     def _started(self) -> subprocess.Popen[str]:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="schedkit-grammar-")  # 0700: this user only
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "schedkit.core.compile_worker", *self.preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
@@ -168,8 +164,6 @@ class Zygote:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
             self.proc = None
 
 

@@ -274,3 +274,22 @@ def test_the_step_budget_is_the_backends_unless_the_config_sets_one():
     assert mgr.step_budget_ms == 10.0
     mgr, _ = manager(limits=limits(step_budget_ms=3))
     assert mgr.step_budget_ms == 3
+
+
+def test_a_compile_worker_leaves_no_socket_folder_behind_while_it_runs(tmp_path, monkeypatch):
+    """The folder of a worker's connect socket is gone once the worker is connected, so
+    an engine that dies without shutting its pool down leaves nothing in the temp dir."""
+    import os
+    import tempfile
+
+    from schedkit.core.compile_worker import Zygote
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    zygote = Zygote((), start_timeout_s=60)
+    try:
+        pid, conn = zygote.fork()
+        assert pid > 0 and pid != os.getpid()
+        assert list(tmp_path.iterdir()) == []
+        conn.close()
+    finally:
+        zygote.stop()

@@ -214,10 +214,10 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     from schedkit.runners.paged.cpu_kernels import (
         build_error,
         check_kernel_result,
-        load_cpu_attention,
+        load_cpu_kernels,
     )
 
-    lib = load_cpu_attention()
+    lib = load_cpu_kernels()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {build_error()}")
     num_tokens, num_heads, head_dim = q.shape

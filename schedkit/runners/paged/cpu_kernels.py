@@ -3,7 +3,7 @@
 The library is compiled once per source, compiler and CPU (``-march=native``) into
 ``cache_dir()/kernels`` and loaded with ctypes: no PyTorch headers, no build step at
 install time, a few seconds on first use. It links the OpenMP runtime torch already
-loaded, so its threads are torch's. :func:`load_cpu_attention` returns None (and
+loaded, so its threads are torch's. :func:`load_cpu_kernels` returns None (and
 :func:`build_error` says why) where no compiler works; the runner then falls back to
 the PyTorch reference. torch is imported before the library loads, so its libgomp is
 the one the library binds to.
@@ -92,7 +92,7 @@ def _build(compiler: str, target: Path) -> None:
                 os.unlink(leftover)
 
 
-def load_cpu_attention() -> ctypes.CDLL | None:
+def load_cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use), or None where it cannot be built."""
     global _lib, _lib_path, _error, _tried
     with _lock:
@@ -143,7 +143,7 @@ def _set_switch(lib: ctypes.CDLL, name: str, on: bool) -> bool:
 
 
 def library_path() -> Path | None:
-    """The loaded library's file (None before :func:`load_cpu_attention` succeeded)."""
+    """The loaded library's file (None before :func:`load_cpu_kernels` succeeded)."""
     return _lib_path
 
 
@@ -159,8 +159,8 @@ def cpu_has_avx512() -> bool:
 
 
 def cpu_kernels() -> ctypes.CDLL:
-    """The library, for callers that checked :func:`load_cpu_attention` succeeded."""
-    assert _lib is not None, "load_cpu_attention() has not succeeded"
+    """The library, for callers that checked :func:`load_cpu_kernels` succeeded."""
+    assert _lib is not None, "load_cpu_kernels() has not succeeded"
     return _lib
 
 
@@ -233,7 +233,7 @@ def gemv_supported(dtype: torch.dtype) -> bool:
     AVX-512 or AVX2 with FMA, bfloat16 on AVX512-BF16) and ``$SCHEDKIT_CPU_GEMV`` is not
     ``0``."""
     if dtype not in GEMV_DTYPES or os.environ.get("SCHEDKIT_CPU_GEMV", "1") == "0" \
-            or load_cpu_attention() is None:
+            or load_cpu_kernels() is None:
         return False
     return bool(cpu_kernels().schedkit_kernel_features() & GEMV_DTYPES[dtype][1])
 
@@ -328,7 +328,7 @@ def set_float_tiles(on: bool) -> bool:
 
 
 def build_error() -> str | None:
-    """Why :func:`load_cpu_attention` returned None (None if it has not failed)."""
+    """Why :func:`load_cpu_kernels` returned None (None if it has not failed)."""
     return _error
 
 

@@ -26,7 +26,7 @@ from schedkit.runners.paged.attention import (  # noqa: E402
 )
 from schedkit.runners.paged.testing import make_attention_case  # noqa: E402
 
-if cpu_kernels.load_cpu_attention() is None:  # pragma: no cover - a machine without g++
+if cpu_kernels.load_cpu_kernels() is None:  # pragma: no cover - a machine without g++
     pytest.skip(f"no CPU kernel: {cpu_kernels.build_error()}", allow_module_level=True)
 
 PREFILL_CASES = {
@@ -561,7 +561,7 @@ import torch.nn.functional as F
 from schedkit.runners.paged import cpu_kernels
 from schedkit.runners.paged.attention import paged_attention_cpu, paged_attention_ref
 from schedkit.runners.paged.testing import make_attention_case
-assert cpu_kernels.load_cpu_attention() is not None, cpu_kernels.build_error()
+assert cpu_kernels.load_cpu_kernels() is not None, cpu_kernels.build_error()
 assert not cpu_kernels.amx_enabled() and not cpu_kernels.bf16_tiles_enabled()
 specs = [(0, 70), (33, 20), (5, 1), (17, 1), (0, 16)]
 assert cpu_kernels.float_tiles_enabled()

@@ -29,7 +29,7 @@ from schedkit.runners.paged.cpu_linear import (  # noqa: E402
 from schedkit.runners.paged.model_runner import resolve_attention_backend  # noqa: E402
 from schedkit.runners.paged.testing import make_attention_case  # noqa: E402
 
-if cpu_kernels.load_cpu_attention() is None:  # pragma: no cover - a machine without g++
+if cpu_kernels.load_cpu_kernels() is None:  # pragma: no cover - a machine without g++
     pytest.skip(f"no CPU kernel: {cpu_kernels.build_error()}", allow_module_level=True)
 
 CASES = {
@@ -171,7 +171,7 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-fno-such-flag-anywhere"])
-    assert cpu_kernels.load_cpu_attention() is None
+    assert cpu_kernels.load_cpu_kernels() is None
     assert "failed" in (cpu_kernels.build_error() or "")
     assert not list((tmp_path / "kernels").glob("*.so")), "no half-built library is left behind"
 
@@ -187,7 +187,7 @@ def test_loading_the_kernels_keeps_denormals_for_the_rest_of_the_process() -> No
     """Linked with -ffast-math, a shared library turns on flush-to-zero process-wide."""
     import numpy as np
 
-    assert cpu_kernels.load_cpu_attention() is not None
+    assert cpu_kernels.load_cpu_kernels() is not None
     assert float(torch.tensor([1e-39]) * 1) > 0
     assert float(np.float32(1e-39) * np.float32(1)) > 0
 

@@ -11,7 +11,7 @@ The KV cache of a layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` 
 the same for V; token ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
 
 :func:`paged_attention` runs the Triton kernel on CUDA and the compiled C++ kernel
-(:func:`paged_attention_cpu`, ``csrc/cpu_attention.cpp``) on the CPU, which reads each
+(:func:`paged_attention_cpu`, ``csrc/attention.cpp``) on the CPU, which reads each
 sequence's blocks in place in the cache's own dtype. :func:`paged_attention_ref`, a plain
 PyTorch reference, is every kernel's test oracle and the CPU fallback where no compiler
 works.

@@ -609,3 +609,6 @@ def test_an_avx2_build_of_the_kernels_matches_the_reference(tmp_path: Any) -> No
     proc = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    kernels = tmp_path / "kernels"
+    assert [f.name.split("-")[0] for f in kernels.glob("*.so")] == [cpu_kernels.LIBRARY]
+    assert not [f for f in kernels.iterdir() if f.is_dir()], "the build leaves no object files behind"

@@ -173,7 +173,32 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-fno-such-flag-anywhere"])
     assert cpu_kernels.load_cpu_kernels() is None
     assert "failed" in (cpu_kernels.build_error() or "")
-    assert not list((tmp_path / "kernels").glob("*.so")), "no half-built library is left behind"
+    assert not list((tmp_path / "kernels").iterdir()), "no half-built library or object is left behind"
+
+
+def test_editing_any_kernel_source_or_header_builds_a_new_library(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Any) -> None:
+    """The library's cache key covers every file of csrc/: a change to a header that
+    only some sources include, or a new source, gives the library a new name, so the
+    next load compiles it instead of loading a stale build."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None
+    assert {f.name for f in cpu_kernels.sources()} >= {"attention.cpp", "gemm.cpp", "elementwise.cpp",
+                                                       "sampling.cpp"}
+    names = [cpu_kernels._library_path(compiler).name]
+    assert names[0].startswith(f"{cpu_kernels.LIBRARY}-")
+    for edit in ("simd.h", "attention_bf16_tiles.h", "gemm.cpp"):
+        with open(csrc / edit, "a") as f:
+            f.write("// edited\n")
+        names.append(cpu_kernels._library_path(compiler).name)
+    (csrc / "extra.cpp").write_text("// a new source\n")
+    names.append(cpu_kernels._library_path(compiler).name)
+    assert len(set(names)) == len(names), names
 
 
 def test_silu_and_mul_of_large_negative_gates_is_zero_not_nan() -> None:

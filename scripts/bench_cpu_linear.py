@@ -149,7 +149,7 @@ def main() -> None:
     if a.row_counts:
         bench_row_counts(getattr(torch, a.row_counts))
         return
-    if cpu_kernels.load_cpu_attention() is None or not cpu_kernels.gemm_supported(torch.float32):
+    if cpu_kernels.load_cpu_kernels() is None or not cpu_kernels.gemm_supported(torch.float32):
         sys.exit("this build of the kernels has no multi-row GEMM (it needs AVX2 and FMA)")
     print(f"threads {a.threads}, median of {a.reps} alternating calls")
     bench_shapes(a.shapes, a.reps)

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a = ap.parse_args()
-    if cpu_kernels.load_cpu_attention() is None:
+    if cpu_kernels.load_cpu_kernels() is None:
         raise SystemExit(f"no CPU kernel: {cpu_kernels.build_error()}")
     dtype = getattr(torch, a.dtype)
     heads, kv_heads, head_dim = 9, 3, 64

@@ -55,7 +55,7 @@ EOF
 # machine, rather than in the server while vLLM loads beside it.
 "$PY" -c "import torch; torch.set_num_threads($THREADS)
 from schedkit.runners.paged import cpu_kernels, cpu_linear
-if cpu_kernels.load_cpu_attention() is not None:
+if cpu_kernels.load_cpu_kernels() is not None:
     print('multi-row float32 GEMM:', 'schedkit' if cpu_linear.multi_row_gemm(torch.float32) else 'oneDNN')"
 
 VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=$bind VLLM_CPU_NUM_OF_RESERVED_CPU=$reserved \

@@ -11,7 +11,7 @@ The KV cache of a layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` 
 the same for V; token ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
 
 :func:`paged_attention` runs the Triton kernel on CUDA and the compiled C++ kernel
-(:func:`paged_attention_cpu`, ``csrc/cpu_attention.cpp``) on the CPU, which reads each
+(:func:`paged_attention_cpu`, ``csrc/attention.cpp``) on the CPU, which reads each
 sequence's blocks in place in the cache's own dtype. :func:`paged_attention_ref`, a plain
 PyTorch reference, is every kernel's test oracle and the CPU fallback where no compiler
 works.
@@ -214,10 +214,10 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     from schedkit.runners.paged.cpu_kernels import (
         build_error,
         check_kernel_result,
-        load_cpu_attention,
+        load_cpu_kernels,
     )
 
-    lib = load_cpu_attention()
+    lib = load_cpu_kernels()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {build_error()}")
     num_tokens, num_heads, head_dim = q.shape

@@ -1,9 +1,12 @@
 """Build and load the paged runner's C++ CPU kernels (``csrc/``) with the system compiler.
 
-The library is compiled once per source, compiler and CPU (``-march=native``) into
-``cache_dir()/kernels`` and loaded with ctypes: no PyTorch headers, no build step at
-install time, a few seconds on first use. It links the OpenMP runtime torch already
-loaded, so its threads are torch's. :func:`load_cpu_attention` returns None (and
+The sources, one file per kind of kernel (``attention.cpp`` and the item paths it
+includes, ``gemm.cpp``, ``elementwise.cpp``, ``sampling.cpp``, ``features.cpp``, the
+vector helpers in ``simd.h``), are compiled one at a time and linked into one library,
+``schedkit_cpu_kernels``, once per set of sources, compiler and CPU (``-march=native``),
+into ``cache_dir()/kernels``, and loaded with ctypes: no PyTorch headers, no build step
+at install time, a few seconds on first use. It links the OpenMP runtime torch already
+loaded, so its threads are torch's. :func:`load_cpu_kernels` returns None (and
 :func:`build_error` says why) where no compiler works; the runner then falls back to
 the PyTorch reference. torch is imported before the library loads, so its libgomp is
 the one the library binds to.
@@ -26,7 +29,10 @@ import torch
 
 from schedkit.config import cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+"""The kernels' sources: every ``*.cpp`` here is compiled into the library, and every
+``*.cpp`` and ``*.h`` is part of its cache key."""
+LIBRARY = "schedkit_cpu_kernels"
 MARCH = os.environ.get("SCHEDKIT_KERNEL_MARCH", "native")
 """The target of ``-march`` (``$SCHEDKIT_KERNEL_MARCH``, default ``native``): the tests set
 ``x86-64-v3`` in a subprocess to run the AVX2 paths on an AVX-512 machine."""
@@ -63,36 +69,55 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def sources() -> list[Path]:
+    """The files compiled into the library (``csrc/*.cpp``), in name order."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def _source_text() -> str:
+    """Every source and header, each by name, for the cache key: editing, adding or
+    removing any of them builds a new library."""
+    files = sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])
+    return "\0".join(f"{f.name}\0{f.read_text()}" for f in files)
+
+
 def _library_path(compiler: str) -> Path:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = compiler
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([_source_text(), " ".join(FLAGS), version,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_attention-{key}.so"
+    return cache_dir() / "kernels" / f"{LIBRARY}-{key}.so"
+
+
+def _run_compiler(compiler: str, cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
 
 
 def _build(compiler: str, target: Path) -> None:
+    """Compile each source (one compiler at a time) and link them into ``target``."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    obj = tmp[:-3] + ".o"
+    obj_dir = tempfile.mkdtemp(suffix=".objects", dir=target.parent)
     try:
-        for cmd in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj],
-                    [compiler, "-shared", "-fopenmp", obj, "-o", tmp]):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        objects = []
+        for src in sources():
+            objects.append(os.path.join(obj_dir, src.stem + ".o"))
+            _run_compiler(compiler, [compiler, *FLAGS, "-c", str(src), "-o", objects[-1]])
+        _run_compiler(compiler, [compiler, "-shared", "-fopenmp", *objects, "-o", tmp])
         os.replace(tmp, target)  # atomic: a concurrent build or load sees a whole file
     finally:
-        for leftover in (tmp, obj):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+        shutil.rmtree(obj_dir, ignore_errors=True)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
-def load_cpu_attention() -> ctypes.CDLL | None:
+def load_cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use), or None where it cannot be built."""
     global _lib, _lib_path, _error, _tried
     with _lock:
@@ -143,7 +168,7 @@ def _set_switch(lib: ctypes.CDLL, name: str, on: bool) -> bool:
 
 
 def library_path() -> Path | None:
-    """The loaded library's file (None before :func:`load_cpu_attention` succeeded)."""
+    """The loaded library's file (None before :func:`load_cpu_kernels` succeeded)."""
     return _lib_path
 
 
@@ -159,8 +184,8 @@ def cpu_has_avx512() -> bool:
 
 
 def cpu_kernels() -> ctypes.CDLL:
-    """The library, for callers that checked :func:`load_cpu_attention` succeeded."""
-    assert _lib is not None, "load_cpu_attention() has not succeeded"
+    """The library, for callers that checked :func:`load_cpu_kernels` succeeded."""
+    assert _lib is not None, "load_cpu_kernels() has not succeeded"
     return _lib
 
 
@@ -233,7 +258,7 @@ def gemv_supported(dtype: torch.dtype) -> bool:
     AVX-512 or AVX2 with FMA, bfloat16 on AVX512-BF16) and ``$SCHEDKIT_CPU_GEMV`` is not
     ``0``."""
     if dtype not in GEMV_DTYPES or os.environ.get("SCHEDKIT_CPU_GEMV", "1") == "0" \
-            or load_cpu_attention() is None:
+            or load_cpu_kernels() is None:
         return False
     return bool(cpu_kernels().schedkit_kernel_features() & GEMV_DTYPES[dtype][1])
 
@@ -328,7 +353,7 @@ def set_float_tiles(on: bool) -> bool:
 
 
 def build_error() -> str | None:
-    """Why :func:`load_cpu_attention` returned None (None if it has not failed)."""
+    """Why :func:`load_cpu_kernels` returned None (None if it has not failed)."""
     return _error
 
 

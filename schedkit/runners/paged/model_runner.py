@@ -369,9 +369,9 @@ class PagedModelRunner:
         """Mask the logits rows of the step's structured requests (before sampling): on
         the CPU in one pass of the compiled kernel, elsewhere with torch ops."""
         if self._grammar_kernel is None:
-            from schedkit.runners.paged.cpu_kernels import load_cpu_attention
+            from schedkit.runners.paged.cpu_kernels import load_cpu_kernels
 
-            self._grammar_kernel = self.device.type == "cpu" and load_cpu_attention() is not None
+            self._grammar_kernel = self.device.type == "cpu" and load_cpu_kernels() is not None
         if self._grammar_kernel and logits.dtype == torch.float32 and logits.is_contiguous():
             from schedkit.runners.paged.cpu_kernels import apply_grammar_bitmask_cpu
 
@@ -594,12 +594,12 @@ def resolve_attention_backend(name: str, device: torch.device, head_dim: int,
         return "triton" if name == "auto" else name
     if name not in ("auto", "cpu"):
         return name
-    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_attention, supports_float16
+    from schedkit.runners.paged.cpu_kernels import build_error, load_cpu_kernels, supports_float16
 
     why = None
     if head_dim % 8:
         why = f"head_dim {head_dim} is not a multiple of 8"
-    elif load_cpu_attention() is None:
+    elif load_cpu_kernels() is None:
         why = f"the kernel could not be built: {build_error()}"
     elif kv_dtype == torch.float16 and not supports_float16():
         why = "float16 caches need a compiler with _Float16 (GCC >= 12, clang >= 15)"

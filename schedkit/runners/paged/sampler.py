@@ -131,7 +131,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
             and logits.stride(1) == 1:
         from schedkit.runners.paged import cpu_kernels
 
-        if cpu_kernels.load_cpu_attention() is not None:
+        if cpu_kernels.load_cpu_kernels() is not None:
             return cpu_kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)
 

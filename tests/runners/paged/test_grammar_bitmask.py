@@ -413,10 +413,10 @@ def test_a_row_allowing_nothing(debug: bool, model_dir: Any) -> None:
 
 @pytest.mark.parametrize("num_words", [16, 13, 20])  # as wide as the 500-token vocabulary, narrower, wider
 def test_the_compiled_cpu_kernel_masks_exactly_as_the_torch_ops(num_words):
-    from schedkit.runners.paged.cpu_kernels import apply_grammar_bitmask_cpu, load_cpu_attention
+    from schedkit.runners.paged.cpu_kernels import apply_grammar_bitmask_cpu, load_cpu_kernels
     from schedkit.runners.paged.sampler import apply_grammar_bitmask
 
-    if load_cpu_attention() is None:
+    if load_cpu_kernels() is None:
         pytest.skip("no C++ compiler: the runner uses the torch ops")
     g = torch.Generator().manual_seed(num_words)
     vocab = 500

@@ -26,7 +26,7 @@ from schedkit.runners.paged.attention import (  # noqa: E402
 )
 from schedkit.runners.paged.testing import make_attention_case  # noqa: E402
 
-if cpu_kernels.load_cpu_attention() is None:  # pragma: no cover - a machine without g++
+if cpu_kernels.load_cpu_kernels() is None:  # pragma: no cover - a machine without g++
     pytest.skip(f"no CPU kernel: {cpu_kernels.build_error()}", allow_module_level=True)
 
 PREFILL_CASES = {
@@ -561,7 +561,7 @@ import torch.nn.functional as F
 from schedkit.runners.paged import cpu_kernels
 from schedkit.runners.paged.attention import paged_attention_cpu, paged_attention_ref
 from schedkit.runners.paged.testing import make_attention_case
-assert cpu_kernels.load_cpu_attention() is not None, cpu_kernels.build_error()
+assert cpu_kernels.load_cpu_kernels() is not None, cpu_kernels.build_error()
 assert not cpu_kernels.amx_enabled() and not cpu_kernels.bf16_tiles_enabled()
 specs = [(0, 70), (33, 20), (5, 1), (17, 1), (0, 16)]
 assert cpu_kernels.float_tiles_enabled()
@@ -609,3 +609,6 @@ def test_an_avx2_build_of_the_kernels_matches_the_reference(tmp_path: Any) -> No
     proc = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    kernels = tmp_path / "kernels"
+    assert [f.name.split("-")[0] for f in kernels.glob("*.so")] == [cpu_kernels.LIBRARY]
+    assert not [f for f in kernels.iterdir() if f.is_dir()], "the build leaves no object files behind"

@@ -29,7 +29,7 @@ from schedkit.runners.paged.cpu_linear import (  # noqa: E402
 from schedkit.runners.paged.model_runner import resolve_attention_backend  # noqa: E402
 from schedkit.runners.paged.testing import make_attention_case  # noqa: E402
 
-if cpu_kernels.load_cpu_attention() is None:  # pragma: no cover - a machine without g++
+if cpu_kernels.load_cpu_kernels() is None:  # pragma: no cover - a machine without g++
     pytest.skip(f"no CPU kernel: {cpu_kernels.build_error()}", allow_module_level=True)
 
 CASES = {
@@ -171,9 +171,34 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-fno-such-flag-anywhere"])
-    assert cpu_kernels.load_cpu_attention() is None
+    assert cpu_kernels.load_cpu_kernels() is None
     assert "failed" in (cpu_kernels.build_error() or "")
-    assert not list((tmp_path / "kernels").glob("*.so")), "no half-built library is left behind"
+    assert not list((tmp_path / "kernels").iterdir()), "no half-built library or object is left behind"
+
+
+def test_editing_any_kernel_source_or_header_builds_a_new_library(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Any) -> None:
+    """The library's cache key covers every file of csrc/: a change to a header that
+    only some sources include, or a new source, gives the library a new name, so the
+    next load compiles it instead of loading a stale build."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None
+    assert {f.name for f in cpu_kernels.sources()} >= {"attention.cpp", "gemm.cpp", "elementwise.cpp",
+                                                       "sampling.cpp"}
+    names = [cpu_kernels._library_path(compiler).name]
+    assert names[0].startswith(f"{cpu_kernels.LIBRARY}-")
+    for edit in ("simd.h", "attention_bf16_tiles.h", "gemm.cpp"):
+        with open(csrc / edit, "a") as f:
+            f.write("// edited\n")
+        names.append(cpu_kernels._library_path(compiler).name)
+    (csrc / "extra.cpp").write_text("// a new source\n")
+    names.append(cpu_kernels._library_path(compiler).name)
+    assert len(set(names)) == len(names), names
 
 
 def test_silu_and_mul_of_large_negative_gates_is_zero_not_nan() -> None:
@@ -187,7 +212,7 @@ def test_loading_the_kernels_keeps_denormals_for_the_rest_of_the_process() -> No
     """Linked with -ffast-math, a shared library turns on flush-to-zero process-wide."""
     import numpy as np
 
-    assert cpu_kernels.load_cpu_attention() is not None
+    assert cpu_kernels.load_cpu_kernels() is not None
     assert float(torch.tensor([1e-39]) * 1) > 0
     assert float(np.float32(1e-39) * np.float32(1)) > 0
 

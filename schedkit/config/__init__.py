@@ -26,6 +26,7 @@ from schedkit.config.runner import (
     RUNNER_CONFIGS,
     FakeRunnerConfig,
     PagedRunnerConfig,
+    PluginRunnerConfig,
     RunnerConfig,
     SimulatedRunnerConfig,
 )
@@ -45,11 +46,12 @@ from schedkit.config.workload import (
 )
 
 __all__ = [
-    "MAX_NUM_BLOCKS", "RUNNER_CONFIGS", "CacheConfig", "CompareConfig", "Config", "ConfigOrigin",
-    "FairnessConfig", "FakeRunnerConfig", "LengthConfig", "LocatedValueError", "ModelConfig",
-    "PagedRunnerConfig", "PluginConfig", "PriorityClassConfig", "ProfileConfig", "ReplicasConfig",
-    "RouterConfig", "RunnerConfig", "SLOConfig", "SLOTargets", "SchedulerConfig", "ServerConfig",
-    "SharedPrefixConfig", "SimulatedRunnerConfig", "StrictModel", "StructuredOutputsConfig",
-    "TenantConfig", "TraceConfig", "WorkloadConfig", "cache_dir", "config_from_dict",
+    "MAX_NUM_BLOCKS", "RUNNER_CONFIGS", "CacheConfig", "CompareConfig", "Config",
+    "ConfigOrigin", "FairnessConfig", "FakeRunnerConfig", "LengthConfig", "LocatedValueError",
+    "ModelConfig", "PagedRunnerConfig", "PluginConfig", "PluginRunnerConfig",
+    "PriorityClassConfig", "ProfileConfig", "ReplicasConfig", "RouterConfig", "RunnerConfig",
+    "SLOConfig", "SLOTargets", "SchedulerConfig", "ServerConfig", "SharedPrefixConfig",
+    "SimulatedRunnerConfig", "StrictModel", "StructuredOutputsConfig", "TenantConfig",
+    "TraceConfig", "WorkloadConfig", "cache_dir", "config_from_dict",
     "format_validation_error", "load_config", "load_yaml", "profile_scheduler",
 ]

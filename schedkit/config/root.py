@@ -8,7 +8,7 @@ from schedkit.config.base import LocatedValueError, StrictModel
 from schedkit.config.cache import CacheConfig
 from schedkit.config.cluster import ReplicasConfig, RouterConfig
 from schedkit.config.compare import CompareConfig, profile_scheduler
-from schedkit.config.locator import ConfigOrigin, scalars
+from schedkit.config.locator import ConfigOrigin, line_of, scalars
 from schedkit.config.model import ModelConfig
 from schedkit.config.plugins import PluginConfig, check_listed_once
 from schedkit.config.runner import FakeRunnerConfig, RunnerConfig
@@ -55,6 +55,15 @@ class Config(StrictModel):
             if node.value == name and _switches_on(loc):
                 return f"{self._origin.source}:{node.start_mark.line + 1}"
         return self._origin.source
+
+    def where(self, *loc: int | str) -> str | None:
+        """``file:line`` of the key at ``loc`` (e.g. ``"runner", "kind"``) in the YAML this
+        config was read from; the line of its nearest written parent when the key is left
+        out; None for a config not read from a file."""
+        if self._origin is None:
+            return None
+        line = line_of(self._origin.root, loc)
+        return self._origin.source if line is None else f"{self._origin.source}:{line}"
 
     @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:

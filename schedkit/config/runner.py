@@ -1,4 +1,12 @@
-"""The ``runner`` section: one model per runner kind, tagged by ``kind``."""
+"""The ``runner`` section: which runner executes the steps, and its settings.
+
+``kind`` names any runner registered in the ``schedkit.runners`` entry-point group; the
+registry (``schedkit.runners``) resolves it when the engine is built. schedkit's own
+runners have their keys directly under ``runner:`` (a model each, so a key the chosen
+one lacks is refused here with its line); any other runner gets the common keys plus a
+free-form ``settings`` mapping that the runner validates itself, as a plugin validates
+its ``plugins[].settings``.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +20,9 @@ from schedkit.config.base import StrictModel
 class _RunnerBase(StrictModel):
     """The fields every runner kind has: its kind and the token space of the workload."""
 
-    kind: Literal["fake", "simulated", "paged"]
-    """Which model runner executes the steps."""
+    kind: str = Field(min_length=1)
+    """Which model runner executes the steps: its name in the ``schedkit.runners``
+    entry-point group."""
     vocab_size: int = Field(default=32000, ge=2)
     """Vocabulary size: bounds generated workload token ids (and the fake and simulated
     runners' tokens; at most the model's vocabulary on the paged runner)."""
@@ -67,23 +76,41 @@ class PagedRunnerConfig(_RunnerBase):
     """On CPU: torch intra-op threads (None: torch's default)."""
 
 
+class PluginRunnerConfig(_RunnerBase):
+    """The section of a runner another package registers (``schedkit.runners``)."""
+
+    kind: str = Field(min_length=1)
+    """Which model runner executes the steps: an installed runner's entry-point name."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """The runner's own settings; its ``from_config`` reads ``config.runner.settings`` and
+    validates them."""
+
+
 RUNNER_CONFIGS: dict[str, type[_RunnerBase]] = {
     "fake": FakeRunnerConfig, "simulated": SimulatedRunnerConfig, "paged": PagedRunnerConfig}
-"""Runner kind -> the model of its ``runner`` section."""
+"""schedkit's own runner kinds -> the model of their ``runner`` section (any other kind's
+section is a :class:`PluginRunnerConfig`)."""
+_PLUGIN_TAG = "plugin"
 
 
-def _runner_kind(value: Any) -> str | None:
-    """The tag of a ``runner`` section: its ``kind``, ``fake`` when the key is left out."""
+def _runner_tag(value: Any) -> str | None:
+    """The model a ``runner`` section is validated with: its ``kind``'s own (``fake``
+    when the key is left out), else the plugin runners' one; None for no mapping."""
     if isinstance(value, dict):
-        return value.get("kind", "fake")
-    return getattr(value, "kind", None)
+        kind = value.get("kind", "fake")
+    elif isinstance(value, _RunnerBase):
+        kind = value.kind
+    else:
+        return None
+    return kind if isinstance(kind, str) and kind in RUNNER_CONFIGS else _PLUGIN_TAG
 
 
 RunnerConfig = Annotated[
     Annotated[FakeRunnerConfig, Tag("fake")]
     | Annotated[SimulatedRunnerConfig, Tag("simulated")]
-    | Annotated[PagedRunnerConfig, Tag("paged")],
-    Field(discriminator=Discriminator(_runner_kind)),
+    | Annotated[PagedRunnerConfig, Tag("paged")]
+    | Annotated[PluginRunnerConfig, Tag(_PLUGIN_TAG)],
+    Field(discriminator=Discriminator(_runner_tag)),
 ]
 """The ``runner`` section: one model per runner kind (a union tagged by ``kind``), so a
 key the chosen runner does not have is refused."""
@@ -92,20 +119,20 @@ key the chosen runner does not have is refused."""
 def runner_error(loc: tuple[int | str, ...], e: Any) -> tuple[tuple[int | str, ...], Any, str] | None:
     """An error in the ``runner`` section as (key path, value, message) at the YAML's own
     keys, or None for any other error. pydantic names the chosen member of the tagged
-    union in the path (``runner.paged.device``) and reports an unknown kind, or a section
-    that is no mapping, on the whole section."""
+    union in the path (``runner.paged.device``) and reports a section that is no mapping
+    on the whole section."""
     if loc[:1] != ("runner",):
         return None
-    if e["type"] == "union_tag_invalid":
-        kinds = ", ".join(repr(k) for k in RUNNER_CONFIGS)
-        return ("runner", "kind"), e["input"].get("kind"), f"Input should be one of {kinds}"
     if e["type"] == "union_tag_not_found":
         return loc, e.get("input"), "Input should be a mapping (the runner section)"
-    if len(loc) < 2 or loc[1] not in RUNNER_CONFIGS:
+    if len(loc) < 2 or loc[1] not in (*RUNNER_CONFIGS, _PLUGIN_TAG):
         return None
-    kind, loc = loc[1], (loc[0], *loc[2:])
+    tag, loc = loc[1], (loc[0], *loc[2:])
     if e["type"] != "extra_forbidden":
         return loc, e.get("input"), e["msg"]
     owners = [k for k, model in RUNNER_CONFIGS.items() if loc[-1] in model.model_fields]
     whose = f" (a key of the {' and '.join(owners)} runner)" if owners else ""
-    return loc, e.get("input"), f"unknown key for runner kind {kind!r}{whose}"
+    if tag == _PLUGIN_TAG:
+        return loc, e.get("input"), (f"unknown key for an installed runner's section{whose}; its own "
+                                     "settings go under runner.settings")
+    return loc, e.get("input"), f"unknown key for runner kind {tag!r}{whose}"

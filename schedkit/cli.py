@@ -174,8 +174,10 @@ def _check(args: argparse.Namespace) -> int:
     from schedkit.core.scheduler import Scheduler
     from schedkit.plugins.facade import HookFacade
     from schedkit.plugins.manager import get_plugin_manager
+    from schedkit.runners import find_runner
 
     config = load_config(args.config)
+    find_runner(config.runner.kind, config.where("runner", "kind"))  # registered (not imported)
     # Build the scheduler too: its queue and connector come from the plugins' build
     # hooks, and a KV cache smaller than max_model_len is reported (as a warning) here.
     Scheduler(config.scheduler, config.cache, HookFacade(get_plugin_manager(config)))
@@ -195,6 +197,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _plugins(args: argparse.Namespace) -> int:
     from schedkit.plugins.manager import describe_plugins, discover_plugins, get_plugin_manager
+    from schedkit.runners import ENTRY_POINT_GROUP, installed_runners
 
     installed = discover_plugins()
     print("installed plugins (entry-point group 'schedkit'):")
@@ -202,6 +205,9 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"  {name:<20} {ep.value}")
     if not installed:
         print("  (none)")
+    print(f"installed runners (entry-point group '{ENTRY_POINT_GROUP}'):")
+    for name, ep in sorted(installed_runners().items()):
+        print(f"  {name:<20} {ep.value}")
     config = load_config(args.config) if args.config else Config()
     pm = get_plugin_manager(config)
     print(f"switched on{' by ' + args.config if args.config else ' by default'}:")

@@ -9,6 +9,7 @@ from schedkit.config import (
     Config,
     FakeRunnerConfig,
     PagedRunnerConfig,
+    PluginRunnerConfig,
     SimulatedRunnerConfig,
     load_config,
     load_yaml,
@@ -151,6 +152,8 @@ def test_runner_refuses_a_key_its_kind_lacks(tmp_path, text, line, key, value, o
                          "gpu_memory_utilization": 0.5, "enforce_eager": True,
                          "cuda_graph_max_batch_size": 8, "attention_backend": "triton",
                          "num_threads": 4}),
+    ("runner: {kind: echo, vocab_size: 100, eos_token_id: 2, settings: {shift: 1}}\n",
+     PluginRunnerConfig, {"kind": "echo", "vocab_size": 100, "eos_token_id": 2, "settings": {"shift": 1}}),
 ])
 def test_each_runner_kind_accepts_its_keys(tmp_path, text, config_class, fields):
     runner = load_config(write(tmp_path, text)).runner
@@ -166,8 +169,16 @@ def test_runner_kind_defaults_to_fake(tmp_path):
 
 
 @pytest.mark.parametrize("text, shown, message", [
-    ("runner:\n  kind: gpu\n", "runner.kind = 'gpu'", "should be one of 'fake', 'simulated', 'paged'"),
     ("runner:\n  kind: paged\n  device: tpu\n", "runner.device = 'tpu'", "'cpu' or 'cuda'"),
+    ("runner:\n  kind: 3\n", "runner.kind = 3", "Input should be a valid string"),
+    ("runner:\n  kind: ''\n", "runner.kind = ''", "at least 1 character"),
+    ("runner:\n  kind: echo\n  shift: 1\n", "runner.shift = 1",
+     "unknown key for an installed runner's section; its own settings go under runner.settings"),
+    ("runner:\n  kind: echo\n  device: cuda\n", "runner.device = 'cuda'",
+     "unknown key for an installed runner's section (a key of the paged runner)"),
+    ("runner:\n  kind: fake\n  settings: {shift: 1}\n", "runner.settings = {'shift': 1}",
+     "unknown key for runner kind 'fake'"),
+    ("runner:\n  kind: echo\n  settings: [1]\n", "runner.settings = [1]", "valid dictionary"),
 ])
 def test_runner_errors_name_the_yaml_key(tmp_path, text, shown, message):
     p = write(tmp_path, text)
@@ -176,11 +187,15 @@ def test_runner_errors_name_the_yaml_key(tmp_path, text, shown, message):
     assert msg.startswith(f"{p}:{line}: {shown}: ") and message in msg, msg
 
 
-def test_runner_config_round_trips_through_json():
+@pytest.mark.parametrize("runner", [
+    PagedRunnerConfig(device="cuda", num_threads=2),
+    PluginRunnerConfig(kind="echo", settings={"shift": 1, "nested": {"a": [1, 2]}}),
+])
+def test_runner_config_round_trips_through_json(runner):
     """The engine process rebuilds its config from the client's JSON dump."""
-    config = Config(runner=PagedRunnerConfig(device="cuda", num_threads=2))
+    config = Config(runner=runner)
     again = Config.model_validate(config.model_dump(mode="json"))
-    assert again.runner == config.runner and type(again.runner) is PagedRunnerConfig
+    assert again.runner == config.runner and type(again.runner) is type(runner)
 
 
 def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):

@@ -247,6 +247,7 @@ SECTION_MODELS = {
     "runner (fake)": config_models.FakeRunnerConfig,
     "runner (simulated)": config_models.SimulatedRunnerConfig,
     "runner (paged)": config_models.PagedRunnerConfig,
+    "runner (plugin)": config_models.PluginRunnerConfig,
     "server": config_models.ServerConfig,
     "replicas": config_models.ReplicasConfig,
     "router": config_models.RouterConfig,

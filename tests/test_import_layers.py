@@ -41,7 +41,7 @@ ALLOWED = {
     "schedkit.runners": {"hookspecs", "core", "kv", "config", "errors", "runners"},
     "schedkit.core": {"kv", "config", "errors", "core"},
     "schedkit.kv": {"config", "errors", "kv"},
-    "schedkit.config": {"errors"},
+    "schedkit.config": {"errors", "config"},
     "schedkit.errors": set(),
     "schedkit.hookspecs": {"config", "core", "kv"},  # annotations only (TYPE_CHECKING)
 }

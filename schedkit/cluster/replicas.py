@@ -44,10 +44,10 @@ DEATH_CAUSE_CHARS = 120
 def _check_config(config: Config) -> None:
     """Fail on a bad engine config before any replica starts (EngineProcess's checks)."""
     from schedkit.plugins.manager import get_plugin_manager
-    from schedkit.runners import runner_class
+    from schedkit.runners import configured_runner_class
 
     get_plugin_manager(config)
-    runner_class(config.runner.kind)
+    configured_runner_class(config)
 
 
 class ReplicaSet(abc.ABC):

@@ -39,7 +39,7 @@ from schedkit.errors import ConfigError, EngineBusyError, PluginError, RequestEr
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.plugins.facade import HookFacade
 from schedkit.plugins.manager import describe_plugins, get_plugin_manager
-from schedkit.runners import runner_class
+from schedkit.runners import configured_runner_class
 
 log = logging.getLogger("schedkit.engine")
 
@@ -174,7 +174,7 @@ class EngineCore:
 
     @staticmethod
     def _build_runner(config: Config) -> Any:
-        cls = runner_class(config.runner.kind)
+        cls = configured_runner_class(config)
         return cls.from_config(config)
 
     # -- clock ---------------------------------------------------------------------------

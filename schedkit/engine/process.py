@@ -444,10 +444,10 @@ class EngineProcess:
     def __init__(self, config: Config, *, transport: str = "ipc", log_level: str = "WARNING",
                  wait: bool = True, host: str = "127.0.0.1", keys: EngineKeys | None = None) -> None:
         from schedkit.plugins.manager import get_plugin_manager
-        from schedkit.runners import runner_class
+        from schedkit.runners import configured_runner_class
 
         get_plugin_manager(config)  # raises ConfigError / PluginError before spawning
-        runner_class(config.runner.kind)
+        configured_runner_class(config)
         self.keys = keys if keys is not None else EngineKeys.generate()
         self._paths: list[Path] = []
         if transport == "ipc":

@@ -1,24 +1,14 @@
-"""Model runners, imported lazily by name so that ``import schedkit`` needs no torch."""
+"""Model runners, found by name in the ``schedkit.runners`` entry-point group (schedkit's
+own ``fake``, ``simulated`` and ``paged`` too) and imported only when chosen, so that
+``import schedkit`` needs no torch."""
 
-from __future__ import annotations
+from schedkit.runners.registry import (
+    ENTRY_POINT_GROUP,
+    configured_runner_class,
+    find_runner,
+    installed_runners,
+    runner_class,
+)
 
-import importlib
-from typing import Any
-
-from schedkit.errors import ConfigError
-
-RUNNERS: dict[str, tuple[str, str]] = {
-    "fake": ("schedkit.runners.fake", "FakeRunner"),
-    "simulated": ("schedkit.runners.simulated", "SimulatedRunner"),
-    "paged": ("schedkit.runners.paged.model_runner", "PagedModelRunner"),
-}
-
-
-def runner_class(kind: str) -> Any:
-    """The runner class registered under ``kind`` (imported on first use)."""
-    try:
-        module, name = RUNNERS[kind]
-    except KeyError:
-        raise ConfigError(f"runner.kind = {kind!r}: not available in this version "
-                          f"(available: {sorted(RUNNERS)})") from None
-    return getattr(importlib.import_module(module), name)
+__all__ = ["ENTRY_POINT_GROUP", "configured_runner_class", "find_runner", "installed_runners",
+           "runner_class"]

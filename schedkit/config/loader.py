@@ -1,0 +1,76 @@
+"""The one strict loader: YAML (or a mapping) in, a validated :class:`Config` out, or a
+:class:`ConfigError` naming each bad key with its value, file and line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from schedkit.config.base import LocatedValueError
+from schedkit.config.locator import ConfigOrigin, line_of, load_yaml
+from schedkit.config.root import Config
+from schedkit.config.runner import runner_error
+from schedkit.errors import ConfigError
+
+
+def format_validation_error(err: ValidationError, source: str, root: yaml.Node | None = None) -> str:
+    """Render a pydantic error as one line per problem: key, value, file and line."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        value, message = e.get("input"), e["msg"].removeprefix("Value error, ")
+        located = (e.get("ctx") or {}).get("error")
+        if isinstance(located, LocatedValueError):
+            loc, value = (*loc, *located.loc), located.value
+        runner = runner_error(loc, e)
+        if runner is not None:
+            loc, value, message = runner
+        key = ".".join(str(p) for p in loc) or "<root>"
+        where = source
+        line = line_of(root, loc)
+        if line is not None:
+            where = f"{source}:{line}"
+        if e["type"] == "extra_forbidden" and runner is None:
+            lines.append(f"{where}: unknown key '{key}'")
+        else:
+            lines.append(f"{where}: {key} = {value!r}: {message}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Config:
+    """Validate a plain mapping into a :class:`Config` (ConfigError on any mistake)."""
+    try:
+        return Config.model_validate(data or {})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from e
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: The file is missing, is not YAML, or fails validation; the message
+            names key, value, file and line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start})") from None
+    data, root = load_yaml(text, str(path))
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        config = Config.model_validate(data or {})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path), root)) from e
+    config._origin = ConfigOrigin(str(path), root)
+    return config

@@ -1,0 +1,92 @@
+"""The root :class:`Config`: every section, and where its YAML switches plugins on."""
+
+from __future__ import annotations
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from schedkit.config.base import LocatedValueError, StrictModel
+from schedkit.config.cache import CacheConfig
+from schedkit.config.cluster import ReplicasConfig, RouterConfig
+from schedkit.config.compare import CompareConfig, profile_scheduler
+from schedkit.config.locator import ConfigOrigin, line_of, scalars
+from schedkit.config.model import ModelConfig
+from schedkit.config.plugins import PluginConfig, check_listed_once
+from schedkit.config.runner import FakeRunnerConfig, RunnerConfig
+from schedkit.config.scheduler import SchedulerConfig
+from schedkit.config.server import ServerConfig
+from schedkit.config.structured import StructuredOutputsConfig
+from schedkit.config.workload import WorkloadConfig
+
+
+class Config(StrictModel):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The model to serve."""
+    runner: RunnerConfig = Field(default_factory=FakeRunnerConfig)
+    """The model runner."""
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    """The paged KV cache."""
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    """The scheduler and its policy."""
+    plugins: list[PluginConfig] = Field(default_factory=list)
+    """Extra plugins to switch on (installed is not enabled)."""
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    """The workload that ``schedkit run`` drives through the engine."""
+    compare: CompareConfig | None = None
+    """Policy profiles for ``schedkit compare`` (default: just this config's policy)."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """The HTTP server of ``schedkit serve``."""
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    """Data-parallel replicas (one engine unless ``count`` is more)."""
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    """The router in front of the replicas."""
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    """Grammar-constrained decoding: the backend, its compile threads and cache."""
+
+    _origin: ConfigOrigin | None = PrivateAttr(default=None)
+
+    def where_switched_on(self, name: str) -> str | None:
+        """``file:line`` where the YAML switches plugin (or policy) ``name`` on: the first
+        ``scheduler.policy``, ``plugins[i].name``, ``compare.profiles[k].policy`` or
+        ``compare.profiles[k].plugins[j].name`` that names it; else the file alone (None for
+        a config not read from a file)."""
+        if self._origin is None:
+            return None
+        for loc, node in scalars(self._origin.root):
+            if node.value == name and _switches_on(loc):
+                return f"{self._origin.source}:{node.start_mark.line + 1}"
+        return self._origin.source
+
+    def where(self, *loc: int | str) -> str | None:
+        """``file:line`` of the key at ``loc`` (e.g. ``"runner", "kind"``) in the YAML this
+        config was read from; the line of its nearest written parent when the key is left
+        out; None for a config not read from a file."""
+        if self._origin is None:
+            return None
+        line = line_of(self._origin.root, loc)
+        return self._origin.source if line is None else f"{self._origin.source}:{line}"
+
+    @model_validator(mode="after")
+    def _check_plugins_unique(self) -> Config:
+        check_listed_once(self.plugins, "plugin")
+        for k, profile in enumerate(self.compare.profiles if self.compare is not None else ()):
+            try:
+                profile_scheduler(self.scheduler, profile)
+            except LocatedValueError as e:  # re-anchored at the profile's key
+                raise LocatedValueError(str(e), ("compare", "profiles", k, *e.loc), e.value) from None
+        return self
+
+
+def _switches_on(loc: tuple[int | str, ...]) -> bool:
+    """Whether the YAML value at ``loc`` names a policy or plugin to switch on."""
+    if loc in (("scheduler", "policy"), ("router", "policy")):
+        return True
+    if len(loc) == 3 and loc[0] == "plugins" and loc[2] == "name":
+        return True
+    if len(loc) == 4 and loc[:2] == ("router", "plugins") and loc[3] == "name":
+        return True
+    if loc[:2] == ("compare", "profiles"):
+        return (len(loc) == 4 and loc[3] == "policy"
+                or len(loc) == 6 and loc[3] == "plugins" and loc[5] == "name"
+                or len(loc) == 5 and loc[3:] == ("router", "policy")
+                or len(loc) == 7 and loc[3:5] == ("router", "plugins") and loc[6] == "name")
+    return False

@@ -1,0 +1,138 @@
+"""The ``runner`` section: which runner executes the steps, and its settings.
+
+``kind`` names any runner registered in the ``schedkit.runners`` entry-point group; the
+registry (``schedkit.runners``) resolves it when the engine is built. schedkit's own
+runners have their keys directly under ``runner:`` (a model each, so a key the chosen
+one lacks is refused here with its line); any other runner gets the common keys plus a
+free-form ``settings`` mapping that the runner validates itself, as a plugin validates
+its ``plugins[].settings``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from schedkit.config.base import StrictModel
+
+
+class _RunnerBase(StrictModel):
+    """The fields every runner kind has: its kind and the token space of the workload."""
+
+    kind: str = Field(min_length=1)
+    """Which model runner executes the steps: its name in the ``schedkit.runners``
+    entry-point group."""
+    vocab_size: int = Field(default=32000, ge=2)
+    """Vocabulary size: bounds generated workload token ids (and the fake and simulated
+    runners' tokens; at most the model's vocabulary on the paged runner)."""
+    eos_token_id: int | None = Field(default=None, ge=0)
+    """EOS id of requests generated from the workload (the fake and simulated runners emit
+    it at each request's sampled output length; None: never)."""
+
+
+class FakeRunnerConfig(_RunnerBase):
+    kind: Literal["fake"] = "fake"
+    """Which model runner executes the steps: a deterministic model with no weights."""
+    step_time_ms: float = Field(default=10.0, gt=0)
+    """Virtual duration of one fake-runner step, which drives the engine's clock."""
+    clock: Literal["virtual", "wall"] = "virtual"
+    """``virtual``: steps take no real time and advance the engine's virtual clock by
+    ``step_time_ms``; ``wall``: each step sleeps ``step_time_ms`` and the engine runs on
+    the wall clock (a stand-in model behind ``schedkit serve``)."""
+
+
+class SimulatedRunnerConfig(_RunnerBase):
+    kind: Literal["simulated"] = "simulated"
+    """Which model runner executes the steps: fake tokens, cost-model step durations."""
+    profile: str = "h200-qwen2.5-0.5b-handset"
+    """Cost-model profile, a bundled name or a JSON file path."""
+
+
+class PagedRunnerConfig(_RunnerBase):
+    kind: Literal["paged"] = "paged"
+    """Which model runner executes the steps: a real model over the paged KV cache."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the model and its KV cache."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    """On CUDA: fraction of GPU memory for weights, activations and KV cache (the KV
+    cache gets what is left, at most cache.num_blocks blocks)."""
+    enforce_eager: bool = False
+    """On CUDA: never capture CUDA graphs for decode batches."""
+    cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=2048)
+    """On CUDA: largest decode batch replayed from a captured CUDA graph."""
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    """Paged attention implementation: auto (Triton on CUDA; on CPU the compiled C++
+    kernel, or the PyTorch reference where no compiler works), torch (the reference),
+    triton or cpu (the C++ kernel)."""
+    compute_dtype: Literal["auto", "model", "float32"] = "auto"
+    """Arithmetic dtype on the CPU: model (the model's dtype), float32 (bfloat16 / float16
+    weights widened once at load; the KV cache keeps the model's dtype) or auto (float32
+    where this CPU has no native matmul in the model's dtype: bfloat16 needs AVX512-BF16
+    or AMX, float16 AMX-FP16; else the model's). Ignored on CUDA."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the sampler for requests without their own seed."""
+    num_threads: int | None = Field(default=None, ge=1, le=1024)
+    """On CPU: torch intra-op threads (None: torch's default)."""
+
+
+class PluginRunnerConfig(_RunnerBase):
+    """The section of a runner another package registers (``schedkit.runners``)."""
+
+    kind: str = Field(min_length=1)
+    """Which model runner executes the steps: an installed runner's entry-point name."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """The runner's own settings; its ``from_config`` reads ``config.runner.settings`` and
+    validates them."""
+
+
+RUNNER_CONFIGS: dict[str, type[_RunnerBase]] = {
+    "fake": FakeRunnerConfig, "simulated": SimulatedRunnerConfig, "paged": PagedRunnerConfig}
+"""schedkit's own runner kinds -> the model of their ``runner`` section (any other kind's
+section is a :class:`PluginRunnerConfig`)."""
+_PLUGIN_TAG = "plugin"
+
+
+def _runner_tag(value: Any) -> str | None:
+    """The model a ``runner`` section is validated with: its ``kind``'s own (``fake``
+    when the key is left out), else the plugin runners' one; None for no mapping."""
+    if isinstance(value, dict):
+        kind = value.get("kind", "fake")
+    elif isinstance(value, _RunnerBase):
+        kind = value.kind
+    else:
+        return None
+    return kind if isinstance(kind, str) and kind in RUNNER_CONFIGS else _PLUGIN_TAG
+
+
+RunnerConfig = Annotated[
+    Annotated[FakeRunnerConfig, Tag("fake")]
+    | Annotated[SimulatedRunnerConfig, Tag("simulated")]
+    | Annotated[PagedRunnerConfig, Tag("paged")]
+    | Annotated[PluginRunnerConfig, Tag(_PLUGIN_TAG)],
+    Field(discriminator=Discriminator(_runner_tag)),
+]
+"""The ``runner`` section: one model per runner kind (a union tagged by ``kind``), so a
+key the chosen runner does not have is refused."""
+
+
+def runner_error(loc: tuple[int | str, ...], e: Any) -> tuple[tuple[int | str, ...], Any, str] | None:
+    """An error in the ``runner`` section as (key path, value, message) at the YAML's own
+    keys, or None for any other error. pydantic names the chosen member of the tagged
+    union in the path (``runner.paged.device``) and reports a section that is no mapping
+    on the whole section."""
+    if loc[:1] != ("runner",):
+        return None
+    if e["type"] == "union_tag_not_found":
+        return loc, e.get("input"), "Input should be a mapping (the runner section)"
+    if len(loc) < 2 or loc[1] not in (*RUNNER_CONFIGS, _PLUGIN_TAG):
+        return None
+    tag, loc = loc[1], (loc[0], *loc[2:])
+    if e["type"] != "extra_forbidden":
+        return loc, e.get("input"), e["msg"]
+    owners = [k for k, model in RUNNER_CONFIGS.items() if loc[-1] in model.model_fields]
+    whose = f" (a key of the {' and '.join(owners)} runner)" if owners else ""
+    if tag == _PLUGIN_TAG:
+        return loc, e.get("input"), (f"unknown key for an installed runner's section{whose}; its own "
+                                     "settings go under runner.settings")
+    return loc, e.get("input"), f"unknown key for runner kind {tag!r}{whose}"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # benchmark runs
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 spec = importlib.util.spec_from_file_location("bench_conftest", BENCHMARKS / "conftest.py")
 bench_conftest = importlib.util.module_from_spec(spec)

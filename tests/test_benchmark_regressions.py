@@ -45,6 +45,8 @@ import schedkit.policies.priority as priority
 from schedkit.core.queues import FCFSQueue, KeyedQueue
 from schedkit.hookspecs import hookimpl
 
+pytestmark = pytest.mark.slow  # benchmark runs
+
 
 class LIFOQueue(FCFSQueue):
     __slots__ = ()

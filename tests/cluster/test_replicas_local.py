@@ -34,6 +34,7 @@ from tests.cluster.replica_runs import (
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.slow
 def test_async_kill_mid_run_reroutes_tokenless_requests_and_fails_the_others():
     n = 2000
     run = asyncio.run(kill_mid_run(fake_config("local"), n, stop=lambda h: sigstop(h.pid),
@@ -47,6 +48,7 @@ def test_async_kill_mid_run_reroutes_tokenless_requests_and_fails_the_others():
           f"{sum(1 for k in run.at_kill.values() if k)} failed")
 
 
+@pytest.mark.slow
 def test_llm_generate_kill_mid_run():
     """The sync LLM: a replica SIGKILLed from another thread while generate() runs."""
     n = 3000
@@ -160,6 +162,7 @@ def test_stats_aggregate_and_per_replica_and_utilities():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 @pytest.mark.timeout(1200)
 def test_paged_model_kill_mid_run():

@@ -36,7 +36,7 @@ from tests.cluster.replica_runs import (
     wait_gone,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # slow: Ray clusters
 
 
 @pytest.fixture(scope="module")

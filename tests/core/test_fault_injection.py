@@ -11,6 +11,7 @@ import random
 import time
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,6 +106,7 @@ def check_against_control(config: dict | Config, trace, seed: int, keyed: bool, 
     return faults
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), keyed=st.booleans(), async_scheduling=st.booleans(),
        rate=st.sampled_from([0.02, 0.05, 0.15]))

@@ -182,6 +182,7 @@ def test_a_watch_timer_far_behind_time_measures_the_silence_again():
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_an_engine_found_silent_is_shut_down_not_left_running(monkeypatch):
     import os
     import signal

@@ -14,6 +14,8 @@ from schedkit.cli import main
 from schedkit.config import config_from_dict
 from schedkit.lab.compare import Point, SerialRunner, compare, run_point, submit
 
+pytestmark = pytest.mark.slow  # Ray clusters
+
 # Loaded enough (a small batch, a small KV cache) that the two policies differ.
 SWEEP_YAML = """\
 runner: {kind: simulated}
@@ -62,7 +64,6 @@ def sweep_yaml(tmp_path, request):
     return path
 
 
-@pytest.mark.slow
 def test_ray_sweep_gives_the_serial_results_json_byte_for_byte(sweep_yaml, tmp_path, capsys):
     ray = pytest.importorskip("ray")
     assert not ray.is_initialized()

@@ -3,8 +3,12 @@ faster than recorded on the simulator (configs/compare-azure-conv.yaml)."""
 
 from __future__ import annotations
 
+import pytest
+
 from schedkit.config import load_config
 from schedkit.lab.compare import compare
+
+pytestmark = pytest.mark.slow  # 2,000-request trace replays
 
 
 def test_sjf_lowers_mean_ttft_and_aging_bounds_max_wait():

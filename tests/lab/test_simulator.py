@@ -74,6 +74,7 @@ def test_async_scheduling_replay_is_deterministic_and_loses_no_token():
         (m.request_id, m.num_output_tokens) for m in sync.metrics)
 
 
+@pytest.mark.slow
 def test_compare_writes_byte_identical_results(tmp_path):
     import yaml
 

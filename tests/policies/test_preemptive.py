@@ -27,6 +27,7 @@ def runs():
             for name, (p, s) in profiles.items()}
 
 
+@pytest.mark.slow
 def test_mlfq_cuts_short_job_latency_with_ample_kv(runs):
     """Measured (3 seeds, 300 requests at 60 req/s): short-job mean E2E about 0.055 s
     against FCFS's 0.30-0.60 s (5-11x); before mlfq could preempt it was FCFS's to the
@@ -39,11 +40,13 @@ def test_mlfq_cuts_short_job_latency_with_ample_kv(runs):
         assert summarize(mlfq)["max_wait_s"] < 10.0
 
 
+@pytest.mark.slow
 def test_non_preemptive_mlfq_is_fcfs_when_memory_is_ample(runs):
     for fcfs, mlfq in zip(runs["fcfs"], runs["mlfq-nonpreemptive"], strict=True):
         assert [m.to_dict() for m in mlfq] == [m.to_dict() for m in fcfs]
 
 
+@pytest.mark.slow
 def test_srpt_reaches_the_oracle_sjf(runs):
     for oracle, srpt in zip(runs["sjf-oracle"], runs["srpt"], strict=True):
         assert summarize(srpt)["preemptions"] > 0

@@ -16,6 +16,8 @@ import pytest
 
 from tests.server.conftest import LiveServer, server_config, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # servers scraped for every dashboard series
+
 httpx = pytest.importorskip("httpx")
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "schedkit-dashboard.json"

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from schedkit.engine.messages import UtilityCall, client_encoder
 from tests.server.conftest import metric, server_config
 from tests.server.test_serve_replicas import complete, engine_pids
+
+pytestmark = pytest.mark.slow  # servers and engine processes under attack
 
 
 def engine_input_addr(pid: int) -> str:

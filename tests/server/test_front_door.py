@@ -201,6 +201,7 @@ def test_a_slow_body_is_cut_off(door):
     _assert_serves(door)
 
 
+@pytest.mark.slow
 def test_the_limits_are_configurable(tmp_path, word_tokenizer, serve):
     """A smaller ``max_request_line_bytes`` refuses what the default takes."""
     s = serve(server_config(word_tokenizer, server={"max_request_line_bytes": 512, "max_headers": 8}))

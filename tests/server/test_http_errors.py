@@ -804,6 +804,7 @@ if b"schedkit.engine.process" in pathlib.Path("/proc/self/cmdline").read_bytes()
 '''
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_engine_starts_exits_0(tmp_path, word_tokenizer):
     """A stop asked for during start-up is not a failure: the engine finishes starting,
     serves nothing, is shut down, and the process exits 0 without ever listening."""
@@ -838,6 +839,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["address in use", "engine fails"])
 def test_a_start_that_fails_exits_1(tmp_path, word_tokenizer, what):
     """uvicorn itself exits 3 on a failed start-up; docs/serving.md promises 1."""

@@ -16,8 +16,11 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from tests.server.conftest import EOS, SPECIALS, VOCAB, metric, server_config
+
+pytestmark = pytest.mark.slow  # thousands of HTTP streams
 
 NUM_REQUESTS = 2000
 CONCURRENCY = 128

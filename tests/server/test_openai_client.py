@@ -179,6 +179,7 @@ def test_unknown_routes_and_methods_get_openai_error_objects(live):
         assert h.post("/v1/completions", json={"prompt": "w7", "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.slow
 def test_idle_keep_alive_outlives_the_clients_pool_expiry(live):
     """httpx (so the openai client) drops a pooled connection after 5 s idle; the server
     keeps it longer (server.keep_alive_s, 10 s), so a client reusing its connection at 5 s

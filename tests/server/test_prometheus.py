@@ -28,6 +28,8 @@ import yaml
 from schedkit.server.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from tests.server.conftest import EOS, server_config
 
+pytestmark = pytest.mark.slow  # a real Prometheus
+
 NUM_REQUESTS = 240
 CONCURRENCY = 16  # light enough that neither event loop lags the latencies much
 MAX_TOKENS = 100  # 100 steps of 5 ms and a little: an E2E of about 0.55 s

@@ -9,7 +9,11 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.server.conftest import metric, server_config
+
+pytestmark = pytest.mark.slow  # replicated servers
 
 PROMPT = list(range(10, 43))  # two full blocks of 16 and one token
 

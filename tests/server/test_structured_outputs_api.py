@@ -286,6 +286,7 @@ def _text_of(s, path: str, body: dict[str, Any]) -> tuple[str, str]:
     return text, choice["finish_reason"]
 
 
+@pytest.mark.slow
 def test_constrained_requests_over_http_parse_and_match(structured_server):
     jsonschema = pytest.importorskip("jsonschema")
     chat = {"messages": [{"role": "user", "content": "a person"}], "max_tokens": 200}
@@ -354,6 +355,7 @@ def tight_budget_server(tmp_path_factory):
     stop_server(s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_grammar_over_its_step_budget_is_a_400_naming_the_limit(tight_budget_server, stream):
     """A matcher over ``structured_outputs.step_budget_ms`` is what the client's constraint
@@ -370,6 +372,7 @@ def test_a_grammar_over_its_step_budget_is_a_400_naming_the_limit(tight_budget_s
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.slow
 def test_a_full_compile_queue_is_a_429_with_retry_after_and_the_server_goes_on(tmp_path_factory):
     """The engine's compile queue (one worker, one compile waiting) refuses a third
     constraint while two are in hand: the engine is saturated, the client did nothing

@@ -15,6 +15,8 @@ from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import LLM
 
+pytestmark = pytest.mark.slow  # grammars on the paged runner, end to end
+
 jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMA = {

@@ -597,6 +597,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_an_avx2_build_of_the_kernels_matches_the_reference(tmp_path: Any) -> None:
     """The library built for x86-64-v3 (AVX2, no AVX-512, no AMX) in a fresh process:
     the portable item path, norms and argmax, as CI's AVX2 machines run them."""

@@ -107,6 +107,7 @@ def test_out_of_vocabulary_prompt_is_rejected_at_add(model_dir: Any) -> None:
     assert all(len(v) == 3 for v in outs.values())
 
 
+@pytest.mark.slow
 def test_replicas_building_the_same_model_at_once_do_not_break_each_other(tmp_path: Path) -> None:
     """Two processes resolving a built-in model on a cold cache (replicas starting
     together): one builds, the other waits for it; neither removes the folder the other

@@ -26,6 +26,8 @@ from schedkit.runners.paged.testing import (  # noqa: E402
     run_engine,
 )
 
+pytestmark = pytest.mark.slow  # transformers references over padded replays
+
 
 class _EagerGraph:
     def __init__(self, fn: Any, out: torch.Tensor) -> None:

@@ -24,8 +24,9 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
-from schedkit.engine.client import LLM, EngineClient, EngineProcess, wire_request
+from schedkit.engine.client import EngineClient, EngineProcess, wire_request
 from schedkit.engine.core import EngineCore
+from schedkit.llm import LLM
 
 
 def decode_config():

@@ -44,7 +44,7 @@ from schedkit.kv.kv_cache_manager import KVCacheManager
 from schedkit.kv.metrics import PrefixCacheStats
 
 if typing.TYPE_CHECKING:  # what type checkers see of the clients, imported on first use below
-    from schedkit.engine.client import LLM, AsyncLLM
+    from schedkit.llm import LLM, AsyncLLM
 
 __all__ = [
     # writing a plugin
@@ -108,15 +108,15 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "schedkit.engine.client", "AsyncLLM": "schedkit.engine.client"}
-"""Names whose modules pull in pyzmq: imported on first use."""
+_LAZY = ("LLM", "AsyncLLM")
+"""Names whose module (schedkit.llm) pulls in pyzmq: imported on first use."""
 
 
 def __getattr__(name: str) -> typing.Any:
     if name in _LAZY:
-        import importlib
+        from schedkit import llm
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(llm, name)
     raise AttributeError(f"module 'schedkit' has no attribute {name!r}")
 
 

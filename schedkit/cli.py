@@ -16,10 +16,11 @@ from schedkit.errors import ConfigError, PluginError, SchedkitError
 
 def _run(args: argparse.Namespace) -> int:
     from schedkit.core.request import SamplingParams
-    from schedkit.engine.client import LLM, load_tokenizer
+    from schedkit.engine.tokenizer import load_tokenizer
     from schedkit.lab import report
     from schedkit.lab.metrics import metrics_from_output, summarize
     from schedkit.lab.workloads import generate
+    from schedkit.llm import LLM
 
     config = load_config(args.config)  # a bad file stops here, before any process starts
     if args.output:

@@ -33,7 +33,7 @@ import yaml
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import AsyncLLM
+from schedkit.llm import AsyncLLM
 
 
 def config(step_ms: float) -> dict:

@@ -32,8 +32,9 @@ from typing import Any
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import Request, RequestStatus, SamplingParams
-from schedkit.engine.client import LLM, load_tokenizer
 from schedkit.engine.core import EngineCore
+from schedkit.engine.tokenizer import load_tokenizer
+from schedkit.llm import LLM
 
 EOS = 2
 SCHEMA = {

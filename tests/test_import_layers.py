@@ -4,7 +4,8 @@ included).
 
     schedkit (the public surface), cli ... anything
     lab/ ........................... cluster, engine and below (it runs whole engines)
-    server/ ........................ cluster, engine and below (the HTTP front door)
+    server/ ........................ llm, cluster, engine and below (the HTTP front door)
+    llm ............................ cluster, engine and below (LLM and AsyncLLM)
     cluster/ ....................... engine and below (replicas and the router)
     engine/ ........................ plugins, runners and below
     plugins/ ....................... hookspecs, policies, runners (the registry), structured, core, kv
@@ -14,8 +15,8 @@ included).
     kv/ ............................ config, errors
     config, errors ................. stdlib, pydantic, yaml
 
-No module is exempt; imports by name (``importlib.import_module``) are checked too, and
-the one that goes up a layer is listed in ``LATE_BOUND`` with its reason.
+No module is exempt; imports by name (``importlib.import_module``, ``__import__``) are
+checked like statements.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ PKG = Path(__file__).resolve().parents[1] / "schedkit"
 _BELOW_ENGINE = {"hookspecs", "policies", "runners", "plugins", "structured", "core", "kv", "config",
                  "errors"}
 ALLOWED = {
-    "schedkit.cli": _BELOW_ENGINE | {"engine", "cluster", "lab", "server", "cli"},
-    "schedkit.server": _BELOW_ENGINE | {"engine", "cluster", "server"},
+    "schedkit.cli": _BELOW_ENGINE | {"engine", "cluster", "llm", "lab", "server", "cli"},
+    "schedkit.server": _BELOW_ENGINE | {"engine", "cluster", "llm", "server"},
     "schedkit.lab": _BELOW_ENGINE | {"engine", "cluster", "lab"},
+    "schedkit.llm": _BELOW_ENGINE | {"engine", "cluster"},
     "schedkit.cluster": _BELOW_ENGINE | {"engine", "cluster"},
     "schedkit.engine": _BELOW_ENGINE | {"engine"},
     "schedkit.plugins": {"hookspecs", "policies", "core", "kv", "config", "errors", "plugins", "runners",
@@ -61,18 +63,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-LATE_BOUND = {
-    ("schedkit.engine.client", "schedkit.cluster.front"):
-        "AsyncLLM.create / LLM with replicas.count > 1 start the cluster front end, which is "
-        "built on the engine clients; resolved by name at that call only",
-}
-"""The imports by name (``importlib.import_module("schedkit....")``) that go up a layer,
-each with its reason; any other one is a violation like a static import."""
-
-
-def imports_of(path: Path, *, late_bound: bool = True) -> set[str]:
-    """The modules ``path`` imports: statements, and ``import_module("schedkit...")``
-    calls with a literal name (unless ``late_bound`` is False)."""
+def imports_of(path: Path) -> set[str]:
+    """The modules ``path`` imports: statements, and ``import_module("schedkit...")`` or
+    ``__import__("schedkit...")`` calls with a literal name."""
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
@@ -80,7 +73,7 @@ def imports_of(path: Path, *, late_bound: bool = True) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-        elif (late_bound and isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
               in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str) and node.args[0].value.startswith("schedkit.")):
             names.add(node.args[0].value)
@@ -107,7 +100,7 @@ def test_lower_layers_never_import_higher_ones():
                 violations.append(f"{mod} imports {imp}")
             if imp.startswith("schedkit."):
                 target = imp.split(".")[1]
-                if target not in ALLOWED[layer] and (mod, imp) not in LATE_BOUND:
+                if target not in ALLOWED[layer]:
                     violations.append(f"{mod} imports {imp}")
     assert not violations, "\n".join(violations)
 

@@ -1,8 +1,8 @@
 """The cluster front end: one client, the router, N replicas.
 
-:class:`ClusterClient` is what a replicated :class:`~schedkit.engine.client.AsyncLLM`
-streams through (``AsyncLLM.create(config)`` with ``replicas.count`` > 1; the sync
-``LLM`` runs that on a background loop). Per request it asks the router for a replica
+:class:`ClusterClient` is what a replicated :class:`~schedkit.llm.AsyncLLM` streams
+through (``AsyncLLM.create(config)`` with ``replicas.count`` > 1; the sync ``LLM`` runs
+that on a background loop). Per request it asks the router for a replica
 (:meth:`Router.make_request` with the tenant, priority, session id and cache salt,
 then :meth:`Router.route`), sends the request there over that replica's own
 :class:`~schedkit.engine.client.AsyncEngineClient` connection, streams its deltas back
@@ -31,8 +31,10 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
+
+import msgspec
 
 from schedkit.cluster.replicas import ReplicaSet, spawn_replicas
 from schedkit.cluster.router import Router, replica_config
@@ -174,7 +176,9 @@ class ClusterClient:
     async def stream(self, request: WireRequest, *,
                      session_id: str | None = None) -> AsyncGenerator[WireOutput, None]:
         """Route one request and stream its outputs from its replica, re-routing it if
-        that replica dies before the request produced a token (module docstring).
+        that replica dies before the request produced a token (module docstring). Its
+        replica streams every delta, even of a ``final_only`` request: whether it
+        produced a token decides what the replica's death does to it.
 
         Raises:
             EngineDeadError: No replica is left to take it.
@@ -191,6 +195,8 @@ class ClusterClient:
         replica = router.route(router.make_request(
             rid, request.prompt_token_ids, tenant=request.tenant, priority=request.priority,
             session_id=session_id, cache_salt=request.cache_salt))
+        if request.final_only:
+            request = msgspec.structs.replace(request, final_only=False)
         self._active.add(rid)
         produced = 0
         ended = False
@@ -230,6 +236,45 @@ class ClusterClient:
             self._active.discard(rid)
             if not ended:  # the caller left early: aborted on its replica
                 router.finished(rid)
+
+    async def stream_many(self, requests: Sequence[WireRequest]) -> AsyncGenerator[WireOutput, None]:
+        """:meth:`stream` of every request at once, their outputs merged as they come.
+
+        A request with an arrival offset is routed when it arrives (offset seconds after
+        this call), with the replicas' load at that moment, as the cluster simulation
+        does, instead of placing a whole trace at once. Leaving early aborts the others.
+
+        Raises:
+            EngineDeadError: No replica is left for one of them (the others are aborted).
+        """
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        merged: asyncio.Queue[WireOutput | asyncio.Task[None]] = asyncio.Queue()
+
+        async def one(w: WireRequest) -> None:
+            if w.arrival_offset is not None:
+                await asyncio.sleep(max(t0 + w.arrival_offset - loop.time(), 0.0))
+                w = msgspec.structs.replace(w, arrival_offset=None)
+            async with contextlib.aclosing(self.stream(w)) as outputs:
+                async for o in outputs:
+                    merged.put_nowait(o)
+
+        tasks = [asyncio.create_task(one(w)) for w in requests]
+        for task in tasks:
+            task.add_done_callback(merged.put_nowait)  # after the task's own outputs
+        try:
+            num_running = len(tasks)
+            while num_running:
+                item = await merged.get()
+                if isinstance(item, asyncio.Task):
+                    num_running -= 1
+                    item.result()  # raises what ended it
+                else:
+                    yield item
+        finally:  # one failed (no replica left) or the caller left: abort the others
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def call_each(self, method: str, *args: Any) -> list[Any]:
         """Run a utility method on every live replica; its answer per replica, None for

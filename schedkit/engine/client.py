@@ -1,5 +1,6 @@
-"""Front-end clients of the engine process: ``LLM`` (offline batches) and ``AsyncLLM``
-(async streaming), both started from the same YAML.
+"""The engine process's clients: :class:`EngineClient` (synchronous sockets) and
+:class:`AsyncEngineClient` (asyncio, the one :mod:`schedkit.llm`'s ``LLM`` and
+``AsyncLLM`` stream through; with replicas, one per replica under the cluster front end).
 
 Each client connects two DEALER sockets (one identity) to the engine's input and output
 ROUTER sockets, over ``ipc://`` by default or ``tcp://127.0.0.1``, as a CurveZMQ client
@@ -9,37 +10,27 @@ as :class:`EngineDeadError` within a few seconds (process exit or missing heartb
 never as a hang. Heartbeats that arrive while a client is idle count: they wait on the
 socket and are read before the client decides the engine is silent.
 
-Requests are validated here (:func:`schedkit.engine.messages.check_request`) before they
-are sent, so a badly typed field raises :class:`RequestError` naming the field and the
-request instead of reaching the engine.
-
-``AsyncLLM`` streams through a core: one engine's :class:`AsyncEngineClient`, or, with
-``replicas.count`` > 1, the cluster front end (:mod:`schedkit.cluster.front`: the router
-and one AsyncEngineClient per replica). ``LLM`` with replicas runs that replicated
-AsyncLLM on a background event loop; with one engine it keeps its synchronous sockets.
+Requests are validated (:func:`wire_request`, :func:`schedkit.engine.messages.check_request`)
+before they are sent, so a badly typed field raises :class:`RequestError` naming the field
+and the request instead of reaching the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from typing import Any, Protocol
 
-import msgspec
 import zmq
 
-from schedkit.config import Config, load_config
 from schedkit.core.request import SamplingParams
 from schedkit.engine.auth import EngineKeys
 from schedkit.engine.logs import RateLimitedLog
@@ -52,7 +43,6 @@ from schedkit.engine.messages import (
     OutputBatch,
     Ready,
     UtilityCall,
-    WireMetrics,
     WireOutput,
     WireRequest,
     check_request,
@@ -61,17 +51,13 @@ from schedkit.engine.messages import (
     sampling_to_wire,
 )
 from schedkit.engine.process import START_TIMEOUT_S, EngineProcess
-from schedkit.engine.tokenizer import load_tokenizer
 from schedkit.errors import (
     ConfigError,
-    EngineBusyError,
     EngineDeadError,
     PluginError,
     RequestError,
     SchedkitError,
 )
-
-_T = TypeVar("_T")
 
 log = logging.getLogger("schedkit.engine")
 
@@ -297,244 +283,6 @@ class EngineClient:
         self._close()
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's result (or, when streaming, the tokens of one delta)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    metrics: WireMetrics | None = None
-    text: str | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache or a KV connector (known from the
-    first delta on)."""
-    rejected_by: str | None = None
-    """With stop_reason "rejected": the plugin whose admission hook rejected it."""
-    rejection_reason: str | None = None
-    """With stop_reason "rejected": the reason that plugin gave, if it gave one."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-def _prompt_ids(prompt: str | Sequence[int], owner: Any) -> Sequence[int]:
-    """Token ids of a prompt; text goes through the owner's tokenizer (loaded on first use).
-    Anything else is returned as it is, for :func:`wire_request` to check."""
-    if not isinstance(prompt, str):
-        return prompt
-    if owner.tokenizer is None:
-        owner.tokenizer = load_tokenizer(owner.config)
-        if owner.tokenizer is None:
-            raise RequestError("text prompts need a model with a tokenizer (runner.kind paged, "
-                               "or model.tokenizer); pass token ids instead")
-    return list(owner.tokenizer.encode(prompt))
-
-
-def _resolve(config: Config | str | os.PathLike[str]) -> Config:
-    return config if isinstance(config, Config) else load_config(config)
-
-
-class LLM:
-    """Offline batch generation through an engine process started from a config.
-
-    With ``replicas.count`` > 1 the requests go through the router to the replicas: a
-    replicated :class:`AsyncLLM` runs on a background event-loop thread and every request
-    streams through it (so a replica's death re-routes the requests that had produced
-    no token and fails the others, as with AsyncLLM; docs/cluster.md).
-
-    Threads may share one LLM: with one engine their calls take turns (a ``generate``
-    runs to its end before the next starts; for concurrent streams use AsyncLLM).
-    """
-
-    def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc",
-                 tokenizer: Any = None) -> None:
-        """Args:
-            config: A Config or the path of a YAML file.
-            transport: ``"ipc"`` (default) or ``"tcp"`` (loopback).
-            tokenizer: For text prompts; by default the model's own, loaded on first use.
-        """
-        self.config = _resolve(config)
-        self.tokenizer: Any = tokenizer
-        self._ids = itertools.count()
-        self._replicated: tuple[_LoopThread, AsyncLLM] | None = None
-        self._closed = False
-        self._turn = threading.Lock()
-        """Held by each call on the one engine's synchronous sockets (not thread-safe)."""
-        if self.config.replicas.count > 1:
-            loop = _LoopThread()
-            try:
-                self._replicated = (loop, loop.run(AsyncLLM.create(self.config)))
-            except BaseException:
-                loop.stop()
-                raise
-            return
-        self.engine = EngineProcess(self.config, transport=transport)
-        try:
-            self.client = EngineClient(self.engine.input_addr, self.engine.output_addr, engine=self.engine)
-        except BaseException:
-            self.engine.shutdown()
-            raise
-
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priorities: Sequence[int] | None = None,
-                 arrival_offsets: Sequence[float] | None = None,
-                 tenants: Sequence[str] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order.
-
-        A request that fails in the engine (too long, a plugin error) has
-        ``finish_reason == "error"`` and ``error`` set; the others are unaffected. If the
-        call ends early (an exception, KeyboardInterrupt), its unfinished requests are
-        aborted, so they do not keep the engine busy.
-
-        With replicas, a replica's death re-routes its requests that had produced no
-        token yet; those that had end with ``finish_reason == "error"`` and an error
-        naming the replica.
-
-        Raises:
-            RequestError: A badly typed or out-of-range input (a token id that is not a
-                non-negative int, a priority that is not an int, a non-finite arrival
-                offset...), naming the prompt and the field; nothing is sent.
-            EngineDeadError: The engine died (with replicas: no replica is left).
-        """
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Sequence):
-            raise RequestError("sampling_params must be a SamplingParams or a list of them (one per "
-                               f"prompt), got {type(sampling_params).__name__}")
-        else:
-            params = list(sampling_params)
-        for name, values in (("sampling params", params), ("priorities", priorities),
-                             ("arrival offsets", arrival_offsets), ("tenants", tenants)):
-            if values is not None and len(values) != len(prompts):
-                raise RequestError(f"{len(prompts)} prompts but {len(values)} {name}")
-        results: dict[str, RequestOutput] = {}
-        wire = []
-        replicated = self._replicated
-        prefix = "r" if replicated is not None else self.client.client_index
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"{prefix}-{next(self._ids)}"
-            try:
-                w = wire_request(rid, _prompt_ids(prompt, self), sp,
-                                 priority=priorities[i] if priorities else 0,
-                                 tenant=tenants[i] if tenants else "default",
-                                 arrival_offset=arrival_offsets[i] if arrival_offsets else None,
-                                 final_only=replicated is None)
-            except RequestError as e:
-                raise RequestError(f"prompts[{i}]: {e}", request_id=rid) from None
-            results[rid] = RequestOutput(rid, w.prompt_token_ids)
-            wire.append(w)
-        if replicated is not None:
-            if self._closed:
-                raise EngineDeadError("this LLM was closed")
-            self._generate_replicated(replicated, wire, results, use_tqdm)
-            return list(results.values())
-        with self._turn:
-            if self._closed:
-                raise EngineDeadError("this LLM was closed")
-            try:
-                self.client.add_requests(wire)
-                self._collect(results, use_tqdm)
-            except EngineDeadError:
-                raise
-            except BaseException:  # KeyboardInterrupt included: free the engine of our requests
-                self.client.abort_quietly([rid for rid, r in results.items() if not r.finished])
-                raise
-        return list(results.values())
-
-    @staticmethod
-    def _generate_replicated(replicated: tuple[_LoopThread, AsyncLLM], wire: list[WireRequest],
-                             results: dict[str, RequestOutput], use_tqdm: bool) -> None:
-        """Stream every request through the replicated AsyncLLM (streamed, not final-only:
-        whether a request produced a token decides what a replica's death does to it)."""
-        loop, allm = replicated
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(results), desc="requests", unit="req", dynamic_ncols=True)
-        try:
-            loop.run(_stream_batch(allm.core, wire, results, bar))
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def _collect(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
-        remaining = len(results)
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=remaining, desc="requests", unit="req", dynamic_ncols=True)
-        try:
-            while remaining:
-                batch = self.client.recv(timeout=1.0)
-                if batch is None:
-                    continue
-                done = _apply(batch.outputs, results)
-                remaining -= done
-                if bar is not None and done:
-                    bar.update(done)
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        if self._replicated is not None:
-            if self._closed:
-                raise EngineDeadError("this LLM was closed")
-            loop, allm = self._replicated
-            return loop.run(allm.call_utility(method, *args))
-        with self._turn:
-            if self._closed:
-                raise EngineDeadError("this LLM was closed")
-            return self.client.call_utility(method, *args)
-
-    def close(self) -> None:
-        if self._replicated is not None:
-            if self._closed:
-                return
-            self._closed = True
-            loop, allm = self._replicated
-            try:
-                loop.run(allm.close())
-            finally:
-                loop.stop()
-            return
-        with self._turn:  # after the generate another thread runs
-            if self._closed:
-                return
-            self._closed = True
-            self.client.close()
-            self.engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def _apply(outputs: list[WireOutput], results: dict[str, RequestOutput]) -> int:
-    """Fold output deltas into results; returns how many requests finished."""
-    done = 0
-    for o in outputs:
-        res = results.get(o.request_id)
-        if res is None or res.finished:
-            continue
-        res.output_token_ids.extend(o.new_token_ids)
-        if o.finish_reason is not None:
-            res.finish_reason, res.stop_reason, res.error, res.metrics = (
-                o.finish_reason, o.stop_reason, o.error, o.metrics)
-            res.rejected_by, res.rejection_reason = o.rejected_by, o.rejection_reason
-            done += 1
-    return done
-
-
 class EngineHandle(Protocol):
     """What a connection needs of the engine it talks to: an :class:`EngineProcess`, or a
     cluster replica (a local process or a Ray actor's engine)."""
@@ -616,7 +364,8 @@ class AsyncEngineClient:
         self._on_dead = on_dead
         self._load_error_log = RateLimitedLog(log, 10.0)
         self._queues: dict[str, asyncio.Queue[WireOutput | BaseException]] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._calls: dict[int, tuple[str, asyncio.Future[Any]]] = {}
+        """Utility calls waiting for their answer: call id -> (method, future)."""
         self._call_ids = itertools.count()
         self._dead: EngineDeadError | None = None
         self._ready = asyncio.Event()
@@ -707,10 +456,11 @@ class AsyncEngineClient:
                 if q is not None:
                     q.put_nowait(o)
             for res in msg.utility_results:
-                fut = self._calls.pop(res.call_id, None)
-                if fut is not None and not fut.done():
+                call = self._calls.pop(res.call_id, None)
+                if call is not None and not call[1].done():
+                    method, fut = call
                     if res.error is not None:
-                        fut.set_exception(utility_error("call", res.error))
+                        fut.set_exception(utility_error(method, res.error))
                     else:
                         fut.set_result(res.result)
         elif isinstance(msg, LoadReport):
@@ -795,7 +545,7 @@ class AsyncEngineClient:
         self._ready.set()
         for q in self._queues.values():
             q.put_nowait(dead)
-        for fut in self._calls.values():
+        for _, fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(dead)
 
@@ -803,40 +553,49 @@ class AsyncEngineClient:
         """The engine process runs and answers (False once it died or went silent)."""
         return self._dead is None and self.engine.is_alive()
 
-    async def stream(self, request: WireRequest, *,
-                     session_id: str | None = None) -> AsyncGenerator[WireOutput, None]:
-        """Send one (validated) request and yield its outputs as they come; the last has
-        ``finish_reason`` set. Leaving early aborts it in the engine. ``session_id`` is
-        for routers; one engine ignores it.
+    def stream(self, request: WireRequest, *,
+               session_id: str | None = None) -> AsyncGenerator[WireOutput, None]:
+        """:meth:`stream_many` of one request (``session_id`` is for routers; one engine
+        ignores it)."""
+        return self.stream_many([request])
+
+    async def stream_many(self, requests: Sequence[WireRequest]) -> AsyncGenerator[WireOutput, None]:
+        """Send (validated) requests in one message and yield their outputs as they come,
+        until each has finished (its last output has ``finish_reason`` set). Leaving
+        early aborts the unfinished ones in the engine.
 
         Raises:
-            EngineDeadError: The engine died (at once, or while the request ran).
-            RequestError: Its id is already streaming in this client.
+            EngineDeadError: The engine died (at once, or while the requests ran).
+            RequestError: An id is already streaming in this client.
             RuntimeError: Called on an event loop other than the client's, which still
                 runs (another thread).
         """
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         self._follow_loop()
-        rid = request.request_id
-        if rid in self._queues:
-            raise RequestError(f"request {rid!r} is already streaming in this client "
-                               "(request ids must be unique)", request_id=rid)
+        ids = [w.request_id for w in requests]
+        for rid in ids:
+            if rid in self._queues:
+                raise RequestError(f"request {rid!r} is already streaming in this client "
+                                   "(request ids must be unique)", request_id=rid)
         q: asyncio.Queue[WireOutput | BaseException] = asyncio.Queue()
-        self._queues[rid] = q
-        finished = False
+        for rid in ids:
+            self._queues[rid] = q
+        unfinished = set(ids)
         try:
-            await self._send(self.in_sock, client_encoder.encode(AddRequests([request])))
-            while not finished:
+            await self._send(self.in_sock, client_encoder.encode(AddRequests(list(requests))))
+            while unfinished:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finish_reason is not None
+                if item.finish_reason is not None:
+                    unfinished.discard(item.request_id)
                 yield item
         finally:
-            self._queues.pop(rid, None)
-            if not finished and self._dead is None and not self.in_sock.closed:
-                await self._send(self.in_sock, client_encoder.encode(AbortRequests([rid])))
+            for rid in ids:
+                self._queues.pop(rid, None)
+            if unfinished and self._dead is None and not self.in_sock.closed:
+                await self._send(self.in_sock, client_encoder.encode(AbortRequests(list(unfinished))))
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine."""
@@ -845,7 +604,7 @@ class AsyncEngineClient:
         self._follow_loop()
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
+        self._calls[call_id] = (method, fut)
         try:
             await self._send(self.in_sock, client_encoder.encode(UtilityCall(call_id, method, list(args))))
             return await fut
@@ -861,207 +620,3 @@ class AsyncEngineClient:
         self._close()
         if self.owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
-
-
-class AsyncCore(Protocol):
-    """What :class:`AsyncLLM` streams through: one engine (:class:`AsyncEngineClient`) or
-    the cluster front end (:class:`schedkit.cluster.front.ClusterClient`, with
-    ``replicas.count`` > 1)."""
-
-    @property
-    def dead(self) -> EngineDeadError | None: ...
-
-    def stream(self, request: WireRequest, *, session_id: str | None = None) -> AsyncGenerator[WireOutput, None]: ...
-
-    async def call_utility(self, method: str, *args: Any) -> Any: ...
-
-    def is_alive(self) -> bool: ...
-
-    async def close(self) -> None: ...
-
-
-class AsyncLLM:
-    """Async streaming generation through an engine process, or through the router to
-    ``replicas.count`` engines (docs/cluster.md): the same API either way.
-
-    Use ``await AsyncLLM.create(config)``; then ``async for out in llm.generate(...)``
-    yields one :class:`RequestOutput` delta per engine step (new tokens only); the last
-    one has ``finish_reason`` set. Cancelling the iteration aborts the request, and so
-    does closing the generator: ``break`` out of an ``async for`` over
-    ``llm.generate(...)`` aborts once the generator is garbage collected, but a generator
-    you keep a reference to keeps its request running until you ``await gen.aclose()``.
-    """
-
-    def __init__(self, config: Config, core: AsyncCore) -> None:
-        self.config = config
-        self.core = core
-        """The connection the requests go through."""
-        self._ids = itertools.count()
-        self.tokenizer: Any = None
-
-    @property
-    def engine(self) -> EngineHandle:
-        """The engine process (one engine only; a cluster's are ``core.replicas``)."""
-        if not isinstance(self.core, AsyncEngineClient):
-            raise AttributeError("a replicated AsyncLLM has no single engine: see .core.replicas")
-        return self.core.engine
-
-    @property
-    def client_index(self) -> int | None:
-        return self.core.client_index if isinstance(self.core, AsyncEngineClient) else None
-
-    @property
-    def _ready(self) -> asyncio.Event:
-        assert isinstance(self.core, AsyncEngineClient)
-        return self.core._ready
-
-    @classmethod
-    async def create(cls, config: Config | str | os.PathLike[str], *, transport: str = "ipc") -> AsyncLLM:
-        """Start the engine (or, with ``replicas.count`` > 1, the replicas and the router)
-        and connect.
-
-        Raises:
-            ConfigError, PluginError: A bad config or plugin (nothing keeps running).
-            EngineDeadError: An engine failed to start.
-        """
-        cfg = _resolve(config)
-        if cfg.replicas.count > 1:
-            # The cluster front end lives above the engine layer (cluster/ imports
-            # engine/); resolved by name here so that engine/ does not import it.
-            front = importlib.import_module("schedkit.cluster.front")
-            return cls(cfg, await front.ClusterClient.start(cfg))
-        # Spawned from the loop's thread (the engine's parent-death signal follows the
-        # spawning thread; see EngineProcess); the slow wait for ready runs off the loop.
-        engine = EngineProcess(cfg, transport=transport, wait=False)
-        await asyncio.to_thread(engine.wait_ready)
-        conn = AsyncEngineClient(engine)
-        try:
-            await conn.connect()
-        except BaseException:
-            await conn.close()
-            raise
-        return cls(cfg, conn)
-
-    def is_alive(self) -> bool:
-        """The engine runs and answers (a cluster: at least one replica does)."""
-        return self.core.is_alive()
-
-    async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                       *, request_id: str | None = None, priority: int = 0,
-                       tenant: str = "default", ttft_slo_s: float | None = None,
-                       session_id: str | None = None, cache_salt: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs.
-
-        Leaving the iteration early aborts the request when the generator closes: at once
-        on cancellation or ``await gen.aclose()``; after ``break``, only once the generator
-        is garbage collected (never while you still hold a reference to it).
-
-        ``session_id`` (a conversation's id) is for the router's session affinity;
-        ``cache_salt`` keeps the request's prefix-cache blocks apart from other salts'.
-
-        Raises:
-            RequestError: Invalid input (naming the field), an id already streaming in
-                this client, or the engine rejected the request.
-            EngineDeadError: The engine died (with replicas: every replica died, or the
-                request's replica died before it produced a token and none is left).
-        """
-        dead = self.core.dead
-        if dead is not None:
-            raise EngineDeadError(str(dead))
-        rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
-        req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
-                           priority=priority, tenant=tenant, ttft_slo_s=ttft_slo_s,
-                           cache_salt=cache_salt)
-        ids = req.prompt_token_ids
-        produced = False
-        async with contextlib.aclosing(self.core.stream(req, session_id=session_id)) as outputs:
-            async for item in outputs:
-                if (item.error is not None and not item.new_token_ids and item.metrics is None
-                        and not produced):
-                    error = EngineBusyError if item.stop_reason == "busy" else RequestError
-                    raise error(f"request {rid!r} failed: {item.error}", request_id=rid)
-                produced = produced or bool(item.new_token_ids)
-                yield RequestOutput(rid, ids, list(item.new_token_ids), item.finish_reason,
-                                    item.stop_reason, item.error, item.metrics,
-                                    num_cached_tokens=item.num_cached_tokens,
-                                    rejected_by=item.rejected_by,
-                                    rejection_reason=item.rejection_reason)
-
-    async def call_utility(self, method: str, *args: Any) -> Any:
-        """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine
-        (a cluster: in every replica, answers combined; see ClusterClient.call_utility)."""
-        return await self.core.call_utility(method, *args)
-
-    async def close(self) -> None:
-        await self.core.close()
-
-    async def __aenter__(self) -> AsyncLLM:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-
-class _LoopThread:
-    """An asyncio event loop on a daemon thread, for the synchronous :class:`LLM` over a
-    replicated :class:`AsyncLLM`."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="schedkit-llm-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coro`` on the loop and wait for it. If the wait is interrupted
-        (KeyboardInterrupt), the coroutine is cancelled and its clean-up awaited (a few
-        seconds at most) before the interruption goes on."""
-        done = threading.Event()
-
-        async def wrapped() -> _T:
-            try:
-                return await coro
-            finally:
-                done.set()
-
-        fut = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            done.wait(10)
-            raise
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
-async def _stream_batch(core: AsyncCore, requests: list[WireRequest], results: dict[str, RequestOutput],
-                        bar: Any) -> None:
-    """Stream every request through ``core`` at once, folding outputs into ``results``.
-
-    A request with an arrival offset is sent when it arrives (offset seconds after the
-    batch started), not before: the router places it with the replicas' load at that
-    moment, as the cluster simulation does, instead of placing a whole trace at once."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-
-    async def one(w: WireRequest) -> None:
-        if w.arrival_offset is not None:
-            await asyncio.sleep(max(t0 + w.arrival_offset - loop.time(), 0.0))
-            w = msgspec.structs.replace(w, arrival_offset=None)
-        async with contextlib.aclosing(core.stream(w)) as outputs:
-            async for o in outputs:
-                if _apply([o], results) and bar is not None:
-                    bar.update(1)
-
-    tasks = [asyncio.create_task(one(w)) for w in requests]
-    try:
-        await asyncio.gather(*tasks)
-    finally:  # one failed (no replica left) or we were cancelled: abort the others
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -44,8 +44,8 @@ def resolve_api_key(config: Config, cli_key: str | None) -> str | None:
 
 async def start_server(config: Config) -> Server:
     """Start the engine process and everything the endpoints share."""
-    from schedkit.engine.client import AsyncLLM, load_tokenizer
-    from schedkit.engine.tokenizer import model_eos_ids
+    from schedkit.engine.tokenizer import load_tokenizer, model_eos_ids
+    from schedkit.llm import AsyncLLM
     from schedkit.server.metrics import ServerMetrics
 
     if config.runner.kind == "simulated" or getattr(config.runner, "clock", "wall") == "virtual":

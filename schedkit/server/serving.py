@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 from schedkit.config import Config
 from schedkit.core.request import SamplingParams
 from schedkit.core.structured_output import GRAMMAR_OVER_BUDGET
-from schedkit.engine.client import AsyncLLM, RequestOutput
 from schedkit.errors import EngineBusyError, EngineDeadError, RequestError
+from schedkit.llm import AsyncLLM, RequestOutput
 from schedkit.server.metrics import ServerMetrics
 from schedkit.server.protocol import (
     APIError,

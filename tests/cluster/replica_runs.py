@@ -23,7 +23,7 @@ from typing import Any
 
 from schedkit.config import Config, config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import AsyncLLM, RequestOutput
+from schedkit.llm import AsyncLLM, RequestOutput
 from schedkit.runners.fake import request_seed
 
 KILLED = 1
@@ -213,7 +213,7 @@ def paged_reference(n: int) -> Callable[[str, int], list[int]]:
     """``expected(request id, k)`` for :func:`kill_mid_run`'s requests on the paged
     runner: the greedy tokens one engine gives them (it also builds the model into the
     cache before two replicas would race to)."""
-    from schedkit.engine.client import LLM
+    from schedkit.llm import LLM
 
     cfg = paged_config("local").model_copy(update={"replicas": config_from_dict({}).replicas})
     sps = [SamplingParams(max_tokens=max_tokens(i), ignore_eos=True, temperature=0.0) for i in range(n)]

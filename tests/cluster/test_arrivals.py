@@ -4,7 +4,7 @@ arrives, with the replicas' load at that moment, not all of them when the call s
 from __future__ import annotations
 
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM
+from schedkit.llm import LLM
 from tests.cluster.replica_runs import fake_config
 
 

@@ -11,8 +11,8 @@ import pytest
 import schedkit.engine.client as client_mod
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import AsyncLLM
 from schedkit.errors import RequestError
+from schedkit.llm import AsyncLLM
 from tests.cluster.replica_runs import DEATH, fake_tokens, sigkill, wait_gone
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,8 +13,8 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM, AsyncLLM
 from schedkit.errors import EngineDeadError
+from schedkit.llm import LLM, AsyncLLM
 from tests.cluster.replica_runs import (
     DEATH,
     KILLED,
@@ -54,8 +54,7 @@ def test_llm_generate_kill_mid_run():
     n = 3000
     cfg = fake_config("local")
     with LLM(cfg) as llm:
-        assert llm._replicated is not None
-        core = llm._replicated[1].core
+        core = llm._async.core
         victim = core.replicas.handles[KILLED]
         replica = core.router.replicas[KILLED]
         killed = threading.Event()

@@ -18,9 +18,9 @@ import zmq
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM, AsyncLLM
 from schedkit.engine.messages import UtilityCall, client_encoder
 from schedkit.errors import ConfigError
+from schedkit.llm import LLM, AsyncLLM
 from tests.cluster.replica_runs import (
     DEATH,
     KILLED,
@@ -143,8 +143,7 @@ def test_a_ray_replica_refuses_a_client_without_its_keys(ray):
 def test_llm_generate_kill_mid_run_through_ray(ray):
     n = 2000
     with LLM(fake_config("ray")) as llm:
-        assert llm._replicated is not None
-        core = llm._replicated[1].core
+        core = llm._async.core
         handles = list(core.replicas.handles)
         assert {h.engine_pid for h in handles}.isdisjoint({os.getpid()})
         victim, replica = handles[KILLED], core.router.replicas[KILLED]
@@ -238,7 +237,7 @@ def test_replicas_a_new_local_cluster_cannot_hold_are_refused_at_once():
     pytest.importorskip("ray")
     code = (
         "from schedkit.config import config_from_dict\n"
-        "from schedkit.engine.client import LLM\n"
+        "from schedkit.llm import LLM\n"
         "from schedkit.errors import ConfigError\n"
         "import ray\n"
         "try:\n"

@@ -81,9 +81,9 @@ def test_paused_new_runs_running_requests_and_admits_only_loaded_ones():
 def test_engine_pause_state_in_process_and_through_the_utility_call():
     from schedkit.config import config_from_dict
     from schedkit.core.request import Request, SamplingParams
-    from schedkit.engine.client import LLM
     from schedkit.engine.core import EngineCore
     from schedkit.errors import ConfigError, SchedkitError
+    from schedkit.llm import LLM
 
     config = config_from_dict({"runner": {"kind": "fake", "vocab_size": 100}})
     engine = EngineCore(config)

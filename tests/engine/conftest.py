@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
 from schedkit.config import config_from_dict
@@ -27,7 +30,7 @@ LONG = {"cache": {"num_blocks": 512}, "scheduler": {"max_model_len": 100000}}
 @pytest.fixture(scope="module")
 def llm():
     """One engine process shared by a module's tests (each leaves it idle)."""
-    from schedkit.engine.client import LLM
+    from schedkit.llm import LLM
 
     with LLM(config_from_dict(LONG)) as engine_llm:
         yield engine_llm
@@ -38,3 +41,16 @@ def assert_engine_idle(llm) -> None:
     stats = llm.call_utility("stats")
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert llm.call_utility("num_unfinished") == 0
+
+
+@contextlib.contextmanager
+def raw_client(llm) -> Iterator:
+    """A second, synchronous client of ``llm``'s engine, for messages an LLM never sends."""
+    from schedkit.engine.client import EngineClient
+
+    engine = llm.engine
+    client = EngineClient(engine.input_addr, engine.output_addr, engine=engine)
+    try:
+        yield client
+    finally:
+        client.close()

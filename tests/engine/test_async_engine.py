@@ -6,9 +6,9 @@ import pytest
 
 from schedkit import hookimpl
 from schedkit.core.request import Request, RequestStatus
-from schedkit.engine.client import LLM
 from schedkit.engine.core import EngineCore
 from schedkit.errors import SchedkitError
+from schedkit.llm import LLM
 from schedkit.plugins.testing import drive_engine
 from tests.engine.test_engine_proc import prompts_and_params, run_in_process
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import AsyncLLM
+from schedkit.llm import AsyncLLM
 
 
 def test_async_create_waits_for_the_engines_ready(small_config):

@@ -13,8 +13,9 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import AsyncEngineClient, AsyncLLM
+from schedkit.engine.client import AsyncEngineClient
 from schedkit.engine.process import EngineProcess
+from schedkit.llm import AsyncLLM
 
 BIG = {"cache": {"block_size": 16, "num_blocks": 2048}, "runner": {"kind": "fake", "vocab_size": 1000},
        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": 2048}}

@@ -8,15 +8,17 @@ import time
 
 import schedkit.engine.client as client_mod
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM, AsyncLLM
+from schedkit.llm import LLM, AsyncLLM
+
+from .conftest import raw_client
 
 
 def test_idle_client_still_sees_a_live_engine(small_config, monkeypatch):
     monkeypatch.setattr(client_mod, "DEAD_AFTER_S", 1.0)  # heartbeats come every 0.5 s
-    with LLM(small_config()) as llm:
+    with LLM(small_config()) as llm, raw_client(llm) as client:
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
-        time.sleep(1.5)  # idle for longer than DEAD_AFTER_S
-        llm.client.check_alive()
+        time.sleep(1.5)  # both clients idle for longer than DEAD_AFTER_S
+        client.check_alive()
         again = llm.generate([[4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)
         assert again[0].finish_reason == "length"
         time.sleep(1.5)

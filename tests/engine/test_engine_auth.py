@@ -18,9 +18,10 @@ import zmq
 
 from schedkit.core.request import SamplingParams
 from schedkit.engine.auth import EngineKeys
-from schedkit.engine.client import LLM, EngineClient, wire_request
+from schedkit.engine.client import EngineClient, wire_request
 from schedkit.engine.messages import AddRequests, Hello, UtilityCall, client_encoder
 from schedkit.errors import SchedkitError
+from schedkit.llm import LLM
 
 ROGUES = ("no key", "own client key", "wrong engine key")
 

@@ -15,7 +15,7 @@ import pytest
 PARENT = textwrap.dedent('''
     import os, sys, threading, time
     from schedkit.config import Config
-    from schedkit.engine.client import LLM
+    from schedkit.llm import LLM
     from schedkit.core.request import SamplingParams
 
     box = {}

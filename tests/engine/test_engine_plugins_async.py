@@ -9,8 +9,8 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM, AsyncLLM
 from schedkit.errors import RequestError
+from schedkit.llm import LLM, AsyncLLM
 
 PLUGIN = textwrap.dedent('''
     from schedkit import hookimpl

@@ -15,9 +15,12 @@ import zmq
 from schedkit import hookimpl
 from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
-from schedkit.engine.client import LLM, EngineClient, EngineProcess, wire_request
+from schedkit.engine.client import EngineClient, EngineProcess, wire_request
 from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError, EngineDeadError
+from schedkit.llm import LLM
+
+from .conftest import raw_client
 
 
 def prompts_and_params(n=24):
@@ -191,8 +194,7 @@ def test_freeze_startup_heap_leaves_later_garbage_collectable():
 
 
 def test_invalid_requests_fail_alone(small_config):
-    with LLM(small_config()) as llm:
-        client = llm.client
+    with LLM(small_config()) as llm, raw_client(llm) as client:
         good = wire_request("good", [1, 2, 3], SamplingParams(max_tokens=2))
         too_long = wire_request("long", [1] * 200, SamplingParams(max_tokens=2))
         bad_params = wire_request("bad", [1, 2], SamplingParams(max_tokens=2))
@@ -223,13 +225,13 @@ def test_abort_frees_kv_blocks_and_shutdown_cleans_up():
                                "runner": {"clock": "wall", "step_time_ms": 2}})
     llm = LLM(config)
     try:
-        _abort_all_and_close(llm)
+        with raw_client(llm) as client:
+            _abort_all_and_close(llm, client)
     finally:
         llm.close()
 
 
-def _abort_all_and_close(llm: LLM) -> None:
-    client = llm.client
+def _abort_all_and_close(llm: LLM, client: EngineClient) -> None:
     client.add_requests([wire_request(f"r{i}", [i + 3] * 40, SamplingParams(max_tokens=90000))
                          for i in range(8)])
     pending: list = []
@@ -303,8 +305,8 @@ def test_engine_exits_and_cleans_up_when_its_parent_dies(tmp_path):
 
 def test_a_bad_utility_argument_raises_its_own_type():
     from schedkit.config import config_from_dict
-    from schedkit.engine.client import LLM
     from schedkit.errors import ConfigError
+    from schedkit.llm import LLM
 
     with LLM(config_from_dict({})) as llm:
         with pytest.raises(ConfigError, match="pause state must be one of"):
@@ -316,8 +318,8 @@ def test_async_llm_utility_errors_keep_their_type():
     import asyncio
 
     from schedkit.config import config_from_dict
-    from schedkit.engine.client import AsyncLLM
     from schedkit.errors import ConfigError
+    from schedkit.llm import AsyncLLM
 
     async def main():
         llm = await AsyncLLM.create(config_from_dict({}))
@@ -331,14 +333,14 @@ def test_async_llm_utility_errors_keep_their_type():
 
 def test_abort_with_a_bad_id_raises_in_the_client():
     from schedkit.config import config_from_dict
-    from schedkit.engine.client import LLM
     from schedkit.errors import RequestError
+    from schedkit.llm import LLM
 
-    with LLM(config_from_dict({})) as llm:
+    with LLM(config_from_dict({})) as llm, raw_client(llm) as client:
         for bad in (["a", 5], 5, None):
             with pytest.raises(RequestError, match="abort: request ids must be"):
-                llm.client.abort(bad)
-        llm.client.abort("a")  # one id as a string: fine (unknown ids are ignored)
+                client.abort(bad)
+        client.abort("a")  # one id as a string: fine (unknown ids are ignored)
         assert llm.call_utility("stats")["num_running"] == 0
 
 

@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import pytest
 
+import schedkit.llm as llm_mod
 from schedkit.core.request import SamplingParams
 
 from .conftest import assert_engine_idle
 
 
 def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
-    real_recv = llm.client.recv
+    first_output = threading.Event()
+    real_apply = llm_mod._apply
 
-    def recv_then_interrupt(timeout=1.0):
-        batch = real_recv(timeout)
-        if batch is not None and batch.outputs:
-            raise KeyboardInterrupt  # Ctrl-C after the first output
-        return batch
+    def apply_and_tell(o, results):
+        first_output.set()
+        return real_apply(o, results)
 
-    monkeypatch.setattr(llm.client, "recv", recv_then_interrupt)
+    def ctrl_c_after_the_first_output():
+        if first_output.wait(30):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    monkeypatch.setattr(llm_mod, "_apply", apply_and_tell)
     params = [SamplingParams(max_tokens=1)] + [SamplingParams(max_tokens=90000)] * 16
+    interrupter = threading.Thread(target=ctrl_c_after_the_first_output, daemon=True)
+    interrupter.start()
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[3, 4, 5]] + [[i + 7] * 30 for i in range(16)], params, use_tqdm=False)
+    interrupter.join(5)
     monkeypatch.undo()
     assert_engine_idle(llm)
     assert llm.call_utility("stats")["num_free_blocks"] == 511

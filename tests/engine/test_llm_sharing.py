@@ -9,8 +9,8 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM, AsyncLLM
 from schedkit.errors import EngineDeadError, RequestError
+from schedkit.llm import LLM, AsyncLLM
 
 FAKE = {"cache": {"block_size": 16, "num_blocks": 512}, "runner": {"kind": "fake", "vocab_size": 1000},
         "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 1024}}

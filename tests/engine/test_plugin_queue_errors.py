@@ -10,7 +10,7 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM
+from schedkit.llm import LLM
 
 PLUGIN = textwrap.dedent('''
     from schedkit import hookimpl

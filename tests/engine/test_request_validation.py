@@ -12,7 +12,7 @@ from schedkit.core.request import SamplingParams
 from schedkit.engine.client import wire_request
 from schedkit.errors import RequestError
 
-from .conftest import assert_engine_idle
+from .conftest import assert_engine_idle, raw_client
 
 
 def _bad_inputs():
@@ -107,14 +107,15 @@ def test_engine_fails_only_the_badly_typed_requests_of_a_message(llm):
     }
     message = {"type": "add", "requests": [req("good-1"), *bad.values(), 17, req("good-2", [4])]}
     malformed_before = llm.call_utility("stats")["num_malformed_messages"]
-    llm.client.in_sock.send(msgspec.msgpack.encode(message))
     finished = {}
-    deadline = time.monotonic() + 10
-    while len(finished) < len(bad) + 2 and time.monotonic() < deadline:
-        batch = llm.client.recv(timeout=1)
-        for o in batch.outputs if batch is not None else ():
-            if o.finish_reason is not None:
-                finished[o.request_id] = o
+    with raw_client(llm) as client:
+        client.in_sock.send(msgspec.msgpack.encode(message))
+        deadline = time.monotonic() + 10
+        while len(finished) < len(bad) + 2 and time.monotonic() < deadline:
+            batch = client.recv(timeout=1)
+            for o in batch.outputs if batch is not None else ():
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o
     assert set(finished) == set(bad) | {"good-1", "good-2"}
     assert finished["good-1"].finish_reason == finished["good-2"].finish_reason == "length"
     for rid in bad:

@@ -6,8 +6,8 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM
 from schedkit.errors import RequestError
+from schedkit.llm import LLM
 
 pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
-from schedkit.engine.client import LLM
+from schedkit.llm import LLM
 
 pytestmark = pytest.mark.slow  # grammars on the paged runner, end to end
 
@@ -157,7 +157,7 @@ def test_jump_forward_takes_fewer_steps_than_tokens_and_gives_valid_json(tokeniz
         with LLM(config(tokenizer_dir, "xgrammar", structured_outputs={"jump_forward": jump}), tokenizer=tok) as llm:
             (out,) = llm.generate([[3, 4, 5]], params(json=schema, disable_any_whitespace=True),
                                   use_tqdm=False)
-            stats = llm.client.call_utility("stats")
+            stats = llm.call_utility("stats")
         text = llm.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
         jsonschema.validate(json.loads(text), schema)
         results[jump] = (len(out.output_token_ids), stats["num_busy_steps"], text,

@@ -41,7 +41,8 @@ EOS = 2  # <|im_end|>
 
 @pytest.fixture(scope="module")
 def llm():
-    from schedkit.engine.client import LLM, load_tokenizer
+    from schedkit.engine.tokenizer import load_tokenizer
+    from schedkit.llm import LLM
 
     cfg = config_from_dict({
         "model": {"name": "smollm2-135m-instruct"},

@@ -9,8 +9,8 @@ Method:
   in-process variant adds them to EngineCore and steps it; the process variant runs the
   same requests through LLM.generate (prefix cache reset before each round). Both
   report the median wall time per engine step, adds included (extra_info
-  ``ms_per_step``). A third variant streams every token delta of every request to the
-  client (AsyncLLM-style) instead of final outputs only.
+  ``ms_per_step``). A third variant streams every token delta of every request to a
+  synchronous client of the same engine (AsyncLLM-style) instead of final outputs only.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def test_decode_step_overhead(benchmark, where):
         benchmark.pedantic(run, rounds=5, iterations=1)
     else:
         llm = LLM(config)
-        client = llm.client
+        engine = llm.engine
+        client = EngineClient(engine.input_addr, engine.output_addr, engine=engine)
         rounds = itertools.count()
 
         def run():
-            assert client.call_utility("reset_prefix_cache")  # every round starts cold
-            before = client.call_utility("stats")["num_steps"]
+            assert llm.call_utility("reset_prefix_cache")  # every round starts cold
+            before = llm.call_utility("stats")["num_steps"]
             t0 = time.perf_counter()
             if where == "engine_process":  # offline batch: final outputs only
                 llm.generate(prompts, params, use_tqdm=False)
@@ -111,11 +112,12 @@ def test_decode_step_overhead(benchmark, where):
                     assert batch is not None
                     done += sum(o.finish_reason is not None for o in batch.outputs)
             seconds.append(time.perf_counter() - t0)
-            steps.append(client.call_utility("stats")["num_steps"] - before)
+            steps.append(llm.call_utility("stats")["num_steps"] - before)
 
         try:
             benchmark.pedantic(run, rounds=5, iterations=1)
         finally:
+            client.close()
             llm.close()
     # The figure to compare: median over rounds of (time from first add to last finish)
     # per engine step; utility round trips between rounds are left out.

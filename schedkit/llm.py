@@ -225,7 +225,8 @@ class LLM:
     death re-routes the requests that had produced no token and fails the others, as
     with AsyncLLM (docs/cluster.md).
 
-    Threads may share one LLM: their calls run side by side on its loop.
+    Threads may share one LLM: their calls take turns (a ``generate`` runs to its end
+    before the next starts; for concurrent streams use AsyncLLM).
     """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, transport: str = "ipc",
@@ -239,7 +240,8 @@ class LLM:
         self.tokenizer: Any = tokenizer
         self._ids = itertools.count()
         self._closed = False
-        self._close_lock = threading.Lock()
+        self._turn = threading.Lock()
+        """Held by each call while it runs, and by close."""
         self._loop = _LoopThread()
         try:
             self._async = self._loop.run(AsyncLLM.create(self.config, transport=transport))
@@ -343,27 +345,28 @@ class LLM:
             raise EngineDeadError(f"utility {method} got no answer in {UTILITY_TIMEOUT_S:.0f} s") from None
 
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coro`` on the loop and wait for it.
+        """Run ``coro`` on the loop, in this call's turn, and wait for it.
 
         Raises:
             EngineDeadError: This LLM was closed.
         """
-        if self._closed:
-            coro.close()
-            raise EngineDeadError("this LLM was closed")
-        return self._loop.run(coro)
+        with self._turn:
+            if self._closed:
+                coro.close()
+                raise EngineDeadError("this LLM was closed")
+            return self._loop.run(coro)
 
     def close(self) -> None:
-        """Close the connection and shut the engine (the replicas) down; calls still
-        running end with EngineDeadError. Closing twice is harmless."""
-        with self._close_lock:
+        """Shut the engine (the replicas) down, after the call another thread runs;
+        closing twice is harmless."""
+        with self._turn:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._loop.run(self._async.close())
-        finally:
-            self._loop.stop()
+            try:
+                self._loop.run(self._async.close())
+            finally:
+                self._loop.stop()
 
     def __enter__(self) -> LLM:
         return self

@@ -242,7 +242,8 @@ class ClusterClient:
 
         A request with an arrival offset is routed when it arrives (offset seconds after
         this call), with the replicas' load at that moment, as the cluster simulation
-        does, instead of placing a whole trace at once. Leaving early aborts the others.
+        does, instead of placing a whole trace at once. Leaving early aborts every request
+        still running.
 
         Raises:
             EngineDeadError: No replica is left for one of them (the others are aborted).

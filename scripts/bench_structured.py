@@ -147,10 +147,10 @@ def jump_forward(args) -> dict[str, Any]:
         tok = load_tokenizer(cfg)
         prompts = [chat(tok, f"Make up customer record {i} as JSON.") for i in range(args.batch)]
         with LLM(cfg, tokenizer=tok) as llm:
-            before = llm.client.call_utility("stats")["num_busy_steps"]
+            before = llm.call_utility("stats")["num_busy_steps"]
             dt, outs = timed(llm, prompts, [SamplingParams(max_tokens=160, eos_token_id=EOS, temperature=0,
                                                            structured_outputs={"json": HEAVY})] * len(prompts))
-            steps = llm.client.call_utility("stats")["num_busy_steps"] - before
+            steps = llm.call_utility("stats")["num_busy_steps"] - before
         for o in outs:
             json.loads(tok.decode(o.output_token_ids, skip_special_tokens=True))
         out["on" if jump else "off"] = {"output_tokens": sum(len(o.output_token_ids) for o in outs),

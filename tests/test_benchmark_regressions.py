@@ -36,6 +36,8 @@ LAB = "benchmarks/test_lab.py::test_lab_config"
 THIRDPARTY = f"{LAB}[lab:thirdparty]"
 LAB_FCFS = f"{LAB}[lab:fcfs]"
 
+pytestmark = pytest.mark.slow  # benchmark runs
+
 INJECT = '''\
 """Patch one regression (SCHEDKIT_BENCH_REGRESSION) into schedkit's built-in policies."""
 import os
@@ -44,8 +46,6 @@ import schedkit.policies.fcfs as fcfs
 import schedkit.policies.priority as priority
 from schedkit.core.queues import FCFSQueue, KeyedQueue
 from schedkit.hookspecs import hookimpl
-
-pytestmark = pytest.mark.slow  # benchmark runs
 
 
 class LIFOQueue(FCFSQueue):

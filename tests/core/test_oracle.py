@@ -59,7 +59,9 @@ NAMES = sorted(p.name.removesuffix(".jsonl.gz") for p in (ORACLE / "reference").
     if MISSING is None else ["oracle-missing"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The 2,000-request traces take seconds each: slow tier.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("mixed") else n
+                                  for n in NAMES])
 def test_same_decisions_as_vllm(name, tmp_path):
     require_oracle()
     drive, compare = _load("drive_schedkit"), _load("compare_logs")

@@ -213,6 +213,7 @@ def test_the_limits_are_configurable(tmp_path, word_tokenizer, serve):
     assert httpx.get(s.url + "/health?" + "a" * 400, timeout=10).status_code == 200
 
 
+@pytest.mark.slow
 def test_the_head_timer_spares_long_responses_and_idle_keep_alive(door):
     """``header_timeout_s`` times a head only: a stream longer than it runs to its end,
     and a keep-alive connection idle for longer than it serves its next request."""

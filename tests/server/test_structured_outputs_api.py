@@ -302,6 +302,7 @@ def test_constrained_requests_over_http_parse_and_match(structured_server):
     assert text in ("yes", "no") and reason == "stop"
 
 
+@pytest.mark.slow
 def test_a_streamed_constrained_request_matches(structured_server):
     body = {"prompt": "abc", "max_tokens": 50, "stream": True, "structured_outputs": {"regex": "(ab|c){2,4}!"}}
     with structured_server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -325,6 +326,7 @@ def test_a_streamed_constrained_request_matches(structured_server):
     ({"structured_outputs": {"json": {"$ref": "file:///etc/passwd"}}}, "structured_outputs",
      "schema.$ref is 'file:///etc/passwd'"),
 ], ids=["regex", "json_schema", "grammar", "matches-nothing", "unenforced-keyword", "outside-ref"])
+@pytest.mark.slow
 def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(structured_server, stream,
                                                                            body, param, needle):
     with structured_server.client() as c:

@@ -41,7 +41,12 @@ class RunResult:
 def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
                  base_dir: str | Path | None = None, extra_plugins: Iterable[Any] = (),
                  runner: Any = None) -> RunResult:
-    """Replay ``workload`` (default: the config's own) through ``config``'s engine."""
+    """Replay ``workload`` (default: the config's own) through ``config``'s engine.
+
+    The workload's time 0 is the engine's ``start_time``, the moment it is ready to
+    serve (the runner built and initialized), and every request arrives at its
+    workload time on the engine clock.
+    """
     if workload is None:
         workload = generate(config.workload, config.runner.vocab_size, base_dir)
     wall0 = time.perf_counter()
@@ -59,7 +64,9 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
                       arrival_time=start + w.arrival_time, priority=w.priority, tenant=w.tenant,
                       ttft_slo_s=slo.class_target("ttft_s", w.tenant, w.priority))
         try:
-            engine.add_request(req, w.arrival_time)
+            # At its trace time on the engine clock, even when the engine reaches it late
+            # (a slow first step): every policy sees the same arrivals.
+            engine.add_request_at(req, start + w.arrival_time)
         except SchedkitError as e:
             failed[w.request_id] = str(e)
             refused.append(_refused(req, start, str(e)))

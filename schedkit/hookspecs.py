@@ -515,7 +515,7 @@ def schedkit_router_filter(request: RouteRequest,
 
     Args:
         request: The request to place (``RouteRequest``: id, prompt, tenant, priority,
-            session id, ``block_hashes``). Do not mutate.
+            ``max_tokens``, session id, ``block_hashes``). Do not mutate.
         replicas: The candidates: healthy replicas, in index order, less those earlier
             filters dropped. Do not mutate.
 

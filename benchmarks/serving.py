@@ -17,6 +17,9 @@ from schedkit.lab.metrics import RequestMetrics, percentile, summarize
 HIGHER_IS_BETTER = ("goodput_req_s", "slo_attainment", "jain_backlogged")
 """The serving metrics where a smaller value is the regression; every other is lower-better."""
 
+DISTRIBUTION_STATS = ("mean", "p50", "p90", "p99")
+"""Of TTFT, TPOT and E2E: ``ttft_mean_s``, ``ttft_p50_s``, ... (all lower-is-better)."""
+
 MAX_CLASSES = 4
 """Priority classes with their own metrics (the most urgent ones, smallest value first)."""
 
@@ -81,9 +84,8 @@ def serving_summary(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = N
     if rejected is None:
         rejected = sum(m.first_token_time is None for m in metrics)
     serving: dict[str, Any] = {
-        "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
-        "tpot_p50_s": s["tpot_s"]["p50"],
-        "e2e_mean_s": s["e2e_s"]["mean"], "e2e_p99_s": s["e2e_s"]["p99"],
+        **{f"{name}_{q}_s": s[f"{name}_s"][q] for name in ("ttft", "tpot", "e2e")
+           for q in DISTRIBUTION_STATS if q in s[f"{name}_s"]},
         "max_wait_s": s["max_wait_s"],
         "preemptions": s["preemptions"], "recomputed_tokens": s["recomputed_tokens"],
         "max_preemptions_per_request": max((m.num_preemptions for m in metrics), default=None),

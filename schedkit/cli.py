@@ -9,9 +9,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schedkit.config import Config, load_config
 from schedkit.errors import ConfigError, PluginError, SchedkitError
+
+if TYPE_CHECKING:
+    from schedkit.lab.compare import CompareResult, Sample, SweepPoint
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -35,18 +39,15 @@ def _run(args: argparse.Namespace) -> int:
              for w in workload],
             arrival_offsets=[w.arrival_time for w in workload],
             priorities=[w.priority for w in workload], tenants=[w.tenant for w in workload],
-            use_tqdm=sys.stderr.isatty())
+            use_tqdm=_show_progress(args))
         stats = llm.call_utility("stats")
     wall = time.perf_counter() - wall0
     # The engine clock at arrival offset 0, from any request that has metrics.
     origin = min((o.metrics.arrival_time - w.arrival_time for o, w in zip(outs, workload, strict=True)
                   if o.metrics is not None), default=0.0)
     metrics = [metrics_from_output(o, w, origin) for o, w in zip(outs, workload, strict=True)]
-    finish = max((m.finish_time or 0.0) for m in metrics) if metrics else 0.0
-    start = min(m.arrival_time for m in metrics) if metrics else 0.0
     wl = config.workload
-    summary = summarize(metrics, wl.slo, max(finish - start, 0.0), fairness=wl.fairness,
-                        shares=wl.tenant_shares)
+    summary = summarize(metrics, wl.slo, fairness=wl.fairness, shares=wl.tenant_shares)
     _print_summary(config, summary, wall, stats["num_steps"], stats.get("router"))
     texts = config.workload.prompts
     for i, o in enumerate(outs[: args.samples]):
@@ -72,16 +73,31 @@ def _shown(x: float) -> str:
     return f"{x:.1f}" if math.isfinite(x) else "n/a"
 
 
-def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dict | None = None) -> None:
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars go to stderr, only when it is a terminal and ``--no-progress`` is off."""
+    return sys.stderr.isatty() and not args.no_progress
+
+
+def _ms(dist: dict) -> str:
+    """``mean / p50 / p90 / p99`` of a latency distribution, in milliseconds."""
+    return " / ".join(_shown(dist[q] * 1e3) for q in ("mean", "p50", "p90", "p99"))
+
+
+def _is_virtual(config: Config) -> bool:
     runner = config.runner
-    clock = "virtual" if runner.kind == "simulated" or getattr(runner, "clock", "wall") == "virtual" else "wall"
+    return runner.kind == "simulated" or getattr(runner, "clock", "wall") == "virtual"
+
+
+def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dict | None = None) -> None:
+    clock = "virtual" if _is_virtual(config) else "wall"
     rows = [
         ("policy", config.scheduler.policy), ("runner", config.runner.kind),
         ("requests", s["requests"]), ("steps", steps),
-        (f"duration ({clock} s)", f"{s['duration_s']:.2f}"),
+        (f"makespan ({clock} s)", f"{s['makespan_s']:.2f}"),
+        ("offered load (req/s)", _shown(s["offered_load_req_s"])),
         ("output tokens/s", _shown(s["output_tokens_per_s"])),
-        ("TTFT p50 / p99 (ms)", f"{_shown(s['ttft_s']['p50'] * 1e3)} / {_shown(s['ttft_s']['p99'] * 1e3)}"),
-        ("TPOT p50 / p99 (ms)", f"{_shown(s['tpot_s']['p50'] * 1e3)} / {_shown(s['tpot_s']['p99'] * 1e3)}"),
+        ("TTFT mean / p50 / p90 / p99 (ms)", _ms(s["ttft_s"])),
+        ("TPOT mean / p50 / p90 / p99 (ms)", _ms(s["tpot_s"])),
         ("rejected", s["rejected"]), ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("wall time (s)", f"{wall:.2f}"),
     ]
@@ -95,11 +111,12 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dic
 
 def _compare(args: argparse.Namespace) -> int:
     from schedkit.lab import report
-    from schedkit.lab.compare import RayRunner, parse_sweep, submit
+    from schedkit.lab.compare import RayRunner, parse_seeds, parse_sweep, runs_of, submit
 
     config = load_config(args.config)
     base = Path(args.config).parent
     knob, values = parse_sweep(args.sweep) if args.sweep else (None, [])
+    seeds, repeats = runs_of(config, parse_seeds(args.seeds) if args.seeds else None, args.repeats)
     out = Path(args.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -107,48 +124,89 @@ def _compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output-dir {out}: cannot create it ({e.strerror})") from None
     if not os.access(out, os.W_OK):
         raise ConfigError(f"--output-dir {out}: not writable")
+    if repeats > 1 and _is_virtual(config):
+        print(f"note: runner {config.runner.kind} runs on a virtual clock, so its {repeats} repeats "
+              "are identical; vary the workload with --seeds", file=sys.stderr)
     ray = RayRunner(args.ray or None) if args.ray is not None else None  # no Ray: fails here
     try:
         # Everything is submitted at once (on Ray, all points run side by side); serially,
         # the single-load comparison runs (and is printed) before the sweep.
-        todo = submit(config, single=not args.sweep_only, knob=knob, values=values,
-                      base_dir=base, runner=ray)
+        todo = submit(config, single=not args.sweep_only, knob=knob, values=values, base_dir=base,
+                      runner=ray, seeds=seeds, repeats=repeats, progress=ray is None and _show_progress(args))
         result = todo.compared()
         if result.summaries:
-            print(report.format_table(result.summaries))
+            if result.num_runs > 1:
+                print(f"mean ± 95% confidence interval over {result.num_runs} runs per profile "
+                      f"(seeds {', '.join(map(str, seeds))}; {repeats} repeat{'s' * (repeats > 1)} each)\n")
+            print(report.format_table(result.summaries, intervals=result.ci95))
             for name, failed in result.failed.items():
                 if failed:
                     print(f"  {name}: {len(failed)} requests failed, e.g. {next(iter(failed.values()))}")
         if knob is not None:
             todo.swept()
-            print(f"\nhighest {'load (1/time_scale)' if knob == 'time_scale' else knob} meeting the SLO "
+            print(f"\nhighest offered load (req/s) meeting the SLO "
                   f"(attainment >= {config.workload.slo.attainment:.0%}):")
             for name, best in result.sustained.items():
-                print(f"  {name:<20} {'none of the loads' if best is None else f'{best:g}'}")
+                print(f"  {name:<20} {'none of the loads' if best is None else f'{best:.3g}'}")
     finally:
         if ray is not None:
             ray.close()
+    report.write_json(out / "results.json", _compare_payload(config, result, knob))
+    print(f"wrote {', '.join(_compare_plots(config, result, out))} to {out}")
+    return 0
+
+
+def _compare_payload(config: Config, result: CompareResult, knob: str | None) -> dict:
+    """``results.json``: the means, intervals and runs only when a profile ran more than once."""
+    from schedkit.lab.compare import request_records
+
+    several = result.num_runs > 1
+
+    def point(p: SweepPoint) -> dict:
+        rec: dict = {knob or "knob": p.knob, "load": p.load, "summary": p.summary}
+        if several:
+            rec["ci95"] = p.ci95
+            rec["samples"] = _runs(p.samples)
+        if any(s.result.metrics for s in p.samples):  # --sweep-only keeps the requests
+            rec["requests"] = request_records(p.samples)
+        return rec
+
     payload = {
         "config": config.model_dump(mode="json"),
+        "seeds": result.seeds, "repeats": result.repeats,
         "summaries": result.summaries,
         "failed": result.failed,
-        "requests": {n: [m.to_dict() for m in ms] for n, ms in result.metrics.items()},
-        "sweep": {n: [{"load": x, "summary": s} for x, s in pts] for n, pts in result.sweep.items()},
+        "requests": {n: request_records(samples) for n, samples in result.samples.items()},
+        "sweep": {n: [point(p) for p in pts] for n, pts in result.sweep.items()},
         "sustained": result.sustained,
     }
-    report.write_json(out / "results.json", payload)
+    if several:
+        payload["ci95"] = result.ci95
+        payload["samples"] = {n: _runs(samples) for n, samples in result.samples.items()}
+    return payload
+
+
+def _runs(samples: list[Sample]) -> list[dict]:
+    return [{"seed": s.seed, "repeat": s.repeat, "summary": s.result.summary} for s in samples]
+
+
+def _compare_plots(config: Config, result: CompareResult, out: Path) -> list[str]:
+    """Write the plots there is data for; the names of the files written, results.json first."""
+    from schedkit.lab import report
+
     written = ["results.json"]
     if result.metrics and report.plot_cdfs(result.metrics, out / "latency_cdf.png"):
         written.append("latency_cdf.png")
     wl = config.workload
-    if result.metrics and report.plot_tenant_service(result.metrics, out / "tenant_service.png",
+    first_runs = {n: samples[0].result.metrics for n, samples in result.samples.items()}  # one timeline each
+    if result.metrics and report.plot_tenant_service(first_runs, out / "tenant_service.png",
                                                      wl.fairness, wl.tenant_shares):
         written.append("tenant_service.png")
-    label = "load (x trace arrival rate)" if knob == "time_scale" else "rate (req/s)"
-    if result.sweep and report.plot_latency_vs_load(result.sweep, out / "latency_vs_load.png", label):
+    sweep = {n: [(p.load, p.summary) for p in pts] for n, pts in result.sweep.items()}
+    intervals = {n: [p.ci95 for p in pts] for n, pts in result.sweep.items()} if result.num_runs > 1 else None
+    if sweep and report.plot_latency_vs_load(sweep, out / "latency_vs_load.png", intervals=intervals):
         written.append("latency_vs_load.png")
-    print(f"wrote {', '.join(written)} to {out}")
-    return 0
+    return written
 
 
 def _check_writable(path: str) -> None:
@@ -227,6 +285,13 @@ def _non_negative_int(text: str) -> int:
     return n
 
 
+def _positive_int(text: str) -> int:
+    n = _non_negative_int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="schedkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -234,13 +299,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--output", "-o", help="write per-request results as JSON")
     p.add_argument("--samples", type=_non_negative_int, default=3, help="sample outputs to print")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr "
+                                                              "(it shows only on a terminal)")
     p.set_defaults(func=_run)
     p = sub.add_parser("compare", help="run several policy profiles on the YAML's workload")
     p.add_argument("config")
     p.add_argument("--output-dir", "-o", default="compare-results", help="where results go")
     p.add_argument("--sweep", help="KNOB=V1,V2,...: find the highest load each profile sustains "
                                    "under the SLO (KNOB: rate or time_scale)")
-    p.add_argument("--sweep-only", action="store_true", help="skip the single-load comparison")
+    p.add_argument("--sweep-only", action="store_true",
+                   help="skip the single-load comparison (results.json then has the sweep's requests)")
+    p.add_argument("--seeds", metavar="S1,S2,...",
+                   help="run every profile on the workload generated with each seed (default: "
+                        "compare.seeds, else workload.seed)")
+    p.add_argument("--repeats", type=_positive_int, metavar="N",
+                   help="run every profile N times on each seed's workload, interleaved across "
+                        "profiles (default: compare.repeats, 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr "
+                                                              "(they show only on a terminal)")
     p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                    help="run the profiles and load points as Ray tasks (same results.json as "
                         "without); ADDRESS: a running cluster (host:port, ray://host:port, or "

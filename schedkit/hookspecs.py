@@ -47,6 +47,8 @@ def schedkit_create_waiting_queue(scheduler_config: SchedulerConfig,
     step with ``prepend_requests``, and removes aborted ones. Ready-made queues:
     ``FCFSQueue`` (a deque) and ``KeyedQueue(key)`` (a heap on ``key(request)``, ties in
     insertion order; "prepend" re-inserts by key), both ``from schedkit import ...``.
+    ``pop`` must return the request the last ``peek`` returned, even when the clock moved
+    in between (the whole contract: "Waiting queues" in docs/hooks.md).
 
     Called:
         Once, in the engine-core process, when the Scheduler is built.
@@ -515,7 +517,7 @@ def schedkit_router_filter(request: RouteRequest,
 
     Args:
         request: The request to place (``RouteRequest``: id, prompt, tenant, priority,
-            session id, ``block_hashes``). Do not mutate.
+            ``max_tokens``, session id, ``block_hashes``). Do not mutate.
         replicas: The candidates: healthy replicas, in index order, less those earlier
             filters dropped. Do not mutate.
 

@@ -166,7 +166,7 @@ MAX_WAIT = Column("max wait (s)", s("max_wait_s"), ".2f")
 PREEMPTIONS = Column("preemptions", s("preemptions"), ".0f")
 RECOMPUTED = Column("recomputed tokens", s("recomputed_tokens"), ".0f")
 HIT_RATE = Column("prefix hit rate", s("prefix_hit_rate"))
-MAKESPAN = Column("makespan (s)", s("duration_s"), ".1f")
+MAKESPAN = Column("makespan (s)", s("makespan_s"), ".1f")
 
 
 def heavy_tailed(rate: float) -> dict[str, Any]:

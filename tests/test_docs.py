@@ -243,6 +243,7 @@ SECTION_MODELS = {
     "workload.trace": config_models.TraceConfig,
     "workload.slo": config_models.SLOConfig,
     "workload.fairness": config_models.FairnessConfig,
+    "compare": config_models.CompareConfig,
     "compare.profiles": config_models.ProfileConfig,
     "runner (fake)": config_models.FakeRunnerConfig,
     "runner (simulated)": config_models.SimulatedRunnerConfig,

@@ -3,8 +3,8 @@
 :class:`ClusterClient` is what a replicated :class:`~schedkit.llm.AsyncLLM` streams
 through (``AsyncLLM.create(config)`` with ``replicas.count`` > 1; the sync ``LLM`` runs
 that on a background loop). Per request it asks the router for a replica
-(:meth:`Router.make_request` with the tenant, priority, session id and cache salt,
-then :meth:`Router.route`), sends the request there over that replica's own
+(:meth:`Router.make_request` with the tenant, priority, ``max_tokens``, session id and
+cache salt, then :meth:`Router.route`), sends the request there over that replica's own
 :class:`~schedkit.engine.client.AsyncEngineClient` connection, streams its deltas back
 and tells the router when it ends. Each replica's load reports (queue lengths, KV usage,
 KV cache events) feed the router's view of it.
@@ -40,7 +40,13 @@ from schedkit.cluster.replicas import ReplicaSet, spawn_replicas
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import Config
 from schedkit.engine.client import AsyncEngineClient
-from schedkit.engine.messages import LoadReport, WireOutput, WireRequest, kv_events_from_wire
+from schedkit.engine.messages import (
+    LoadReport,
+    WireOutput,
+    WireRequest,
+    kv_events_from_wire,
+    wire_max_tokens,
+)
 from schedkit.errors import EngineDeadError, RequestError
 
 log = logging.getLogger("schedkit.cluster")
@@ -194,7 +200,7 @@ class ClusterClient:
             raise dead
         replica = router.route(router.make_request(
             rid, request.prompt_token_ids, tenant=request.tenant, priority=request.priority,
-            session_id=session_id, cache_salt=request.cache_salt))
+            max_tokens=wire_max_tokens(request), session_id=session_id, cache_salt=request.cache_salt))
         if request.final_only:
             request = msgspec.structs.replace(request, final_only=False)
         self._active.add(rid)

@@ -90,7 +90,7 @@ class Router:
 
     # -- requests ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
-                     priority: int = 0, session_id: str | None = None,
+                     priority: int = 0, max_tokens: int | None = None, session_id: str | None = None,
                      cache_salt: str | None = None, block_hashes: list[bytes] | None = None) -> RouteRequest:
         """A RouteRequest whose block hashes match the replicas' prefix caches
         (``block_hashes``: the prompt's, already computed the same way, e.g. by the
@@ -98,7 +98,7 @@ class Router:
         hasher = self._hasher
         if hasher is None:
             return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
-                                session_id=session_id)
+                                max_tokens=max_tokens, session_id=session_id)
 
         def hashes(tokens: Sequence[int]) -> list[bytes]:
             if block_hashes is not None:
@@ -108,7 +108,8 @@ class Router:
             return out
 
         return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
-                            session_id=session_id, hash_fn=hashes, block_size=hasher.block_size)
+                            max_tokens=max_tokens, session_id=session_id, hash_fn=hashes,
+                            block_size=hasher.block_size)
 
     def route(self, request: RouteRequest) -> ReplicaState:
         """Choose a healthy replica for ``request`` and count it as outstanding there.

@@ -30,6 +30,23 @@ class ProfileConfig(StrictModel):
 class CompareConfig(StrictModel):
     profiles: list[ProfileConfig] = Field(default_factory=list, min_length=1)
     """The policy profiles ``schedkit compare`` runs on the same workload."""
+    seeds: list[int] = Field(default_factory=list)
+    """Workload seeds: every profile runs the workload generated with each (empty: the
+    workload's own ``seed``). With more than one run per profile the report shows means
+    with 95% confidence intervals."""
+    repeats: int = Field(default=1, ge=1, le=1000)
+    """Runs of every profile on each seed's workload (wall-clock noise on the real
+    runner; on a virtual clock the repeats are identical). Runs are interleaved across
+    profiles (A B A B ...), so slow drift of the machine affects every profile alike."""
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds_unique(cls, seeds: list[int]) -> list[int]:
+        k = first_repeat(seeds)
+        if k is not None:
+            raise LocatedValueError(f"seed {seeds[k]} is listed twice: each seed gives one workload",
+                                    (k,), seeds[k])
+        return seeds
 
     @field_validator("profiles")
     @classmethod

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from pydantic import Field
@@ -17,9 +18,9 @@ class PluginConfig(StrictModel):
     """Settings handed to the plugin's factory; the plugin validates them itself."""
 
 
-def first_repeat(names: list[str]) -> int | None:
+def first_repeat(names: Sequence[Hashable]) -> int | None:
     """The index of the first name that an earlier entry already has, or None."""
-    seen: set[str] = set()
+    seen: set[Hashable] = set()
     for i, name in enumerate(names):
         if name in seen:
             return i

@@ -21,6 +21,9 @@ class RouteRequest:
         prompt_token_ids: Its prompt.
         tenant: ``Request.tenant`` (the OpenAI ``user``).
         priority: ``Request.priority``.
+        max_tokens: The most output tokens it asks for (``SamplingParams.max_tokens``:
+            the job's size as the client states it, for size-aware routing); None when
+            unknown.
         session_id: A conversation id when the client gave one
             (``AsyncLLM.generate(session_id=...)``, ``session_id`` in an HTTP body), else
             None (the cluster simulation's traces carry none).
@@ -30,17 +33,18 @@ class RouteRequest:
             size; 0 without prefix caching).
     """
 
-    __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "session_id",
+    __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "max_tokens", "session_id",
                  "num_prompt_tokens", "attempt", "block_size", "_hashes", "_hash_fn")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
-                 priority: int = 0, session_id: str | None = None,
+                 priority: int = 0, max_tokens: int | None = None, session_id: str | None = None,
                  hash_fn: Callable[[Sequence[int]], list[bytes]] | None = None,
                  block_size: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.tenant = tenant
         self.priority = priority
+        self.max_tokens = max_tokens
         self.session_id = session_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.attempt = 0

@@ -8,8 +8,9 @@ scheduling work overlaps the device's forward pass (a runner that offers
 The engine owns the scheduler clock: with a runner that reports step durations (the
 fake runner and the simulator) time is virtual and advances by each step's duration,
 so a long workload replays in seconds; otherwise it is wall-clock time. Requests may be
-added ahead of their arrival (``arrival_offset`` seconds after the engine started); the
-engine holds them until its clock reaches that time, jumping over idle gaps when virtual.
+added ahead of their arrival (``arrival_offset`` seconds after ``start_time``, the moment
+the engine was ready: its runner built and initialized); the engine holds them until its
+clock reaches that time, jumping over idle gaps when virtual.
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ class EngineCore:
         self.runner = runner if runner is not None else self._build_runner(config)
         self._virtual = bool(getattr(self.runner, "is_virtual_clock", False))
         self._now = 0.0
-        self.start_time = self.now()
         self._future: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
         num_blocks = self.runner.initialize(config.cache.num_blocks, config.cache.block_size)
@@ -140,6 +140,10 @@ class EngineCore:
         self._vocab_size: int | None = getattr(self.runner, "vocab_size", None) if getattr(
             self.runner, "checks_token_ids", False) else None
         """Prompt token ids must be below it (runners that index embeddings with them)."""
+        self.start_time = self.now()
+        """The engine clock when the engine became ready to serve: after the runner was
+        built and initialized (model load, KV cache, warm-up, CUDA graphs), so arrival
+        offsets count from the moment a request can first be scheduled."""
 
     def _structured_output_backend(self) -> StructuredOutputBackend:
         """The structured-output backend, built when the first structured request arrives.

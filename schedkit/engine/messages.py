@@ -133,6 +133,17 @@ class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """The client's TTFT target in seconds (``Request.ttft_slo_s``; None: the policy's)."""
 
 
+_DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+
+
+def wire_max_tokens(request: WireRequest) -> int | None:
+    """The ``max_tokens`` a wire request asks for (the default when it sends none); None
+    when the value sent is not a whole number (the engine refuses the request then)."""
+    fields = request.sampling_params
+    value = fields.get("max_tokens", _DEFAULT_MAX_TOKENS) if isinstance(fields, dict) else None
+    return value if type(value) is int else None
+
+
 class AddRequests(msgspec.Struct, tag="add", frozen=True):
     requests: list[WireRequest]
 

@@ -367,11 +367,12 @@ class _ClusterRun:
         long-prompt traces hashing is a large share of the run."""
         if self.hasher is None:
             return self.router.make_request(w.request_id, w.prompt_token_ids, tenant=w.tenant,
-                                            priority=w.priority)
+                                            priority=w.priority, max_tokens=w.max_tokens)
         req.set_block_hasher(self.hasher.extend, self.block_size)
         # The prompt's blocks as they are now (the list grows with output blocks later).
         return self.router.make_request(w.request_id, req.prompt_token_ids, tenant=w.tenant,
-                                        priority=w.priority, block_hashes=req.block_hashes[:])
+                                        priority=w.priority, max_tokens=w.max_tokens,
+                                        block_hashes=req.block_hashes[:])
 
     def _result(self) -> ClusterRunResult:
         """The run's metrics (sorted by arrival) and the replicas' and router's figures."""

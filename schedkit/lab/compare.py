@@ -1,29 +1,48 @@
 """``schedkit compare``: several policy profiles on one workload, and load sweeps.
 
-Every run is one *point*: one profile's config on one generated workload
-(:func:`run_point`). A :class:`PointRunner` runs the points: :class:`SerialRunner` one
-after the other in this process (the default), :class:`RayRunner` all at once as Ray
-tasks. Each point builds its own engine from its config and workload alone (with the fake
-or simulated runner, on a virtual clock), and the results are put together in the same
-order either way, so both give the same results, to the byte in ``results.json``.
+Every run is one *point* (:mod:`schedkit.lab.points`): one profile's config on one
+generated workload. A profile runs once per workload seed and repeat (``compare.seeds``,
+``compare.repeats``); the runs are submitted interleaved across profiles (A B A B ...),
+so on the real runner slow drift of the machine falls on every profile alike. With
+several runs a profile's summary is the mean of every figure over its runs, with the
+half-width of the 95% t-interval beside it (:mod:`schedkit.lab.stats`).
+
+The points run on a :class:`PointRunner` (serially here by default, or as Ray tasks);
+results are put together by profile, seed and repeat whatever order they ran in, so
+both runners give the same results, to the byte in ``results.json``.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from schedkit.config import Config, ProfileConfig, profile_scheduler
-from schedkit.errors import ConfigError, PluginError, SchedkitError
-from schedkit.lab.cluster_sim import run_cluster_workload, summarize_cluster
-from schedkit.lab.metrics import RequestMetrics, summarize
-from schedkit.lab.simulate import run_workload
+from schedkit.config import Config, ProfileConfig, WorkloadConfig, profile_scheduler
+from schedkit.errors import ConfigError, PluginError
+from schedkit.lab.metrics import RequestMetrics
+from schedkit.lab.points import (
+    Pending,
+    Point,
+    PointResult,
+    PointRunner,
+    RayRunner,
+    SerialRunner,
+    run_point,
+    summarize_run,
+)
+from schedkit.lab.stats import ci_summary, mean_summary
 from schedkit.lab.workloads import WorkloadRequest, generate
 from schedkit.plugins.manager import get_plugin_manager, get_router_plugin_manager
+
+__all__ = [
+    "SWEEP_KNOBS", "CompareResult", "Point", "PointResult", "PointRunner", "RayRunner", "Sample",
+    "SerialRunner", "Submitted", "SweepPoint", "check_profiles", "compare", "parse_seeds",
+    "parse_sweep", "profile_config", "profiles_of", "request_records", "run_point", "runs_of",
+    "submit", "summarize_run", "sustained_load", "sweep",
+]
 
 SWEEP_KNOBS = ("rate", "time_scale")
 
@@ -42,6 +61,25 @@ def profiles_of(config: Config) -> list[ProfileConfig]:
     if config.compare is not None:
         return list(config.compare.profiles)
     return [ProfileConfig(name=config.scheduler.policy, policy=config.scheduler.policy)]
+
+
+def runs_of(config: Config, seeds: Sequence[int] | None = None,
+            repeats: int | None = None) -> tuple[list[int], int]:
+    """The workload seeds and the repeats each profile runs: ``seeds`` and ``repeats``
+    when given (the command line), else the ``compare`` section's, else the workload's
+    own seed, once.
+
+    Raises:
+        ConfigError: ``repeats`` below 1, or a seed given twice.
+    """
+    cmp = config.compare
+    seeds = list(seeds) if seeds else list(cmp.seeds) if cmp is not None and cmp.seeds else [config.workload.seed]
+    repeats = repeats if repeats is not None else cmp.repeats if cmp is not None else 1
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: must be 1 or more")
+    if len(set(seeds)) < len(seeds):
+        raise ConfigError(f"--seeds {','.join(map(str, seeds))}: a seed is listed twice")
+    return seeds, repeats
 
 
 def check_profiles(config: Config) -> None:
@@ -65,156 +103,73 @@ def check_profiles(config: Config) -> None:
                               hook=e.hook, request_id=e.request_id) from e
 
 
-# -- points and the runners that run them ---------------------------------------------------
+# -- results ----------------------------------------------------------------------------------
 
 @dataclass(slots=True)
-class PointResult:
-    """What one point gives back: its summary (under the workload's SLO, fairness weights
-    and tenant shares), per-request metrics and failed requests (request_id -> error)."""
+class Sample:
+    """One run of a profile: its workload seed, its repeat (0, 1, ...) and its result."""
 
+    seed: int
+    repeat: int
+    result: PointResult
+
+
+@dataclass(slots=True)
+class SweepPoint:
+    """One profile at one value of the swept knob, over its runs."""
+
+    knob: float
+    """The knob's value (a rate, or a trace time_scale)."""
+    load: float
+    """The offered load, requests per second over the arrival window (mean over runs)."""
     summary: dict[str, Any]
-    metrics: list[RequestMetrics]
-    failed: dict[str, str]
+    """The run's summary, or with several runs every figure's mean."""
+    ci95: dict[str, Any] | None
+    """With several runs: the half-width of each figure's 95% t-interval."""
+    samples: list[Sample]
 
-
-def run_point(config: Config, workload: list[WorkloadRequest]) -> PointResult:
-    """Run one point: ``workload`` through an engine built from ``config`` (a profile's
-    config, its ``workload`` section the point's). The one function the serial and the
-    Ray runner both call; nothing in its result depends on wall time or on which process
-    ran it."""
-    if config.replicas.count > 1:  # the replicas on one virtual clock, under the router
-        crun = run_cluster_workload(config, workload)
-        cluster = summarize_cluster(config, crun)
-        summary = cluster.pop("overall")
-        summary["cluster"] = cluster
-        return PointResult(summary, crun.metrics, crun.failed)
-    run = run_workload(config, workload)
-    return PointResult(summarize_run(config, run.metrics), run.metrics, run.failed)
-
-
-@dataclass(slots=True)
-class Point:
-    """One unit of work: a profile's config on a workload."""
-
-    config: Config
-    workload: list[WorkloadRequest]
-    keep_metrics: bool = True
-    """False when only the summary is wanted (sweep points): the per-request metrics are
-    dropped where the point ran instead of shipped back."""
-
-
-Pending = Callable[[], PointResult]
-"""A submitted point: call it for its result (it blocks, or runs the point, until done)."""
-
-
-class PointRunner(Protocol):
-    def submit(self, points: Sequence[Point]) -> list[Pending]:
-        """Start ``points`` (or get ready to); one pending result each, in their order."""
-        ...
-
-
-def _point_task(config: Config, workload: list[WorkloadRequest], keep_metrics: bool) -> PointResult:
-    result = run_point(config, workload)
-    if not keep_metrics:
-        result.metrics = []
-    return result
-
-
-class SerialRunner:
-    """Each point in this process when its result is asked for (so in order, the
-    single-load comparison before the sweep)."""
-
-    def submit(self, points: Sequence[Point]) -> list[Pending]:
-        return [_lazy(p) for p in points]
-
-
-def _lazy(p: Point) -> Pending:
-    return lambda: _point_task(p.config, p.workload, p.keep_metrics)
-
-
-_FORWARDED_ENV = ("SCHEDKIT_DISABLE_PLUGIN_AUTOLOAD", "SCHEDKIT_DISABLE_PLUGINS", "PYTHONHASHSEED")
-
-
-class RayRunner:
-    """Every point as a Ray task, all submitted at once; each distinct workload goes into
-    the object store once (``ray.put``), shared by the profiles that run it.
-
-    Args:
-        address: The Ray cluster (:func:`schedkit.cluster.ray_util.init_ray`); None
-            starts a local one when the first points are submitted, stopped by
-            :meth:`close`.
-
-    Raises:
-        ConfigError: Ray is not installed (at once, before any point runs).
-    """
-
-    def __init__(self, address: str | None = None) -> None:
-        from schedkit.cluster.ray_util import require_ray
-
-        self._ray = require_ray("schedkit compare --ray")
-        self.address = address
-        self._started: bool | None = None
-        self._task: Any = None
-
-    def _connect(self) -> None:
-        if self._started is None:
-            from schedkit.cluster.ray_util import init_ray
-
-            self._started = init_ray(self.address)
-        if self._task is None:
-            # What else a point's result depends on: the plugin switches of this process's
-            # environment. A local cluster started here inherits it; any other one is told
-            # (which costs fresh worker processes, about 1.5 s).
-            inherited = self._started and self.address is None
-            env = {k: v for k, v in os.environ.items() if k in _FORWARDED_ENV}
-            options = {"runtime_env": {"env_vars": env}} if env and not inherited else {}
-            self._task = self._ray.remote(**options)(_point_task) if options else self._ray.remote(_point_task)
-
-    def submit(self, points: Sequence[Point]) -> list[Pending]:
-        self._connect()
-        ray = self._ray
-        stored: dict[int, Any] = {}  # id(workload) -> its object ref
-        for p in points:
-            if id(p.workload) not in stored:
-                stored[id(p.workload)] = ray.put(p.workload)
-        refs = [self._task.remote(p.config, stored[id(p.workload)], p.keep_metrics) for p in points]
-        return [self._pending(ref) for ref in refs]
-
-    def _pending(self, ref: Any) -> Pending:
-        def get() -> PointResult:
-            try:
-                result: PointResult = self._ray.get(ref)
-            except self._ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, SchedkitError):  # a config or plugin error, as it was raised
-                    raise cause from None
-                raise
-            return result
-        return get
-
-    def close(self) -> None:
-        """Disconnect, if this runner connected (stopping the local cluster it started)."""
-        if self._started:
-            self._ray.shutdown()
-        self._started = None
-        self._task = None
-
-    def __enter__(self) -> RayRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# -- compare and sweep ----------------------------------------------------------------------
 
 @dataclass(slots=True)
 class CompareResult:
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per profile: its run's summary, or with several runs every figure's mean."""
+    ci95: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per profile, with several runs: the half-width of each figure's 95% t-interval."""
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+    """Per profile: every run, by seed and then repeat."""
     metrics: dict[str, list[RequestMetrics]] = field(default_factory=dict)
+    """Per profile: the requests of all its runs, one run after the other."""
     failed: dict[str, dict[str, str]] = field(default_factory=dict)
-    sweep: dict[str, list[tuple[float, dict[str, Any]]]] = field(default_factory=dict)
+    sweep: dict[str, list[SweepPoint]] = field(default_factory=dict)
     sustained: dict[str, float | None] = field(default_factory=dict)
+    """Per profile: the highest offered load (req/s) it sustains (:func:`sustained_load`)."""
+    seeds: list[int] = field(default_factory=list)
+    repeats: int = 1
+
+    @property
+    def num_runs(self) -> int:
+        """Runs of each profile at each load: seeds x repeats."""
+        return len(self.seeds) * self.repeats
+
+
+def _combine(samples: list[Sample]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The summary of one run, or the mean summary and the half-widths of several."""
+    summaries = [s.result.summary for s in samples]
+    if len(summaries) == 1:
+        return summaries[0], None
+    return mean_summary(summaries), ci_summary(summaries)
+
+
+def _tag(samples: list[Sample], rid: str, s: Sample) -> str:
+    return rid if len(samples) == 1 else f"{rid} (seed {s.seed}, repeat {s.repeat})"
+
+
+def request_records(samples: list[Sample]) -> list[dict[str, Any]]:
+    """Every request of the runs as ``results.json`` lists it; with several runs each
+    record also names its ``seed`` and ``repeat``."""
+    if len(samples) == 1:
+        return [m.to_dict() for m in samples[0].result.metrics]
+    return [{**m.to_dict(), "seed": s.seed, "repeat": s.repeat} for s in samples for m in s.result.metrics]
 
 
 @dataclass(slots=True)
@@ -224,26 +179,40 @@ class Submitted:
 
     config: Config
     result: CompareResult
-    compare_points: list[tuple[str, Pending]] = field(default_factory=list)
-    """(profile name, pending result), in profile order."""
-    sweep_points: list[tuple[str, list[tuple[float, Pending]]]] = field(default_factory=list)
-    """(profile name, [(load, pending result)] in the order of the values), in profile order."""
+    knob: str | None = None
+    compare_points: list[tuple[str, int, int, Pending]] = field(default_factory=list)
+    """(profile name, seed, repeat, pending result), in the order submitted."""
+    sweep_points: list[tuple[str, float, int, int, Pending]] = field(default_factory=list)
+    """(profile name, knob value, seed, repeat, pending result), in the order submitted."""
 
     def compared(self) -> CompareResult:
-        for name, pending in self.compare_points:
-            point = pending()
-            self.result.summaries[name] = point.summary
-            self.result.metrics[name] = point.metrics
-            self.result.failed[name] = point.failed
+        runs: dict[str, list[Sample]] = {}
+        for name, seed, repeat, pending in self.compare_points:  # serially: they run now, in order
+            runs.setdefault(name, []).append(Sample(seed, repeat, pending()))
+        for name, samples in runs.items():
+            res = self.result
+            res.samples[name] = samples
+            res.summaries[name], ci = _combine(samples)
+            if ci is not None:
+                res.ci95[name] = ci
+            res.metrics[name] = [m for s in samples for m in s.result.metrics]
+            res.failed[name] = {_tag(samples, rid, s): err for s in samples for rid, err in s.result.failed.items()}
         self.compare_points = []
         return self.result
 
     def swept(self) -> CompareResult:
-        for name, loads in self.sweep_points:
-            points = sorted(((load, pending().summary) for load, pending in loads),
-                            key=lambda p: p[0])
+        runs: dict[str, dict[float, list[Sample]]] = {}
+        for name, value, seed, repeat, pending in self.sweep_points:
+            runs.setdefault(name, {}).setdefault(value, []).append(Sample(seed, repeat, pending()))
+        for name, by_value in runs.items():
+            points = []
+            for value, samples in by_value.items():
+                summary, ci = _combine(samples)
+                points.append(SweepPoint(value, summary["offered_load_req_s"], summary, ci, samples))
+            points.sort(key=lambda p: -p.knob if self.knob == "time_scale" else p.knob)  # by load
             self.result.sweep[name] = points
-            self.result.sustained[name] = sustained_load(points, self.config.workload.slo.attainment)
+            self.result.sustained[name] = sustained_load([(p.load, p.summary) for p in points],
+                                                         self.config.workload.slo.attainment)
         self.sweep_points = []
         return self.result
 
@@ -252,12 +221,32 @@ class Submitted:
         return self.swept()
 
 
+def _seeded(wl: WorkloadConfig, seed: int) -> WorkloadConfig:
+    return wl if wl.seed == seed else wl.model_copy(update={"seed": seed})
+
+
+def _knob_workloads(wl: WorkloadConfig, knob: str, values: Sequence[float]) -> dict[float, WorkloadConfig]:
+    if knob not in SWEEP_KNOBS:
+        raise ConfigError(f"sweep knob {knob!r}: expected one of {SWEEP_KNOBS}")
+    if knob == "rate":
+        return {v: wl.model_copy(update={"rate": v}) for v in values}
+    if wl.trace is None:
+        raise ConfigError("--sweep time_scale needs a trace workload; use rate for synthetic ones")
+    trace = wl.trace
+    return {v: wl.model_copy(update={"trace": trace.model_copy(update={"time_scale": v})}) for v in values}
+
+
 def submit(config: Config, *, single: bool = True, knob: str | None = None,
            values: Sequence[float] = (), base_dir: str | Path | None = None,
-           runner: PointRunner | None = None, result: CompareResult | None = None) -> Submitted:
+           runner: PointRunner | None = None, result: CompareResult | None = None,
+           seeds: Sequence[int] | None = None, repeats: int | None = None,
+           progress: bool = False) -> Submitted:
     """Check every profile (:func:`check_profiles`), generate the workloads, and submit
     the single-load comparison (``single``) and the sweep (``knob`` over ``values``:
-    :func:`sweep`) to ``runner`` (default: :class:`SerialRunner`) in one go.
+    :func:`sweep`) to ``runner`` (default: :class:`SerialRunner`) in one go, every
+    profile on every seed's workload ``repeats`` times (:func:`runs_of`), interleaved
+    across profiles. Without the single-load comparison the sweep points keep their
+    per-request metrics. ``progress``: a progress bar per point on stderr.
 
     Raises:
         ConfigError, PluginError: A bad profile, a sweep knob the workload cannot take,
@@ -265,49 +254,67 @@ def submit(config: Config, *, single: bool = True, knob: str | None = None,
     """
     check_profiles(config)
     runner = runner or SerialRunner()
-    profiles = profiles_of(config)
-    wl = config.workload
+    profiles = [(p.name, profile_config(config, p)) for p in profiles_of(config)]
+    seeds, repeats = runs_of(config, seeds, repeats)
+    runs = [(seed, r) for seed in seeds for r in range(repeats)]
+    wl, vocab = config.workload, config.runner.vocab_size
+    slots: list[tuple[str, float | None, int, int]] = []
     points: list[Point] = []
-    compare_names: list[str] = []
-    sweep_slots: list[tuple[str, float]] = []
+
+    def add(name: str, cfg: Config, work: list[WorkloadRequest], value: float | None, seed: int, r: int) -> None:
+        slots.append((name, value, seed, r))
+        points.append(Point(cfg, work, keep_metrics=value is None or not single))
+
     if single:
-        workload = generate(wl, config.runner.vocab_size, base_dir)
-        for profile in profiles:
-            points.append(Point(profile_config(config, profile), workload))
-            compare_names.append(profile.name)
+        for seed in seeds:
+            wl_s = _seeded(wl, seed)
+            work = generate(wl_s, vocab, base_dir)
+            for r in range(repeats):
+                for name, cfg in profiles:
+                    add(name, cfg.model_copy(update={"workload": wl_s}), work, None, seed, r)
     if knob is not None:
-        if knob not in SWEEP_KNOBS:
-            raise ConfigError(f"sweep knob {knob!r}: expected one of {SWEEP_KNOBS}")
-        if knob == "time_scale":
-            if wl.trace is None:
-                raise ConfigError("--sweep time_scale needs a trace workload; use rate for synthetic ones")
-            trace = wl.trace
-            workloads = {v: wl.model_copy(update={"trace": trace.model_copy(update={"time_scale": v})})
-                         for v in values}
-        else:
-            workloads = {v: wl.model_copy(update={"rate": v}) for v in values}
-        generated = {v: generate(w, config.runner.vocab_size, base_dir) for v, w in workloads.items()}
-        for profile in profiles:
-            cfg = profile_config(config, profile)
-            for v in values:
-                points.append(Point(cfg.model_copy(update={"workload": workloads[v]}), generated[v],
-                                    keep_metrics=False))
-                sweep_slots.append((profile.name, 1.0 / v if knob == "time_scale" else v))
+        by_value = _knob_workloads(wl, knob, values)
+        generated = {(v, seed): generate(_seeded(w, seed), vocab, base_dir)
+                     for v, w in by_value.items() for seed in seeds}
+        for v in values:
+            for seed, r in runs:
+                for name, cfg in profiles:
+                    add(name, cfg.model_copy(update={"workload": _seeded(by_value[v], seed)}),
+                        generated[(v, seed)], v, seed, r)
+    if progress:
+        for i, (p, (name, value, seed, r)) in enumerate(zip(points, slots, strict=True)):
+            p.progress = _label(i, len(points), name, knob, value, seed if len(seeds) > 1 else None,
+                                r if repeats > 1 else None)
     pending = runner.submit(points)
-    out = Submitted(config, result if result is not None else CompareResult())
-    out.compare_points = list(zip(compare_names, pending[:len(compare_names)], strict=True))
-    by_profile: dict[str, list[tuple[float, Pending]]] = {}
-    for (name, load), p in zip(sweep_slots, pending[len(compare_names):], strict=True):
-        by_profile.setdefault(name, []).append((load, p))
-    out.sweep_points = list(by_profile.items())
+    out = Submitted(config, result if result is not None else CompareResult(), knob)
+    out.result.seeds, out.result.repeats = seeds, repeats
+    for (name, value, seed, r), result_of in zip(slots, pending, strict=True):
+        if value is None:
+            out.compare_points.append((name, seed, r, result_of))
+        else:
+            out.sweep_points.append((name, value, seed, r, result_of))
     return out
 
 
+def _label(i: int, n: int, name: str, knob: str | None, value: float | None,
+           seed: int | None, repeat: int | None) -> str:
+    parts = [f"[{i + 1}/{n}] {name}"]
+    if value is not None:
+        parts.append(f"{knob}={value:g}")
+    if seed is not None:
+        parts.append(f"seed {seed}")
+    if repeat is not None:
+        parts.append(f"repeat {repeat + 1}")
+    return " ".join(parts)
+
+
 def compare(config: Config, *, base_dir: str | Path | None = None,
-            runner: PointRunner | None = None) -> CompareResult:
-    """Run every profile on the same (generated once) workload (every profile is checked
-    first: :func:`check_profiles`), on ``runner`` (default: one after the other here)."""
-    return submit(config, base_dir=base_dir, runner=runner).compared()
+            runner: PointRunner | None = None, seeds: Sequence[int] | None = None,
+            repeats: int | None = None) -> CompareResult:
+    """Run every profile on the same (generated once per seed) workload (every profile is
+    checked first: :func:`check_profiles`), on ``runner`` (default: one after the other
+    here)."""
+    return submit(config, base_dir=base_dir, runner=runner, seeds=seeds, repeats=repeats).compared()
 
 
 def parse_sweep(spec: str) -> tuple[str, list[float]]:
@@ -324,18 +331,34 @@ def parse_sweep(spec: str) -> tuple[str, list[float]]:
     return knob, sorted(vals)
 
 
+def parse_seeds(spec: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2].
+
+    Raises:
+        ConfigError: Not whole numbers separated by commas.
+    """
+    try:
+        seeds = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds {spec!r}: expected whole numbers separated by commas, "
+                          "e.g. 0,1,2") from None
+    return seeds
+
+
 def sweep(config: Config, knob: str, values: list[float], *, base_dir: str | Path | None = None,
-          result: CompareResult | None = None, runner: PointRunner | None = None) -> CompareResult:
-    """Run every profile at every load; record the highest load meeting the SLO with every
-    lower load meeting it too (:func:`sustained_load`).
+          result: CompareResult | None = None, runner: PointRunner | None = None,
+          seeds: Sequence[int] | None = None, repeats: int | None = None) -> CompareResult:
+    """Run every profile at every load; record the highest offered load meeting the SLO
+    with every lower load meeting it too (:func:`sustained_load`).
 
     ``rate`` scales synthetic (and vidur) arrivals; ``time_scale`` stretches trace
-    arrival times (smaller is more load), so the sustained load is reported as its
-    inverse. A load is sustained when the SLO attainment reaches ``slo.attainment``.
-    The points run on ``runner`` (default: one after the other here).
+    arrival times (smaller is more load). Either way a point's load is the offered load
+    it measured: requests per second over its arrival window. A load is sustained when
+    the SLO attainment (the mean over the runs) reaches ``slo.attainment``. The points
+    run on ``runner`` (default: one after the other here).
     """
     return submit(config, single=False, knob=knob, values=values, base_dir=base_dir,
-                  runner=runner, result=result).swept()
+                  runner=runner, result=result, seeds=seeds, repeats=repeats).swept()
 
 
 def sustained_load(points: list[tuple[float, dict[str, Any]]], attainment: float) -> float | None:
@@ -347,10 +370,3 @@ def sustained_load(points: list[tuple[float, dict[str, Any]]], attainment: float
             break
         best = load
     return best
-
-
-def summarize_run(config: Config, metrics: list[RequestMetrics]) -> dict[str, Any]:
-    """:func:`summarize` with the workload's SLO, fairness weights and tenant shares."""
-    wl = config.workload
-    return summarize(metrics, wl.slo, fairness=wl.fairness,
-                     shares=wl.tenant_shares)

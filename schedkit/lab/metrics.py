@@ -37,6 +37,7 @@ have the same length (all of one length: everything is ``short``).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -306,6 +307,31 @@ def _per_sec(duration: float) -> Any:
     return (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
 
 
+def work_done_by(metrics: Sequence[RequestMetrics], end: float) -> tuple[int, float, int]:
+    """``(requests served, output tokens, prompt tokens)`` done by time ``end``: requests
+    that finished normally by then, output tokens produced by then (from each request's
+    token times; without them, spread evenly from its first token to its finish), and
+    the prompts of requests whose first token came by then. Rejected requests did no work."""
+    served = 0
+    outputs = 0.0
+    prompts = 0
+    for m in metrics:
+        if m.rejected:
+            continue
+        served += m.served and m.finish_time is not None and m.finish_time <= end
+        first = m.first_token_time
+        if first is None or first > end:
+            continue
+        prompts += m.num_prompt_tokens
+        if m.token_times:
+            outputs += bisect.bisect_right(m.token_times, end)
+        elif m.finish_time is None or m.finish_time <= end or m.num_output_tokens < 2:
+            outputs += m.num_output_tokens
+        else:  # part of the way from the first token to the last
+            outputs += 1 + (m.num_output_tokens - 1) * (end - first) / (m.finish_time - first)
+    return served, outputs, prompts
+
+
 def class_summary(metrics: Sequence[RequestMetrics], slo: SLOConfig,
                   duration: float) -> dict[str, Any]:
     """Requests, rejections, SLO attainment, goodput and latencies of one class."""
@@ -328,22 +354,29 @@ def _by(metrics: Sequence[RequestMetrics], key: Any, slo: SLOConfig,
     return {k: class_summary(groups[k], slo, duration) for k in sorted(groups)}
 
 
-def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
-              duration: float | None = None, *, fairness: FairnessConfig | None = None,
+def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None, *,
+              fairness: FairnessConfig | None = None,
               shares: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Aggregate metrics of a run's requests (rejected ones included: module docstring).
 
-    ``duration`` defaults to first arrival -> last finish. Goodput counts requests that
-    meet their class's SLO targets, per second; attainment is their share of all
-    requests. ``by_prompt_size`` holds :func:`by_prompt_size` (TTFT and E2E per
-    prompt-length tertile), ``by_priority`` and ``by_tenant`` :func:`class_summary` per
-    class, ``fairness`` :func:`schedkit.lab.fairness.fairness_summary` with ``fairness``
-    and the tenants' ``shares``.
+    Two spans of time: the *arrival window*, first arrival -> last arrival, and the
+    *makespan*, first arrival -> last finish. ``offered_load_req_s`` is the arrival rate
+    over the window; the throughputs (``throughput_req_s``, ``output_tokens_per_s``,
+    ``total_tokens_per_s``) count the work done within the window, per second of it, so
+    the drain after the last arrival does not dilute them (when every request arrives at
+    once the window is empty and they are over the makespan). Goodput counts requests
+    that meet their class's SLO targets, per second of makespan; attainment is their
+    share of all requests. ``by_prompt_size`` holds :func:`by_prompt_size` (TTFT and E2E
+    per prompt-length tertile), ``by_priority`` and ``by_tenant`` :func:`class_summary`
+    per class, ``fairness`` :func:`schedkit.lab.fairness.fairness_summary` with
+    ``fairness`` and the tenants' ``shares``.
     """
     slo = slo or SLOConfig()
-    if duration is None:
-        finishes = [m.finish_time for m in metrics if m.finish_time is not None]
-        duration = (max(finishes) - min(m.arrival_time for m in metrics)) if finishes else 0.0
+    arrivals = [m.arrival_time for m in metrics]
+    finishes = [m.finish_time for m in metrics if m.finish_time is not None]
+    first = min(arrivals, default=0.0)
+    duration = (max(finishes) - first) if finishes else 0.0
+    window = max(arrivals, default=0.0) - first
 
     def vals(attr: str) -> list[float]:
         return [v for v in (getattr(m, attr) for m in metrics) if v is not None]
@@ -355,6 +388,12 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
     completed = sum(m.served for m in metrics)
     good = sum(m.meets(slo) for m in metrics)
     per_sec = _per_sec(duration)
+    if window > 0:
+        in_window = work_done_by(metrics, first + window)
+        per_window_sec = _per_sec(window)
+    else:  # everything arrived at once: no arrival window, the whole run counts
+        in_window = (completed, out_tokens, prompt_tokens)
+        per_window_sec = per_sec
     fair = fairness_summary(metrics, fairness, shares)
     tenants: dict[str, dict[str, float]] = {}
     for m in metrics:
@@ -379,11 +418,13 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None,
         "completed": completed,
         "rejected": sum(rejected_by.values()),
         "rejected_by": dict(sorted(rejected_by.items())),
-        "duration_s": duration,
-        "throughput_req_s": per_sec(completed),
+        "makespan_s": duration,
+        "arrival_window_s": window,
+        "offered_load_req_s": (len(metrics) - 1) / window if window > 0 else math.nan,
+        "throughput_req_s": per_window_sec(in_window[0]),
         "output_tokens": out_tokens,
-        "output_tokens_per_s": per_sec(out_tokens),
-        "total_tokens_per_s": per_sec(out_tokens + prompt_tokens),
+        "output_tokens_per_s": per_window_sec(in_window[1]),
+        "total_tokens_per_s": per_window_sec(in_window[1] + in_window[2]),
         "ttft_s": _latency(metrics, "ttft"), "tpot_s": _dist(vals("tpot")), "itl_s": _dist(itls),
         "e2e_s": _latency(metrics, "e2e"),
         "normalized_latency_s": _latency(metrics, "normalized_latency"),

@@ -20,19 +20,26 @@ from schedkit.lab.metrics import SIZE_BUCKETS, RequestMetrics
 ROWS = (
     ("requests", "requests", "{:.0f}"),
     ("rejected", "rejected", "{:.0f}"),
+    ("offered load (req/s)", "offered_load_req_s", "{:.2f}"),
+    ("throughput (req/s)", "throughput_req_s", "{:.2f}"),
     ("output tok/s", "output_tokens_per_s", "{:.1f}"),
     ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
     ("TTFT p50 (ms)", ("ttft_s", "p50"), "ms"),
+    ("TTFT p90 (ms)", ("ttft_s", "p90"), "ms"),
     ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
+    ("TPOT mean (ms)", ("tpot_s", "mean"), "ms"),
     ("TPOT p50 (ms)", ("tpot_s", "p50"), "ms"),
+    ("TPOT p90 (ms)", ("tpot_s", "p90"), "ms"),
     ("TPOT p99 (ms)", ("tpot_s", "p99"), "ms"),
     ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
     ("E2E p50 (s)", ("e2e_s", "p50"), "{:.2f}"),
+    ("E2E p90 (s)", ("e2e_s", "p90"), "{:.2f}"),
     ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
     ("max first wait (s)", "max_first_wait_s", "{:.2f}"),
     ("max wait (s)", "max_wait_s", "{:.2f}"),
     ("SLO attainment", "slo_attainment", "{:.1%}"),
     ("goodput (req/s)", "goodput_req_s", "{:.2f}"),
+    ("makespan (s)", "makespan_s", "{:.2f}"),
     ("preemptions", "preemptions", "{:.0f}"),
     ("recomputed tokens", "recomputed_tokens", "{:.0f}"),
     ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
@@ -43,7 +50,9 @@ ROWS = (
 )
 """The main table's rows (the last ones only for cluster runs, ``replicas.count`` > 1:
 load imbalance is max over replicas / mean); the TTFT and E2E percentiles count requests never served as
-infinitely late (``inf``), their means are over the served requests."""
+infinitely late (``inf``), their means are over the served requests. Offered load and
+throughput are over the arrival window (first to last arrival), goodput over the
+makespan (first arrival to last finish): :func:`schedkit.lab.metrics.summarize`."""
 FAIRNESS_ROWS = (
     ("max service gap", ("fairness", "max_service_gap"), "{:.0f}"),
     ("Jain, backlogged", ("fairness", "jain_backlogged"), "{:.3f}"),
@@ -53,8 +62,10 @@ SIZE_ROWS = (
     ("requests", "requests", "{:.0f}"),
     ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
     ("TTFT p50 (ms)", ("ttft_s", "p50"), "ms"),
+    ("TTFT p90 (ms)", ("ttft_s", "p90"), "ms"),
     ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
     ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
+    ("E2E p90 (s)", ("e2e_s", "p90"), "{:.2f}"),
     ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
 )
 CLASS_ROWS = (
@@ -62,8 +73,10 @@ CLASS_ROWS = (
     ("rejected", "rejected", "{:.0f}"),
     ("SLO attainment", "slo_attainment", "{:.1%}"),
     ("TTFT mean (ms)", ("ttft_s", "mean"), "ms"),
+    ("TTFT p90 (ms)", ("ttft_s", "p90"), "ms"),
     ("TTFT p99 (ms)", ("ttft_s", "p99"), "ms"),
     ("E2E mean (s)", ("e2e_s", "mean"), "{:.2f}"),
+    ("E2E p90 (s)", ("e2e_s", "p90"), "{:.2f}"),
     ("E2E p99 (s)", ("e2e_s", "p99"), "{:.2f}"),
 )
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -88,6 +101,32 @@ def _fmt(value: float, fmt: str) -> str:
     return f"{value * 1e3:.1f}" if fmt == "ms" else fmt.format(value)
 
 
+Intervals = Mapping[str, Mapping[str, Any]]
+"""Per profile: the half-widths of its figures' confidence intervals, shaped like its
+summary (:func:`schedkit.lab.stats.ci_summary`)."""
+
+
+def _cell(summary: Mapping[str, Any], key: Any, fmt: str, ci: Mapping[str, Any] | None = None) -> str:
+    """A figure of ``summary``, with ``± half-width`` when ``ci`` has a finite one for it
+    that is not 0 (a figure equal in every run shows none)."""
+    text = _fmt(_get(summary, key), fmt)
+    if ci is None or text in ("-", "inf") or not _has(ci, key):
+        return text
+    half = _get(ci, key)
+    if not isinstance(half, (int, float)) or not math.isfinite(half) or half == 0:
+        return text
+    return f"{text} ± {_fmt(half, fmt)}"
+
+
+def _sub(ci: Mapping[str, Any] | None, *path: Any) -> Mapping[str, Any] | None:
+    """``ci[path...]`` when it is there."""
+    for part in path:
+        if not isinstance(ci, Mapping) or part not in ci:
+            return None
+        ci = ci[part]
+    return ci
+
+
 def _grid(title: str, names: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
     """Right-aligned columns under the profile names, labels on the left."""
     label_w = max(len(title), *(len(label) for label, _ in rows))
@@ -106,36 +145,45 @@ def _size_range(bucket: Mapping[str, Any], what: str) -> str:
     return f"{lo:.0f}-{hi:.0f}"
 
 
-def format_size_table(summaries: Mapping[str, Mapping[str, Any]], what: str = "prompt") -> str:
+def format_size_table(summaries: Mapping[str, Mapping[str, Any]], what: str = "prompt",
+                      intervals: Intervals | None = None) -> str:
     """TTFT and E2E per tertile (short / medium / long) of the prompt length (``what``
-    ``prompt``) or of the output length asked for (``output``), one column per profile.
+    ``prompt``) or of the output length asked for (``output``), one column per profile
+    (with ``intervals``: ``mean ± half-width``).
 
     The tertiles are those of each profile's requests (see :mod:`schedkit.lab.metrics`);
     the ``prompt tokens`` / ``output tokens`` rows show each bucket's range. Output
     buckets are labelled ``short-output`` and so on.
     """
     names = list(summaries)
+    intervals = intervals or {}
     rows: list[tuple[str, list[str]]] = []
     for bucket in SIZE_BUCKETS:
         cells = [summaries[n][f"by_{what}_size"][bucket] for n in names]
+        cis = [_sub(intervals.get(n), f"by_{what}_size", bucket) for n in names]
         tag = bucket if what == "prompt" else f"{bucket}-output"
         rows.append((f"{tag} {what} tokens", [_size_range(c, what) for c in cells]))
-        rows += [(f"{tag} {label}", [_fmt(_get(c, key), fmt) for c in cells])
+        rows += [(f"{tag} {label}", [_cell(c, key, fmt, ci) for c, ci in zip(cells, cis, strict=True)])
                  for label, key, fmt in SIZE_ROWS]
     title = "by prompt length (tertiles)" if what == "prompt" else "by output length asked (tertiles)"
     return "\n".join(_grid(title, names, rows))
 
 
-def format_class_table(summaries: Mapping[str, Mapping[str, Any]], key: str, title: str) -> str:
+def format_class_table(summaries: Mapping[str, Mapping[str, Any]], key: str, title: str,
+                       intervals: Intervals | None = None) -> str:
     """Attainment and latency per class (``key``: ``by_priority`` or ``by_tenant``), one
-    column per profile; a class a profile did not see shows ``-``."""
+    column per profile (with ``intervals``: ``mean ± half-width``); a class a profile did
+    not see shows ``-``."""
     names = list(summaries)
+    intervals = intervals or {}
     classes = sorted({c for n in names for c in summaries[n].get(key, {})},
                      key=lambda c: (not isinstance(c, int), c if isinstance(c, int) else 0, str(c)))
     rows: list[tuple[str, list[str]]] = []
     for c in classes:
         cells = [summaries[n].get(key, {}).get(c) for n in names]
-        rows += [(f"{c} {label}", [_fmt(_get(x, k), fmt) if x is not None else "-" for x in cells])
+        cis = [_sub(intervals.get(n), key, c) for n in names]
+        rows += [(f"{c} {label}", [_cell(x, k, fmt, ci) if x is not None else "-"
+                                   for x, ci in zip(cells, cis, strict=True)])
                  for label, k, fmt in CLASS_ROWS]
     return "\n".join(_grid(title, names, rows))
 
@@ -151,24 +199,27 @@ def _classes(summaries: Mapping[str, Mapping[str, Any]], key: str) -> set[Any]:
     return {c for s in summaries.values() for c in s.get(key, ())}
 
 
-def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = True) -> str:
+def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = True,
+                 intervals: Intervals | None = None) -> str:
     """One column per profile, one row per metric (with fairness rows when there are
     several tenants); then the breakdowns by prompt and output length (:func:`format_size_table`),
     by priority class and by tenant when there are several (:func:`format_class_table`),
-    and, with ``notes``, the plots that will be skipped."""
+    and, with ``notes``, the plots that will be skipped. With ``intervals`` (several runs
+    per profile: ``summaries`` are means) a figure reads ``mean ± half-width``."""
     names = list(summaries)
+    intervals = intervals or {}
     several_tenants = len(_classes(summaries, "tenants")) > 1
-    rows = [(label, [_fmt(_get(summaries[n], key), fmt) for n in names])
+    rows = [(label, [_cell(summaries[n], key, fmt, intervals.get(n)) for n in names])
             for label, key, fmt in ROWS + (FAIRNESS_ROWS if several_tenants else ())
             if all(_has(summaries[n], key) for n in names)]
     parts = ["\n".join(_grid("", names, rows))]
     for what in ("prompt", "output"):
         if names and all(f"by_{what}_size" in summaries[n] for n in names):
-            parts.append(format_size_table(summaries, what))
+            parts.append(format_size_table(summaries, what, intervals))
     if len(_classes(summaries, "by_priority")) > 1:
-        parts.append(format_class_table(summaries, "by_priority", "by priority class"))
+        parts.append(format_class_table(summaries, "by_priority", "by priority class", intervals))
     if several_tenants:
-        parts.append(format_class_table(summaries, "by_tenant", "by tenant"))
+        parts.append(format_class_table(summaries, "by_tenant", "by tenant", intervals))
     if notes:
         parts += plot_notes(summaries)
     return "\n\n".join(parts)
@@ -305,38 +356,91 @@ def plot_tenant_service(runs: Mapping[str, Sequence[RequestMetrics]], path: str 
     return _save(plt, fig, path)
 
 
-def latency_vs_load_figure(plt: Any, sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
-                           knob: str = "rate", colours: Mapping[str, str] | None = None) -> Any:
-    """The figure of :func:`plot_latency_vs_load` (unsaved): p50 solid, p99 dashed, one
-    colour per profile. An infinite percentile (requests never served) is drawn as a
+STATS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("mean", {"marker": "s", "ls": ":"}), ("p50", {"marker": "o"}),
+    ("p90", {"marker": "d", "ls": "-."}), ("p99", {"marker": "x", "ls": "--"}))
+"""The TTFT statistics the load plot draws, each in its own line style."""
+SweepCurves = Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]]
+"""Per profile: ``(offered load, summary)`` at each load, in load order."""
+
+
+def latency_vs_load_figure(plt: Any, sweep: SweepCurves, knob: str = "offered load (req/s)",
+                           colours: Mapping[str, str] | None = None,
+                           intervals: Mapping[str, Sequence[Mapping[str, Any] | None]] | None = None) -> Any:
+    """The figure of :func:`plot_latency_vs_load` (unsaved): TTFT mean, p50, p90 and p99
+    (one line style each, one colour per profile), SLO attainment, and throughput against
+    the offered load (the diagonal: everything offered is served). With ``intervals``
+    (the half-widths at each load, several runs per point) the TTFT lines get error
+    bars and the others a shaded band: their 95% intervals. An infinite percentile (requests never served) is drawn as a
     triangle on the top edge of the TTFT panel, above the largest finite value."""
+    from matplotlib.lines import Line2D
+
     colours = colours or profile_colours(list(sweep))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    finite = [s["ttft_s"][q] for pts in sweep.values() for _, s in pts for q in ("p50", "p99")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    stats = [(q, style) for q, style in STATS
+             if all(q in s["ttft_s"] for pts in sweep.values() for _, s in pts)]
+    finite = [s["ttft_s"][q] for pts in sweep.values() for _, s in pts for q, _ in stats
               if math.isfinite(s["ttft_s"][q])]
     top = 2 * max(finite, default=1.0)
     for name, points in sweep.items():
         xs = [x for x, _ in points]
+        cis = list(intervals.get(name, ())) if intervals else []
         c = colours[name]
-        for q, style in (("p50", {"marker": "o"}), ("p99", {"marker": "x", "ls": "--"})):
+        for q, style in stats:
             ys = [s["ttft_s"][q] for _, s in points]
             axes[0].plot(xs, ys, color=c, label=f"{name} {q}", **style)
+            _bars(axes[0], xs, ys, [_sub(ci, "ttft_s", q) for ci in cis], c)
             unserved = [x for x, y in zip(xs, ys, strict=True) if math.isinf(y)]
             if unserved:
                 axes[0].plot(unserved, [top] * len(unserved), marker="^", ls="none", color=c,
                              label=f"{name} {q} = inf (requests never served)")
-        axes[1].plot(xs, [s["slo_attainment"] for _, s in points], marker="o", color=c, label=name)
+        for ax, key in ((axes[1], "slo_attainment"), (axes[2], "throughput_req_s")):
+            if all(key in s for _, s in points):
+                ys = [s[key] for _, s in points]
+                ax.plot(xs, ys, marker="o", color=c, label=name)
+                _band(ax, xs, ys, cis, c, key)
     axes[0].set_yscale("log")
     _label(axes[0], knob, "TTFT (s)")
+    axes[0].legend(handles=[Line2D([], [], color="black", label=q, **style) for q, style in stats])
     _label(axes[1], knob, "SLO attainment")
+    loads = [x for pts in sweep.values() for x, _ in pts if math.isfinite(x)]
+    if loads:
+        axes[2].plot([0, max(loads)], [0, max(loads)], color="grey", ls=":", label="served = offered")
+    _label(axes[2], knob, "throughput (req/s, arrival window)")
     return fig
 
 
-def plot_latency_vs_load(sweep: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
-                         path: str | Path, knob: str = "rate",
-                         colours: Mapping[str, str] | None = None) -> bool:
-    """TTFT p50/p99 and SLO attainment against the swept load knob, per profile."""
+def _widths(ys: Sequence[float], halves: Sequence[Any]) -> list[float] | None:
+    """The half-widths, when every point has a finite value and a finite half-width."""
+    widths = [float(h) for h in halves if isinstance(h, (int, float)) and math.isfinite(h)]
+    if len(widths) != len(ys) or not all(math.isfinite(y) for y in ys):
+        return None
+    return widths
+
+
+def _band(ax: Any, xs: Sequence[float], ys: Sequence[float], cis: Sequence[Any], colour: str,
+          key: Any) -> None:
+    """Shade ``y ± half-width`` (``cis[i][key]``) where every point has a finite one."""
+    widths = _widths(ys, [_sub(ci, key) for ci in cis])
+    if widths is not None:
+        ax.fill_between(xs, [y - h for y, h in zip(ys, widths, strict=True)],
+                        [y + h for y, h in zip(ys, widths, strict=True)], color=colour, alpha=0.15, lw=0)
+
+
+def _bars(ax: Any, xs: Sequence[float], ys: Sequence[float], halves: Sequence[Any], colour: str) -> None:
+    """Error bars ``y ± half-width`` where every point has a finite one (on a log axis a
+    bar reaching 0 or below runs off the bottom)."""
+    widths = _widths(ys, halves)
+    if widths is not None:
+        ax.errorbar(xs, ys, yerr=widths, fmt="none", ecolor=colour, capsize=3, alpha=0.7)
+
+
+def plot_latency_vs_load(sweep: SweepCurves, path: str | Path, knob: str = "offered load (req/s)",
+                         colours: Mapping[str, str] | None = None,
+                         intervals: Mapping[str, Sequence[Mapping[str, Any] | None]] | None = None) -> bool:
+    """TTFT mean/p50/p90/p99, SLO attainment and throughput against the offered load,
+    per profile (:func:`latency_vs_load_figure`). False if matplotlib is missing."""
     plt = _plt()
     if plt is None:
         return False
-    return _save(plt, latency_vs_load_figure(plt, sweep, knob, colours), path)
+    return _save(plt, latency_vs_load_figure(plt, sweep, knob, colours, intervals), path)

@@ -6,6 +6,7 @@ trace takes seconds and is exactly reproducible; with the real runner it is wall
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,10 +39,31 @@ class RunResult:
     start_time: float = 0.0
 
 
+PROGRESS_DELAY_S = 1.0
+"""A progress bar appears only for a run that takes longer than this (wall time)."""
+PROGRESS_INTERVAL_S = 0.1
+"""At most one redraw of a progress bar per this many seconds."""
+
+
+def progress_bar(label: str, total: int) -> Any:
+    """A tqdm bar on stderr: requests finished out of ``total``, elapsed time and rate;
+    it appears after PROGRESS_DELAY_S and is cleared when closed."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", dynamic_ncols=True, leave=False,
+                delay=PROGRESS_DELAY_S, mininterval=PROGRESS_INTERVAL_S, file=sys.stderr)
+
+
 def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
                  base_dir: str | Path | None = None, extra_plugins: Iterable[Any] = (),
-                 runner: Any = None) -> RunResult:
-    """Replay ``workload`` (default: the config's own) through ``config``'s engine."""
+                 runner: Any = None, progress: str | None = None) -> RunResult:
+    """Replay ``workload`` (default: the config's own) through ``config``'s engine.
+
+    The workload's time 0 is the engine's ``start_time``, the moment it is ready to
+    serve (the runner built and initialized), and every request arrives at its
+    workload time on the engine clock. ``progress``: a label; show a progress bar on
+    stderr (:func:`progress_bar`) while the requests run.
+    """
     if workload is None:
         workload = generate(config.workload, config.runner.vocab_size, base_dir)
     wall0 = time.perf_counter()
@@ -59,7 +81,9 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
                       arrival_time=start + w.arrival_time, priority=w.priority, tenant=w.tenant,
                       ttft_slo_s=slo.class_target("ttft_s", w.tenant, w.priority))
         try:
-            engine.add_request(req, w.arrival_time)
+            # At its trace time on the engine clock, even when the engine reaches it late
+            # (a slow first step): every policy sees the same arrivals.
+            engine.add_request_at(req, start + w.arrival_time)
         except SchedkitError as e:
             failed[w.request_id] = str(e)
             refused.append(_refused(req, start, str(e)))
@@ -67,22 +91,32 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
         live[w.request_id] = req
         token_times[w.request_id] = []
     done: list[Request] = []
-    while engine.has_requests():
-        outputs = engine.step()
-        now = engine.now()
-        for group in outputs.values():
-            for o in group.outputs:
-                times = token_times.get(o.request_id)
-                if times is not None and o.new_token_ids:
-                    times.extend([now] * len(o.new_token_ids))
-                if o.finish_reason is not None:
-                    ended = live.pop(o.request_id, None)
-                    if o.error is not None:
-                        failed[o.request_id] = o.error
-                    if ended is not None and not ended.is_finished:  # refused when it arrived
-                        refused.append(_refused(ended, start, o.error or "refused"))
-                    elif ended is not None:
-                        done.append(ended)
+    bar = progress_bar(progress, len(workload)) if progress is not None else None
+    if bar is not None:
+        bar.update(len(refused))
+    try:
+        while engine.has_requests():
+            outputs = engine.step()
+            now = engine.now()
+            num_done = len(done) + len(refused)
+            for group in outputs.values():
+                for o in group.outputs:
+                    times = token_times.get(o.request_id)
+                    if times is not None and o.new_token_ids:
+                        times.extend([now] * len(o.new_token_ids))
+                    if o.finish_reason is not None:
+                        ended = live.pop(o.request_id, None)
+                        if o.error is not None:
+                            failed[o.request_id] = o.error
+                        if ended is not None and not ended.is_finished:  # refused when it arrived
+                            refused.append(_refused(ended, start, o.error or "refused"))
+                        elif ended is not None:
+                            done.append(ended)
+            if bar is not None and len(done) + len(refused) > num_done:
+                bar.update(len(done) + len(refused) - num_done)
+    finally:
+        if bar is not None:
+            bar.close()
     metrics = [request_metrics(r, token_times[r.request_id], start, failed.get(r.request_id))
                for r in done] + refused
     metrics.sort(key=lambda m: (m.arrival_time, m.request_id))

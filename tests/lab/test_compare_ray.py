@@ -34,7 +34,7 @@ compare:
     - {name: fcfs, policy: fcfs}
     - {name: sjf, policy: sjf}
 """
-SWEEP = ["--sweep", "rate=50,200,800"]
+SWEEP = ["--sweep", "rate=50,200,800", "--seeds", "2,3"]  # two runs per point: means, intervals
 # Routers compared on three simulated replicas: each point is a cluster simulation.
 CLUSTER_YAML = """\
 runner: {kind: simulated}
@@ -84,8 +84,8 @@ def test_ray_sweep_gives_the_serial_results_json_byte_for_byte(sweep_yaml, tmp_p
     # Not a vacuous comparison: every point ran, and the policies came out differently.
     data = json.loads(serial)
     assert set(data["sweep"]) == {"fcfs", "sjf"}
-    assert [p["load"] for p in data["sweep"]["fcfs"]] == [50, 200, 800]
-    assert len(data["requests"]["fcfs"]) == 80
+    assert [p["rate"] for p in data["sweep"]["fcfs"]] == [50, 200, 800]
+    assert len(data["requests"]["fcfs"]) == 2 * 80 and set(data["ci95"]) == {"fcfs", "sjf"}
     assert data["summaries"]["fcfs"] != data["summaries"]["sjf"]
     assert data["sweep"]["fcfs"] != data["sweep"]["sjf"]
 
@@ -115,26 +115,27 @@ def test_without_ray_installed_init_ray_raises_the_hint(monkeypatch):
 
 def test_every_point_is_run_point_in_order(monkeypatch):
     """The serial runner runs each point through run_point when its result is asked
-    for: the single-load comparison first, then the sweep's points, profile by profile."""
-    import schedkit.lab.compare as compare_mod
+    for: the single-load comparison first, then the sweep's points, the profiles taking
+    turns at each load."""
+    import schedkit.lab.points as points_mod
 
     cfg = config_from_dict({"runner": {"kind": "fake"}, "workload": {"num_requests": 6, "seed": 1},
                             "compare": {"profiles": [{"name": "a", "policy": "fcfs"},
                                                      {"name": "b", "policy": "sjf"}]}})
     ran = []
 
-    def spy(config, workload):
+    def spy(config, workload, **kw):
         ran.append((config.scheduler.policy, config.workload.rate, len(workload)))
-        return run_point(config, workload)
+        return run_point(config, workload, **kw)
 
-    monkeypatch.setattr(compare_mod, "run_point", spy)
+    monkeypatch.setattr(points_mod, "run_point", spy)
     todo = submit(cfg, knob="rate", values=[2.0, 8.0], runner=SerialRunner())
     assert ran == []  # nothing runs before it is asked for
     result = todo.compared()
     assert ran == [("fcfs", cfg.workload.rate, 6), ("sjf", cfg.workload.rate, 6)]
     todo.swept()
-    assert ran[2:] == [("fcfs", 2.0, 6), ("fcfs", 8.0, 6), ("sjf", 2.0, 6), ("sjf", 8.0, 6)]
-    assert [x for x, _ in result.sweep["b"]] == [2.0, 8.0]
+    assert ran[2:] == [("fcfs", 2.0, 6), ("sjf", 2.0, 6), ("fcfs", 8.0, 6), ("sjf", 8.0, 6)]
+    assert [p.knob for p in result.sweep["b"]] == [2.0, 8.0]
     assert result.summaries == compare(cfg).summaries
 
 

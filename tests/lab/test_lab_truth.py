@@ -15,7 +15,7 @@ from schedkit.config import FairnessConfig, SLOConfig, config_from_dict
 from schedkit.lab import report
 from schedkit.lab.compare import compare, summarize_run, sustained_load
 from schedkit.lab.fairness import backlogged_intervals, max_service_gap, service_events
-from schedkit.lab.metrics import RequestMetrics, summarize
+from schedkit.lab.metrics import RequestMetrics, summarize, work_done_by
 from schedkit.lab.simulate import run_workload
 
 PRESSURE = {  # a small KV cache, shared prefixes, prefix caching: preemptions that hit the cache
@@ -259,7 +259,10 @@ def test_rejected_prompts_are_no_work_and_string_priorities_load():
     run = run_workload(_rejecting())
     s = summarize(run.metrics)
     served_prompts = sum(m.num_prompt_tokens for m in run.metrics if not m.rejected)
-    assert s["total_tokens_per_s"] == pytest.approx((served_prompts + s["output_tokens"]) / s["duration_s"])
+    end = min(m.arrival_time for m in run.metrics) + s["arrival_window_s"]
+    _, outputs, prompts = work_done_by(run.metrics, end)
+    assert s["total_tokens_per_s"] == pytest.approx((outputs + prompts) / s["arrival_window_s"])
+    assert work_done_by([m for m in run.metrics if m.rejected], math.inf) == (0, 0, 0)
     assert s["tenants"]["default"]["prompt_tokens"] == served_prompts
     # A dumped config (JSON keys are strings) loads back, by_priority included.
     cfg = config_from_dict({"workload": {"slo": {"by_priority": {"0": {"ttft_s": 0.5}, -1: {"e2e_s": 2.0}}}}})

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from schedkit.config import SLOConfig, config_from_dict
-from schedkit.lab.metrics import RequestMetrics, jain_index, percentile, summarize
+from schedkit.lab.metrics import RequestMetrics, jain_index, percentile, summarize, work_done_by
 from schedkit.lab.simulate import run_workload
 from schedkit.lab.workloads import WorkloadRequest
 
@@ -31,14 +31,40 @@ def test_aggregates():
           rm("b", 1.0, 2.0, [3.0, 3.5, 4.0], tenant="y"),
           rm("c", 2.0, 2.0, [6.0], tenant="y")]
     s = summarize(ms, SLOConfig(ttft_s=2.0))
-    assert s["duration_s"] == 6.0 and s["requests"] == 3
+    assert s["makespan_s"] == 6.0 and s["arrival_window_s"] == 2.0 and s["requests"] == 3
+    assert s["offered_load_req_s"] == 1.0  # 2 inter-arrival gaps in 2 s
+    # Within the arrival window (0 to 2 s) only a finished: 2 tokens and its prompt.
     assert s["output_tokens"] == 6 and s["output_tokens_per_s"] == 1.0
+    assert s["throughput_req_s"] == 0.5 and s["total_tokens_per_s"] == 6.0
     assert s["ttft_s"]["p50"] == 2.0 and s["ttft_s"]["max"] == 4.0
     assert s["slo_attainment"] == pytest.approx(2 / 3) and s["goodput_req_s"] == pytest.approx(2 / 6)
     assert s["max_wait_s"] == 1.0 and s["prefix_hit_rate"] == pytest.approx(5 / 30)
     assert s["tenants"]["y"]["service_tokens"] == 24 and s["tenants"]["x"]["service_tokens"] == 12
     assert s["jain_fairness"] == pytest.approx((12 + 24) ** 2 / (2 * (144 + 576)))
     assert s["itl_s"]["max"] == 1.0
+
+
+def test_throughput_is_over_the_arrival_window_not_the_drain():
+    """A long request still decoding after the last arrival stretches the makespan, not
+    the throughput: both runs did the same work while requests arrived."""
+    steady = [rm(str(i), float(i), float(i), [i + 0.5, i + 1.0]) for i in range(5)]
+    tail = [*steady[:-1], rm("4", 4.0, 4.0, [4.5, *(5.0 + k for k in range(100))])]
+    a, b = summarize(steady), summarize(tail)
+    assert b["makespan_s"] > 100 > a["makespan_s"] == 5.0
+    for key in ("offered_load_req_s", "throughput_req_s", "output_tokens_per_s", "total_tokens_per_s"):
+        assert a[key] == b[key], key
+    assert a["throughput_req_s"] == 4 / 4 and a["output_tokens_per_s"] == 8 / 4
+    # All at once (an offline batch): no window, so over the makespan.
+    batch = summarize([rm(str(i), 0.0, 0.0, [1.0, 2.0]) for i in range(4)])
+    assert math.isnan(batch["offered_load_req_s"]) and batch["output_tokens_per_s"] == 8 / 2
+
+
+def test_work_done_by_spreads_tokens_without_token_times():
+    """Client-side metrics carry first token and finish only: tokens in between count
+    as evenly spread."""
+    m = RequestMetrics("a", 0.0, 0.0, 1.0, 5.0, 10, 5, 0, 0, 0, "length")
+    assert work_done_by([m], 3.0) == (0, 3.0, 10)  # tokens at 1, 2, 3 (of 1..5)
+    assert work_done_by([m], 0.5) == (0, 0.0, 0) and work_done_by([m], 5.0) == (1, 5, 10)
 
 
 def test_percentile_and_jain():

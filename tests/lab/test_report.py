@@ -84,7 +84,7 @@ def test_size_breakdown_of_an_empty_bucket_prints_dashes():
     s = summarize([rm(str(i), 64, 0.1, 0.2) for i in range(3)])
     table = report.format_size_table({"p": s})
     assert "short requests" in table and [ln.split()[-1] for ln in table.splitlines()
-                                          if ln.startswith("long ")] == ["-", "0", *["-"] * 5]
+                                          if ln.startswith("long ")] == ["-", "0", *["-"] * (len(report.SIZE_ROWS) - 1)]
 
 
 def test_compare_results_json_has_the_size_breakdown(tmp_path, capsys):
@@ -103,8 +103,9 @@ def test_profile_colours_are_one_per_name():
     assert report.profile_colours(["fcfs", "sjf", "edf"]) == colours
 
 
-def _sweep_point(p50, p99, attainment):
-    return {"ttft_s": {"p50": p50, "p99": p99}, "slo_attainment": attainment}
+def _sweep_point(p50, p99, attainment, throughput=1.0):
+    return {"ttft_s": {"mean": p50 * 1.2, "p50": p50, "p90": (p50 + p99) / 2, "p99": p99},
+            "slo_attainment": attainment, "throughput_req_s": throughput}
 
 
 def test_latency_vs_load_draws_one_colour_per_profile():
@@ -115,11 +116,24 @@ def test_latency_vs_load_draws_one_colour_per_profile():
     colours = report.profile_colours(list(sweep))
     fig = report.latency_vs_load_figure(plt, sweep, colours=colours)
     seen: dict[str, set[str]] = {}
+    stats: set[str] = set()
     for ax in fig.axes:
         for line in ax.get_lines():
-            seen.setdefault(line.get_label().split()[0], set()).add(line.get_color())
+            name, *what = line.get_label().split()
+            if name in sweep:
+                seen.setdefault(name, set()).add(line.get_color())
+                stats.update(what)
+    assert seen == {name: {colours[name]} for name in sweep}  # every statistic alike
+    assert stats == {"mean", "p50", "p90", "p99"}
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["mean", "p50", "p90", "p99"]
+    assert fig.axes[2].get_xlabel() == "offered load (req/s)" and fig.axes[2].get_lines()
     plt.close(fig)
-    assert seen == {name: {colours[name]} for name in sweep}  # p50, p99 and attainment alike
+    # With several runs per point, each line has its interval shaded.
+    intervals = {name: [{"ttft_s": {"mean": 0.01, "p50": 0.01, "p90": 0.02, "p99": 0.1},
+                         "slo_attainment": 0.05, "throughput_req_s": 0.1}] * 2 for name in sweep}
+    fig = report.latency_vs_load_figure(plt, sweep, colours=colours, intervals=intervals)
+    assert [len(ax.collections) for ax in fig.axes] == [4 * 3, 3, 3]
+    plt.close(fig)
     runs = {name: [rm("a", 10, 0.1, 1.0)] for name in sweep}
     fig = report.cdf_figure(plt, runs)
     assert {ln.get_label(): ln.get_color() for ln in fig.axes[0].get_lines()} == colours

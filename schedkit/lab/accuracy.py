@@ -1,0 +1,439 @@
+"""How far the simulator can be trusted: an accuracy grid against the real runner.
+
+An *experiment* is one cell of the grid: a workload, a policy profile, a load and a
+scheduler shape. It runs on the real runner twice (the machine's own run-to-run spread)
+and on the simulator once, from the same requests, and each metric of
+:data:`METRICS` is compared: the simulator's error is read against the real runner's
+spread. Per (workload, load, shape) cell the policies are ranked on each side and the
+agreement given as Kendall's tau.
+
+A grid file (YAML) names the real runner's config, the simulator's profile and the
+grid's axes::
+
+    base: ../smollm2-cpu.yaml          # the real runner's config (relative to this file)
+    profile: cpu-smollm2-135m          # the simulator's cost-model profile
+    workloads:                          # name -> a workload section (as in any config)
+      azure: {kind: trace, num_requests: 40, trace: {format: azure, path: ...}}
+    policies:                           # name -> a compare profile (policy, plugins, scheduler)
+      fcfs: {policy: fcfs}
+    loads: {light: 0.3, knee: 0.9, overload: 1.6}   # offered load / the simulated capacity
+    shapes:                             # name -> scheduler keys
+      b512: {max_num_batched_tokens: 512, max_num_seqs: 16}
+    full: [{shapes: [b512]}, {shapes: [b256], loads: [knee]}]   # union of parts (default: all)
+    reduced: [{workloads: [azure], loads: [knee, overload]}]     # the short grid
+
+Loads are fractions of the capacity the simulator finds for the workload and shape
+(every request arriving at once, fcfs), so one grid file fits any machine its profile
+was fitted on: the workload's arrival times are scaled to the offered rate, its lengths
+and order kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from schedkit.config import (
+    Config,
+    ProfileConfig,
+    SimulatedRunnerConfig,
+    WorkloadConfig,
+    load_config,
+    profile_scheduler,
+)
+from schedkit.config.base import StrictModel
+from schedkit.errors import ConfigError
+from schedkit.lab.metrics import RequestMetrics, percentile
+from schedkit.lab.workloads import WorkloadRequest, generate
+
+METRICS = ("e2e_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "preemptions")
+"""What each experiment compares (see :func:`run_metrics`)."""
+HEADLINE = ("e2e_mean_s", "ttft_p50_s", "ttft_p99_s")
+"""The metrics the accuracy targets are stated for."""
+
+
+class Selection(StrictModel):
+    """Part of the grid: the named values of each axis (None: the whole axis)."""
+
+    workloads: list[str] | None = None
+    policies: list[str] | None = None
+    loads: list[str] | None = None
+    shapes: list[str] | None = None
+
+
+class GridConfig(StrictModel):
+    base: str
+    """The real runner's config file (model, runner, cache; relative to the grid file)."""
+    profile: str
+    """The simulator's cost-model profile (a bundled name or a path relative to the grid file)."""
+    workloads: dict[str, WorkloadConfig] = Field(min_length=1)
+    policies: dict[str, ProfileConfig] = Field(min_length=1)
+    loads: dict[str, float] = Field(min_length=1)
+    """Offered load as a fraction of the simulated capacity of the workload and shape."""
+    shapes: dict[str, dict[str, Any]] = Field(min_length=1)
+    """Scheduler keys of each shape (token budget, max_num_seqs, ...)."""
+    full: list[Selection] = Field(default_factory=lambda: [Selection()], min_length=1)
+    """The full grid: the union of these parts (default: every combination of the axes)."""
+    reduced: list[Selection] = Field(default_factory=list)
+    """The reduced grid, the same way (default: the full grid)."""
+    repeats: int = Field(default=2, ge=1)
+    """Real-runner runs of each experiment (their spread is the machine's noise)."""
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: {"name": k, **v} if isinstance(v, dict) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _known_names(self) -> GridConfig:
+        axes = {"workloads": self.workloads, "policies": self.policies, "loads": self.loads, "shapes": self.shapes}
+        for which, parts in (("full", self.full), ("reduced", self.reduced)):
+            for i, part in enumerate(parts):
+                for axis, names in axes.items():
+                    for name in getattr(part, axis) or ():
+                        if name not in names:
+                            raise ValueError(f"{which}[{i}].{axis} names {name!r}, which is not one of "
+                                             f"the grid's {axis} ({', '.join(names)})")
+        return self
+
+    @field_validator("loads")
+    @classmethod
+    def _positive(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, f in value.items():
+            if not f > 0:
+                raise ValueError(f"load {name!r} must be a positive fraction of capacity, got {f}")
+        return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Experiment:
+    workload: str
+    policy: str
+    load: str
+    shape: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}/{self.load}/{self.shape}/{self.policy}"
+
+    @property
+    def cell(self) -> tuple[str, str, str]:
+        """The (workload, load, shape) cell whose policies are ranked together."""
+        return self.workload, self.load, self.shape
+
+
+@dataclasses.dataclass(slots=True)
+class Grid:
+    """A loaded grid file: its axes, the real config and the simulator's profile."""
+
+    config: GridConfig
+    base: Config
+    profile: str
+    path: Path
+
+    def experiments(self, reduced: bool = False) -> list[Experiment]:
+        """The full grid's experiments (or the reduced grid's), each once, in axis order."""
+        c = self.config
+        axes = [list(c.workloads), list(c.loads), list(c.shapes), list(c.policies)]
+        parts = (c.reduced or c.full) if reduced else c.full
+        chosen: set[Experiment] = set()
+        for part in parts:
+            picks = [part.workloads, part.loads, part.shapes, part.policies]
+            chosen |= {Experiment(w, p, ld, s) for w, ld, s, p in
+                       itertools.product(*(pick or axis for pick, axis in zip(picks, axes, strict=True)))}
+        order = {name: i for axis in axes for i, name in enumerate(axis)}
+        return sorted(chosen, key=lambda e: (order[e.workload], order[e.load], order[e.shape], order[e.policy]))
+
+    def shape_config(self, shape: str, policy: str | None = None, *, simulated: bool = False) -> Config:
+        """The base config with the shape's scheduler keys, the policy profile (if any)
+        and, when ``simulated``, the simulator in place of the real runner."""
+        base = self.base
+        scheduler = base.scheduler.model_copy(update=self.config.shapes[shape])
+        update: dict[str, Any] = {"scheduler": type(base.scheduler)(**scheduler.model_dump())}
+        if policy is not None:
+            profile = self.config.policies[policy]
+            update["scheduler"] = profile_scheduler(update["scheduler"], profile)
+            update["plugins"] = [*base.plugins, *profile.plugins]
+        if simulated:
+            update["runner"] = SimulatedRunnerConfig(vocab_size=base.runner.vocab_size,
+                                                     eos_token_id=base.runner.eos_token_id,
+                                                     profile=self.profile)
+        return base.model_copy(update=update)
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read a grid file (module docstring).
+
+    Raises:
+        ConfigError: The file is missing or malformed, or its base config or a profile
+            or shape in it is invalid; the message names the file and the key.
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the grid file: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not YAML: {e}") from e
+    try:
+        cfg = GridConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: not an accuracy grid: {e}") from e
+    base = load_config(path.parent / cfg.base)
+    profile = cfg.profile
+    if (path.parent / profile).is_file():
+        profile = str(path.parent / profile)
+    grid = Grid(cfg, base, profile, path)
+    for shape in cfg.shapes:
+        for policy in cfg.policies:
+            try:
+                grid.shape_config(shape, policy)
+            except (ValidationError, ValueError) as e:
+                raise ConfigError(f"{path}: shape {shape!r} with policy {policy!r}: {e}") from e
+    return grid
+
+
+# -- workloads at a given load ---------------------------------------------------------------
+
+def offered_rate(workload: Sequence[WorkloadRequest]) -> float:
+    """Requests per second over the arrival window (first to last arrival)."""
+    if len(workload) < 2:
+        return math.inf
+    window = workload[-1].arrival_time - workload[0].arrival_time
+    return (len(workload) - 1) / window if window > 0 else math.inf
+
+
+def at_rate(workload: Sequence[WorkloadRequest], rate: float) -> list[WorkloadRequest]:
+    """The workload with its arrival times scaled so that it offers ``rate`` requests
+    per second (same requests, same order, same relative gaps)."""
+    native = offered_rate(workload)
+    if not math.isfinite(native):
+        raise ConfigError("the workload's requests all arrive at once: it has no rate to scale "
+                          "(give it an arrival process or more than one request)")
+    scale = native / rate
+    t0 = workload[0].arrival_time
+    return [dataclasses.replace(w, arrival_time=(w.arrival_time - t0) * scale) for w in workload]
+
+
+def at_once(workload: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
+    return [dataclasses.replace(w, arrival_time=0.0) for w in workload]
+
+
+# -- metrics, errors, rankings ---------------------------------------------------------------
+
+def throughput_in_window(metrics: Sequence[RequestMetrics]) -> float:
+    """Output tokens per second produced between the first and the last arrival (the
+    drain after the last arrival excluded), or over the whole run when every request
+    arrives at once."""
+    arrivals = [m.arrival_time for m in metrics]
+    if not arrivals:
+        return 0.0
+    lo, hi = min(arrivals), max(arrivals)
+    times = [t for m in metrics for t in m.token_times]
+    if hi <= lo:
+        hi = max(times, default=lo)
+    if hi <= lo:
+        return 0.0
+    return sum(1 for t in times if lo <= t <= hi) / (hi - lo)
+
+
+def run_metrics(metrics: Sequence[RequestMetrics]) -> dict[str, float]:
+    """The values of :data:`METRICS` for one run's requests."""
+    ttft = [v for m in metrics if (v := m.ttft) is not None]
+    e2e = [v for m in metrics if (v := m.e2e) is not None]
+    tpot = [v for m in metrics if (v := m.tpot) is not None]
+    return {
+        "e2e_mean_s": statistics.fmean(e2e) if e2e else math.nan,
+        "ttft_p50_s": percentile(ttft, 50) if ttft else math.nan,
+        "ttft_p99_s": percentile(ttft, 99) if ttft else math.nan,
+        "tpot_p50_s": percentile(tpot, 50) if tpot else math.nan,
+        "throughput_tok_s": throughput_in_window(metrics),
+        "preemptions": float(sum(m.num_preemptions for m in metrics)),
+    }
+
+
+def relative_error(value: float, reference: float) -> float:
+    """|value - reference| / |reference| (0 when both are 0, inf when only the reference is)."""
+    if reference == 0:
+        return 0.0 if value == 0 else math.inf
+    return abs(value - reference) / abs(reference)
+
+
+def compare_runs(real: Sequence[Mapping[str, float]], sim: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per metric: the real runs' mean, their spread (the largest relative deviation of
+    one run from that mean, times two: the relative range for two runs), the simulator's
+    value and its error against the mean."""
+    out = {}
+    for name in METRICS:
+        values = [r[name] for r in real]
+        mean = statistics.fmean(values)
+        spread = 2 * max(relative_error(v, mean) for v in values) if len(values) > 1 else math.nan
+        out[name] = {"real": mean, "spread": spread, "sim": sim[name], "error": relative_error(sim[name], mean)}
+    return out
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-b between two scorings of the same items (ties allowed); nan when
+    either side ties everything."""
+    if len(a) != len(b):
+        raise ValueError(f"kendall_tau needs two scorings of the same items, got {len(a)} and {len(b)}")
+    concordant = discordant = ties_a = ties_b = 0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        da, db = a[i] - a[j], b[i] - b[j]
+        if da == 0 and db == 0:
+            continue
+        if da == 0:
+            ties_a += 1
+        elif db == 0:
+            ties_b += 1
+        elif (da > 0) == (db > 0):
+            concordant += 1
+        else:
+            discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
+    return (concordant - discordant) / denom if denom else math.nan
+
+
+def rankings(results: Mapping[str, Mapping[str, Any]], metric: str = "e2e_mean_s") -> dict[str, dict[str, Any]]:
+    """Per (workload, load, shape) cell with at least two policies: each side's order of
+    the policies by ``metric`` (best first) and Kendall's tau between them."""
+    cells: dict[str, list[tuple[str, float, float]]] = {}
+    for key, r in results.items():
+        w, ld, s, p = key.split("/")
+        cmp = r["compare"][metric]
+        cells.setdefault(f"{w}/{ld}/{s}", []).append((p, cmp["real"], cmp["sim"]))
+    out = {}
+    for cell, rows in sorted(cells.items()):
+        if len(rows) < 2:
+            continue
+        out[cell] = {
+            "real": [p for p, _, _ in sorted(rows, key=lambda r: r[1])],
+            "sim": [p for p, _, _ in sorted(rows, key=lambda r: r[2])],
+            "tau": kendall_tau([r[1] for r in rows], [r[2] for r in rows]),
+        }
+    return out
+
+
+def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean absolute percentage error of each metric over the experiments, the
+    experiments outside their bound (15% or twice the real spread, whichever is
+    larger) on E2E mean and TTFT p50, and the mean Kendall's tau of the rankings."""
+    mape = {}
+    for name in METRICS:
+        errs = [r["compare"][name]["error"] for r in results.values()
+                if math.isfinite(r["compare"][name]["error"])]
+        mape[name] = statistics.fmean(errs) if errs else math.nan
+    outside = []
+    for key, r in results.items():
+        for name in ("e2e_mean_s", "ttft_p50_s"):
+            c = r["compare"][name]
+            bound = max(0.15, 2 * c["spread"]) if math.isfinite(c["spread"]) else 0.15
+            if not c["error"] <= bound:
+                outside.append(f"{key} {name}")
+    taus = [c["tau"] for c in rankings(results).values() if math.isfinite(c["tau"])]
+    sim_s = sum(r["sim_wall_s"] for r in results.values())
+    real_s = sum(statistics.fmean(r["real_wall_s"]) for r in results.values())
+    return {"experiments": len(results), "mape": mape, "outside_bound": outside,
+            "kendall_tau_mean": statistics.fmean(taus) if taus else math.nan,
+            "speedup": real_s / sim_s if sim_s else math.nan}
+
+
+# -- running ---------------------------------------------------------------------------------
+
+RunFn = Callable[[Config, list[WorkloadRequest]], tuple[list[RequestMetrics], float]]
+"""Runs one workload under one config: (per-request metrics, wall seconds)."""
+
+
+def _run(config: Config, workload: list[WorkloadRequest]) -> tuple[list[RequestMetrics], float]:
+    from schedkit.lab.simulate import run_workload
+    result = run_workload(config, workload)
+    if result.failed:
+        first = next(iter(result.failed.items()))
+        raise ConfigError(f"{len(result.failed)} requests failed (first: {first[0]}: {first[1]}); "
+                          "an accuracy experiment needs every request served")
+    return result.metrics, result.wall_s
+
+
+def capacity(grid: Grid, workload: str, shape: str, run: RunFn = _run) -> float:
+    """Requests per second the simulator serves when the whole workload arrives at
+    once (fcfs, the shape's scheduler): the rate loads are fractions of."""
+    reqs = at_once(grid_workload(grid, workload))
+    metrics, _ = run(grid.shape_config(shape, simulated=True), reqs)
+    finish = max(m.finish_time for m in metrics if m.finish_time is not None)
+    return len(reqs) / finish
+
+
+def grid_workload(grid: Grid, name: str) -> list[WorkloadRequest]:
+    base_dir = grid.path.parent
+    wl = grid.config.workloads[name]
+    return generate(wl, grid.base.runner.vocab_size, base_dir)
+
+
+def experiment_workload(grid: Grid, exp: Experiment, capacities: Mapping[tuple[str, str], float]) -> list[WorkloadRequest]:
+    rate = grid.config.loads[exp.load] * capacities[(exp.workload, exp.shape)]
+    return at_rate(grid_workload(grid, exp.workload), rate)
+
+
+def run_grid(grid: Grid, experiments: Sequence[Experiment], *, run: RunFn = _run,
+             done: Mapping[str, Mapping[str, Any]] | None = None,
+             save: Callable[[dict[str, Any]], None] | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run ``experiments``: first every simulated side (and the capacities), then the
+    real runs in passes (each pass over every experiment, so slow drift of the machine
+    spreads over all of them instead of landing on one). ``done`` holds results of an
+    earlier, interrupted run to keep; ``save`` is called with the results after each
+    real run, so an interrupted grid can resume."""
+    say = progress or (lambda _msg: None)
+    results: dict[str, Any] = {k: dict(v) for k, v in (done or {}).items()}
+    capacities = {}
+    for w, s in sorted({(e.workload, e.shape) for e in experiments}):
+        capacities[(w, s)] = capacity(grid, w, s, run)
+        say(f"capacity {w}/{s}: {capacities[(w, s)]:.3f} req/s (simulated)")
+    for e in experiments:
+        r = results.setdefault(e.key, {"real_runs": [], "real_wall_s": []})
+        reqs = experiment_workload(grid, e, capacities)
+        r["offered_req_s"] = offered_rate(reqs)
+        r["requests"] = len(reqs)
+        metrics, wall = run(grid.shape_config(e.shape, e.policy, simulated=True), reqs)
+        r["sim"], r["sim_wall_s"] = run_metrics(metrics), wall
+    repeats = grid.config.repeats
+    for rep in range(repeats):
+        for i, e in enumerate(experiments):
+            r = results[e.key]
+            if len(r["real_runs"]) > rep:
+                continue
+            reqs = experiment_workload(grid, e, capacities)
+            metrics, wall = run(grid.shape_config(e.shape, e.policy), reqs)
+            r["real_runs"].append(run_metrics(metrics))
+            r["real_wall_s"].append(wall)
+            say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {wall:.1f} s")
+            if save is not None:
+                save(results)
+    for e in experiments:
+        r = results[e.key]
+        r["compare"] = compare_runs(r["real_runs"], r["sim"])
+    return results
+
+
+def summary_rows(results: Mapping[str, Mapping[str, Any]]) -> Iterable[list[str]]:
+    """One row per experiment: its key, offered load, then error / real spread for the
+    headline metrics and TPOT, throughput and preemptions."""
+    for key, r in sorted(results.items()):
+        c = r["compare"]
+        yield [key, f"{r['offered_req_s']:.2f}",
+               *(f"{_pct(c[m]['error'])} / {_pct(c[m]['spread'])}" for m in METRICS[:-1]),
+               f"{c['preemptions']['sim']:.0f} vs {c['preemptions']['real']:.1f}"]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%" if math.isfinite(x) else "n/a"

@@ -1,0 +1,176 @@
+"""The accuracy grid's method: loads as fractions of capacity, errors against the real
+runs' spread, rankings, and the grid file's checks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from schedkit.errors import ConfigError
+from schedkit.lab.accuracy import (
+    Experiment,
+    at_rate,
+    compare_runs,
+    kendall_tau,
+    load_grid,
+    offered_rate,
+    overall,
+    rankings,
+    run_grid,
+    run_metrics,
+    throughput_in_window,
+)
+from schedkit.lab.metrics import RequestMetrics
+from schedkit.lab.workloads import WorkloadRequest
+
+BASE = """
+runner: {kind: simulated, profile: cpu-tiny-llama, vocab_size: 1000}
+cache: {block_size: 16, num_blocks: 1024, enable_prefix_caching: true}
+scheduler: {policy: fcfs, max_num_batched_tokens: 256, max_num_seqs: 8, max_model_len: 1024}
+"""
+
+GRID = """
+base: base.yaml
+profile: {profile}
+repeats: 2
+workloads:
+  small:
+    kind: poisson
+    num_requests: 12
+    prompt_len: [16, 200]
+    output_len: [4, 24]
+    tenants: [{{name: a}}, {{name: b}}]
+policies:
+  fcfs: {{policy: fcfs}}
+  sjf: {{policy: sjf}}
+  vtc: {{policy: vtc}}
+loads: {{light: 0.3, overload: 2.0}}
+shapes:
+  wide: {{max_num_batched_tokens: 256, max_num_seqs: 8}}
+  narrow: {{max_num_batched_tokens: 64, max_num_seqs: 2}}
+full:
+  - {{shapes: [wide]}}
+  - {{shapes: [narrow], loads: [overload]}}
+reduced:
+  - {{loads: [overload], shapes: [wide], policies: [fcfs, sjf]}}
+"""
+
+
+def write_grid(tmp_path: Path, profile: str = "cpu-tiny-llama", grid: str = GRID) -> Path:
+    (tmp_path / "base.yaml").write_text(BASE)
+    path = tmp_path / "grid.yaml"
+    path.write_text(grid.format(profile=profile))
+    return path
+
+
+def req(i: int, t: float) -> WorkloadRequest:
+    return WorkloadRequest(f"r{i}", t, [1, 2, 3], 4)
+
+
+def test_the_full_grid_is_the_union_of_its_parts_and_the_reduced_grid_a_subset(tmp_path):
+    grid = load_grid(write_grid(tmp_path))
+    full = grid.experiments()
+    assert len(full) == len(set(full)) == 2 * 3 + 3  # wide: 2 loads x 3 policies; narrow: overload x 3
+    assert Experiment("small", "fcfs", "light", "narrow") not in full
+    assert grid.experiments(reduced=True) == [Experiment("small", "fcfs", "overload", "wide"),
+                                              Experiment("small", "sjf", "overload", "wide")]
+
+
+def test_scaling_a_workload_to_a_rate_keeps_its_requests_and_gaps():
+    w = [req(0, 5.0), req(1, 6.0), req(2, 8.0), req(3, 11.0)]
+    assert offered_rate(w) == pytest.approx(0.5)
+    scaled = at_rate(w, 2.0)
+    assert offered_rate(scaled) == pytest.approx(2.0)
+    assert [r.arrival_time for r in scaled] == pytest.approx([0.0, 0.25, 0.75, 1.5])
+    assert [r.request_id for r in scaled] == ["r0", "r1", "r2", "r3"]
+    with pytest.raises(ConfigError, match="all arrive at once"):
+        at_rate([req(0, 1.0), req(1, 1.0)], 2.0)
+
+
+def metric(i: int, arrival: float, tokens: tuple[float, ...], preemptions: int = 0) -> RequestMetrics:
+    return RequestMetrics(f"r{i}", arrival, arrival, tokens[0], tokens[-1], 8, len(tokens), 0, preemptions, 0,
+                          "length", token_times=tokens)
+
+
+def test_throughput_counts_only_the_tokens_of_the_arrival_window():
+    ms = [metric(0, 0.0, (0.5, 1.0, 1.5)), metric(1, 2.0, (2.5, 3.0, 9.0))]
+    assert throughput_in_window(ms) == pytest.approx(3 / 2.0)  # 1.0 and 1.5; the drain (2.5...) not
+    m = run_metrics(ms)
+    assert m["ttft_p50_s"] == pytest.approx(0.5)
+    assert m["e2e_mean_s"] == pytest.approx((1.5 + 7.0) / 2)
+    assert m["preemptions"] == 0
+
+
+def test_an_error_is_read_against_the_real_runs_spread():
+    real = [dict.fromkeys(("e2e_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s",
+                           "preemptions"), v) for v in (0.9, 1.1)]
+    sim = dict.fromkeys(real[0], 1.2)
+    c = compare_runs(real, sim)["e2e_mean_s"]
+    assert c["real"] == pytest.approx(1.0)
+    assert c["spread"] == pytest.approx(0.2)
+    assert c["error"] == pytest.approx(0.2)
+
+
+def test_kendall_tau():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    assert math.isnan(kendall_tau([1, 1], [2, 3]))
+    with pytest.raises(ValueError):
+        kendall_tau([1, 2], [1])
+
+
+def test_a_simulator_equal_to_the_real_side_has_no_error_and_ranks_alike(tmp_path):
+    """The 'real' side here is the simulator with the same profile: every error must be
+    exactly zero, every ranking identical."""
+    grid = load_grid(write_grid(tmp_path))
+    saves = []
+    results = run_grid(grid, grid.experiments(), save=lambda r: saves.append(len(r)))
+    assert len(results) == 9 and len(saves) == 9 * 2
+    for r in results.values():
+        assert len(r["real_runs"]) == 2
+        for name, c in r["compare"].items():
+            assert c["error"] == 0 and c["spread"] == 0, name
+    o = overall(results)
+    assert o["mape"]["e2e_mean_s"] == 0 and o["outside_bound"] == []
+    cells = rankings(results)
+    assert set(cells) == {"small/light/wide", "small/overload/wide", "small/overload/narrow"}
+    assert all(c["real"] == c["sim"] for c in cells.values())
+    # The loads differ by their fraction of capacity.
+    assert results["small/overload/wide/fcfs"]["offered_req_s"] == pytest.approx(
+        results["small/light/wide/fcfs"]["offered_req_s"] * 2.0 / 0.3)
+
+
+def test_a_different_cost_model_shows_as_error(tmp_path):
+    grid = load_grid(write_grid(tmp_path, profile="h200-qwen2.5-0.5b-handset"))
+    results = run_grid(grid, grid.experiments(reduced=True))
+    assert overall(results)["mape"]["e2e_mean_s"] > 0.5  # an H200 is far faster than the CPU profile
+
+
+def test_resuming_keeps_the_finished_real_runs(tmp_path):
+    grid = load_grid(write_grid(tmp_path))
+    exps = grid.experiments(reduced=True)
+    first = run_grid(grid, exps)
+    marked = {k: {**v, "real_runs": [{**v["real_runs"][0], "e2e_mean_s": 123.0}, v["real_runs"][1]]}
+              for k, v in first.items()}
+    again = run_grid(grid, exps, done=marked)
+    assert all(r["real_runs"][0]["e2e_mean_s"] == 123.0 for r in again.values())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda g: g.replace("policies: [fcfs, sjf]", "policies: [fcfs, lifo]"), "reduced\\[0\\].policies names 'lifo'"),
+    (lambda g: g.replace("light: 0.3", "light: -1"), "load 'light' must be a positive fraction"),
+    (lambda g: g.replace("narrow: {{max_num_batched_tokens: 64, max_num_seqs: 2}}",
+                         "narrow: {{max_num_batched_tokens: 1, max_num_seqs: 2}}"), "shape 'narrow'"),
+    (lambda g: g.replace("profile: {profile}", "profile: {profile}\nspeed: 3"), "speed"),
+])
+def test_a_bad_grid_file_is_a_config_error_naming_what_is_wrong(tmp_path, edit, message):
+    with pytest.raises(ConfigError, match=message):
+        load_grid(write_grid(tmp_path, grid=edit(GRID)))
+
+
+def test_a_missing_grid_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the grid file"):
+        load_grid(tmp_path / "nope.yaml")

@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schedkit.lab.accuracy import HEADLINE, METRICS, load_grid, overall, rankings, run_grid, summary_rows
+from schedkit.lab.accuracy import (
+    HEADLINE,
+    METRICS,
+    load_grid,
+    overall,
+    rankings,
+    run_grid,
+    summary_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "simulator-accuracy.md"

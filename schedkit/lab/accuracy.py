@@ -96,7 +96,8 @@ class GridConfig(StrictModel):
 
     @model_validator(mode="after")
     def _known_names(self) -> GridConfig:
-        axes = {"workloads": self.workloads, "policies": self.policies, "loads": self.loads, "shapes": self.shapes}
+        axes: dict[str, list[str]] = {"workloads": list(self.workloads), "policies": list(self.policies),
+                                      "loads": list(self.loads), "shapes": list(self.shapes)}
         for which, parts in (("full", self.full), ("reduced", self.reduced)):
             for i, part in enumerate(parts):
                 for axis, names in axes.items():

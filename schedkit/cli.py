@@ -1,4 +1,4 @@
-"""``schedkit run | compare | check | plugins``."""
+"""``schedkit run | compare | serve | check | plugins | record | replay``."""
 
 from __future__ import annotations
 
@@ -275,6 +275,52 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record(args: argparse.Namespace) -> int:
+    from schedkit.engine.tokenizer import load_tokenizer
+    from schedkit.lab.replay import record_run
+    from schedkit.lab.workloads import generate
+
+    config = load_config(args.config)
+    _check_writable(args.output)
+    tokenizer = load_tokenizer(config) if config.workload.prompts else None
+    workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
+    recording, result = record_run(config, workload)
+    recording.write(args.output)
+    unit = "steps" if recording.kind == "engine" else "routing decisions"
+    preempted = sum(m.num_preemptions for m in result.metrics)
+    print(f"recorded {len(workload)} requests, {recording.num_steps} {unit}, {preempted} preemptions "
+          f"to {args.output}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from schedkit.lab import report
+    from schedkit.lab.replay import read_recording, replay
+
+    recording = read_recording(args.recording)
+    config = load_config(args.config) if args.config else None
+    if args.output:
+        _check_writable(args.output)
+    result = replay(recording, config=config, from_step=args.from_step, policy=_named(args.policy),
+                    victim=args.victim, router=_named(args.router))
+    print(result.describe())
+    if result.num_forced:
+        print("held to the recording: " + ", ".join(f"{n} {k}s" for k, n in sorted(result.num_forced.items())))
+    labels = ("recorded", "replayed") if result.changed is None else ("baseline", "changed")
+    print(result.diff().format_table(labels, top=args.top))
+    if args.output:
+        report.write_json(args.output, result.to_dict())
+        print(f"written to {args.output}")
+    return 0
+
+
+def _named(value: str | None) -> str | Config | None:
+    """A policy or router name, or a YAML file that configures one."""
+    if value is not None and value.endswith((".yaml", ".yml")):
+        return load_config(value)
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         n = int(text)
@@ -337,6 +383,28 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plugins", help="list installed and enabled plugins")
     p.add_argument("config", nargs="?")
     p.set_defaults(func=_plugins)
+    p = sub.add_parser("record", help="run the YAML's workload in-process and record every "
+                                      "scheduling decision (for schedkit replay)")
+    p.add_argument("config")
+    p.add_argument("--output", "-o", required=True, help="the recording (JSON lines; .gz: gzipped)")
+    p.set_defaults(func=_record)
+    p = sub.add_parser("replay", help="replay a recording on a virtual clock, changing one decision "
+                                      "from a step on, and report what it changed per request")
+    p.add_argument("recording")
+    p.add_argument("--config", help="the config to replay under (default: the recording's own)")
+    p.add_argument("--from-step", type=int, metavar="K",
+                   help="the step (cluster: routing decision) the change applies at")
+    change = p.add_mutually_exclusive_group()
+    change.add_argument("--policy", help="the engine policy from step K on: a name, or a YAML "
+                                         "whose scheduler.policy and plugins are used")
+    change.add_argument("--victim", metavar="REQ_ID",
+                        help="the request step K's first preemption takes instead")
+    change.add_argument("--router", help="the router from decision K on (cluster recordings): a "
+                                         "name, or a YAML whose router section is used")
+    p.add_argument("--output", "-o", help="write the comparison as JSON")
+    p.add_argument("--top", type=_non_negative_int, default=10,
+                   help="requests to list, the largest E2E change first")
+    p.set_defaults(func=_replay)
     parser.description = ("A pluggable scheduling-policy framework for LLM inference serving. "
                           f"Commands: {', '.join(sub.choices)}.")
     args = parser.parse_args(argv)

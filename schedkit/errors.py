@@ -62,3 +62,46 @@ class EngineBusyError(RequestError):
 
 class EngineDeadError(SchedkitError):
     """The engine-core process died; every pending client call raises this."""
+
+
+class ReplayError(SchedkitError):
+    """A counterfactual replay cannot be run as asked: a change that does not apply at its
+    step (a victim that is not running there), a step outside the recording, or a replay
+    that left the recorded decisions before the step it changes.
+
+    Attributes:
+        request_id: The request the error is about, when there is one.
+    """
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class RecordingError(ReplayError, ValueError):
+    """A recording file is malformed; the message starts with ``file:line``.
+
+    Attributes:
+        path: The file.
+        line: Its line (1-based) at fault, or None for the file as a whole.
+    """
+
+    def __init__(self, path: str, line: int | None, message: str):
+        super().__init__(f"{path}{'' if line is None else f':{line}'}: {message}")
+        self.path = path
+        self.line = line
+
+
+class ReplayDivergenceError(ReplayError):
+    """The replay made another decision than the recording at a step it was to reproduce.
+
+    Attributes:
+        step: The first step that differs.
+        differences: What differed: ``{key: (recorded, replayed)}`` for the step's
+            ``scheduled``, ``new``, ``resumed``, ``preempted`` and ``finished``.
+    """
+
+    def __init__(self, message: str, *, step: int, differences: dict[str, tuple[object, object]]):
+        super().__init__(message)
+        self.step = step
+        self.differences = differences

@@ -9,7 +9,8 @@
   method, every ``SamplingParams`` field, every ``make_scheduler`` / ``make_request``
   parameter and every workload / compare / runner config field, with the code's types,
   defaults and allowed values; its python blocks run and its YAML blocks generate
-  workloads.
+  workloads;
+* the worked example of docs/lab.md's counterfactual replay runs and prints what it shows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import ast
 import dataclasses
 import inspect
 import re
+import shlex
+import shutil
 import textwrap
 import typing
 from pathlib import Path
@@ -290,3 +293,38 @@ def test_reference_examples_run():
             assert len(generate(cfg.workload, cfg.runner.vocab_size, ROOT)) == cfg.workload.num_requests
     assert sum(lang == "python" for _, lang, _ in blocks) >= 2
     assert sum(lang == "yaml" for _, lang, _ in blocks) >= 3
+
+
+# ---------------------------------------------------------------------- docs/lab.md
+LAB_MD = DOCS / "lab.md"
+
+
+def console_runs(block: str) -> list[tuple[str, str]]:
+    """(command, output) pairs of a console block: each ``$ `` line and the lines under it."""
+    runs: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            runs.append((line[2:], []))
+        else:
+            assert runs, f"console output before any command: {line!r}"
+            runs[-1][1].append(line)
+    return [(cmd, "\n".join(out)) for cmd, out in runs]
+
+
+def test_lab_replay_example_prints_what_it_shows(tmp_path, monkeypatch, capsys):
+    """The worked example of docs/lab.md's counterfactual replay: every ``$ schedkit``
+    line runs (in a scratch folder with a copy of configs/) and prints exactly the lines
+    shown under it."""
+    from schedkit.cli import main
+
+    blocks = [body for _, lang, body in code_blocks(sections(LAB_MD.read_text())["Counterfactual replay"])
+              if lang == "console"]
+    assert blocks
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        for command, shown in console_runs(block):
+            args = shlex.split(command)
+            assert args[0] == "schedkit", command
+            assert main(args[1:]) == 0, command
+            assert capsys.readouterr().out.rstrip("\n") == shown, command

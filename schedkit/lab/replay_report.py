@@ -30,7 +30,7 @@ AGGREGATES: tuple[tuple[str, str, str | None, float], ...] = (
     ("recomputed tokens", "recomputed_tokens", None, 1.0),
     ("preemptions", "preemptions", None, 1.0),
     ("SLO attainment (%)", "slo_attainment", None, 100.0),
-    ("duration (ms)", "duration_s", None, 1e3),
+    ("makespan (ms)", "makespan_s", None, 1e3),
 )
 """(row name, summarize key, sub-key, scale) of each aggregate row."""
 

@@ -100,6 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("grid", nargs="?", help="grid file (YAML)")
     ap.add_argument("--reduced", action="store_true", help="the reduced grid")
+    ap.add_argument("--profile", help="the simulator's profile instead of the grid file's (a name or a path)")
     ap.add_argument("-o", "--output", default="accuracy-grid.json")
     ap.add_argument("--resume", action="store_true", help="keep the finished real runs in --output")
     ap.add_argument("--render", metavar="JSON", help="print the tables of a stored run, run nothing")
@@ -110,7 +111,7 @@ def main() -> None:
     else:
         if not a.grid:
             ap.error("give a grid file (or --render JSON)")
-        grid = load_grid(a.grid)
+        grid = load_grid(a.grid, profile=a.profile)
         experiments = grid.experiments(reduced=a.reduced)
         out = Path(a.output)
         done = json.loads(out.read_text())["results"] if a.resume and out.is_file() else None

@@ -172,8 +172,8 @@ class Grid:
         return base.model_copy(update=update)
 
 
-def load_grid(path: str | Path) -> Grid:
-    """Read a grid file (module docstring).
+def load_grid(path: str | Path, profile: str | None = None) -> Grid:
+    """Read a grid file (module docstring); ``profile`` replaces the file's profile.
 
     Raises:
         ConfigError: The file is missing or malformed, or its base config or a profile
@@ -191,7 +191,10 @@ def load_grid(path: str | Path) -> Grid:
     except ValidationError as e:
         raise ConfigError(f"{path}: not an accuracy grid: {e}") from e
     base = load_config(path.parent / cfg.base)
-    profile = cfg.profile
+    if profile is None:
+        profile = cfg.profile
+    elif Path(profile).is_file():
+        profile = str(Path(profile).resolve())
     if (path.parent / profile).is_file():
         profile = str(path.parent / profile)
     grid = Grid(cfg, base, profile, path)

@@ -62,3 +62,8 @@ class EngineBusyError(RequestError):
 
 class EngineDeadError(SchedkitError):
     """The engine-core process died; every pending client call raises this."""
+
+
+class ForeignProfileWarning(UserWarning):
+    """A simulator cost-model profile fitted on another machine (its step times were
+    measured there); it loads all the same. The message names both machines."""

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from schedkit.config import Config, config_from_dict
+from schedkit.core.hooks import Preemption
+from schedkit.core.request import Request
 from schedkit.errors import RequestError, SchedkitError
+from schedkit.hookspecs import hookimpl
 from schedkit.lab.cost_fit import StepRecord, fit, residuals
 from schedkit.lab.step_recorder import Phase, PhaseReport, Session
 from schedkit.lab.workloads import WorkloadRequest, generate, token_run
@@ -121,11 +124,29 @@ def sampling_phases(config: Config, output_len: int = 16) -> list[Phase]:
     return phases
 
 
+class RotateSwapped:
+    """The swap phase's plugin: every ``every`` steps (while requests wait) the request
+    running longest is preempted with its KV saved to host memory, so that a waiting one
+    takes its seat and, in the small KV cache, the blocks it freed; it loads its KV back
+    when it resumes."""
+
+    def __init__(self, every: int = 6) -> None:
+        self.every = every
+        self.num_calls = 0
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self, running: Sequence[Request]) -> list[Preemption] | None:
+        self.num_calls += 1
+        if self.num_calls % self.every or not running:
+            return None
+        return [Preemption(running[0], "calibration", save_kv=True)]
+
+
 def swap_config(config: Config, prompt_len: int = 256, output_len: int = 32) -> tuple[Config, Phase]:
     """The swap phase: ``config`` with a KV cache of about three requests' worth of
     blocks and the ``cpu-offload`` connector, and a burst of eight requests: running ones
-    are preempted for blocks (their KV saved to host memory) and load it back when they
-    resume."""
+    are preempted (for blocks, and by :class:`RotateSwapped`), their KV saved to host
+    memory, and load it back when they resume."""
     sc, cc = config.scheduler, config.cache
     prompt_len = max(cc.block_size, min(prompt_len, sc.max_model_len // 4))
     blocks_per_req = -(-(prompt_len + output_len) // cc.block_size) + 1
@@ -316,7 +337,7 @@ def _run_swap(config: Config, build: Callable[[Config], Any], deadline: float,
         return []
     try:
         swap_cfg, phase = swap_config(config)
-        session = Session(swap_cfg, build(swap_cfg))
+        session = Session(swap_cfg, build(swap_cfg), extra_plugins=[RotateSwapped()])
     except (SchedkitError, ValueError) as e:
         note(PhaseReport("swap", f"skipped: {_first_line(str(e))}"))
         return []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +86,11 @@ class StepRecorder:
 class Session:
     """One engine on a recording runner; phases run on it one after the other."""
 
-    def __init__(self, config: Config, runner: Any) -> None:
+    def __init__(self, config: Config, runner: Any, extra_plugins: Iterable[Any] = ()) -> None:
         from schedkit.engine.core import EngineCore
 
         self.recorder = StepRecorder(runner)
-        self.engine = EngineCore(config, runner=self.recorder)
+        self.engine = EngineCore(config, runner=self.recorder, extra_plugins=extra_plugins)
 
     @property
     def records(self) -> list[StepRecord]:

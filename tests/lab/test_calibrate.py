@@ -7,9 +7,10 @@ import random
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.lab.calibrate import grid_phases, record_steps, sampling_phases, swap_config
+from schedkit.lab.calibrate import RotateSwapped, grid_phases, record_steps, sampling_phases, swap_config
 from schedkit.lab.cost_fit import fit, fit_linear, relative_error, residuals
 from schedkit.lab.profiles import minimal_payload, write_profile
+from schedkit.lab.step_recorder import Session
 from schedkit.runners.cost_model import FEATURES, CostModel, StepFeatures
 from schedkit.runners.simulated import SimulatedRunner
 
@@ -138,3 +139,19 @@ def test_the_swap_phase_has_a_small_cache_and_the_offload_connector():
     need = sum(len(r.prompt_token_ids) + r.max_tokens for r in phase.requests)
     assert need > 2 * swap.cache.num_blocks * swap.cache.block_size  # preemptions for blocks
     assert swap.scheduler.max_model_len < swap.cache.num_blocks * swap.cache.block_size
+
+
+def test_the_swap_phase_saves_blocks_and_loads_them_back():
+    config = config_from_dict({
+        "runner": {"kind": "simulated"}, "cache": {"num_blocks": 1400, "block_size": 16},
+        "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 16, "max_model_len": 2048}})
+    swap, phase = swap_config(config)
+    session = Session(swap, SimulatedRunner.from_config(swap), extra_plugins=[RotateSwapped()])
+    try:
+        assert session.run(phase).status == "ran"
+    finally:
+        session.close()
+    stored = [f.blocks_stored for f, _ in session.records if f.blocks_stored]
+    loaded = [f.blocks_loaded for f, _ in session.records if f.blocks_loaded]
+    assert len(stored) >= 8 and len(loaded) >= 8  # the rotation swaps, not only KV pressure
+    assert max(loaded) >= 8  # whole requests' KV comes back, not a block or two

@@ -7,7 +7,13 @@ import random
 import pytest
 
 from schedkit.config import config_from_dict
-from schedkit.lab.calibrate import RotateSwapped, grid_phases, record_steps, sampling_phases, swap_config
+from schedkit.lab.calibrate import (
+    RotateSwapped,
+    grid_phases,
+    record_steps,
+    sampling_phases,
+    swap_config,
+)
 from schedkit.lab.cost_fit import fit, fit_linear, relative_error, residuals
 from schedkit.lab.profiles import minimal_payload, write_profile
 from schedkit.lab.step_recorder import Session

@@ -1,4 +1,4 @@
-"""``schedkit run | compare | serve | check | plugins | record | replay``."""
+"""``schedkit run | compare | serve | calibrate | check | plugins | record | replay``."""
 
 from __future__ import annotations
 
@@ -209,6 +209,46 @@ def _compare_plots(config: Config, result: CompareResult, out: Path) -> list[str
     return written
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from schedkit.engine.tokenizer import load_tokenizer
+    from schedkit.lab.calibrate import calibrate
+    from schedkit.lab.profiles import profile_payload, write_profile
+    from schedkit.lab.workloads import generate
+
+    config = load_config(args.config)
+    if config.runner.kind == "fake":
+        raise ConfigError(f"{config.where('runner', 'kind') or args.config}: runner.kind = 'fake': "
+                          "calibrate measures a real runner's step times (kind paged); the fake "
+                          "runner's are a constant")
+    _check_writable(args.output)
+    tokenizer = load_tokenizer(config) if config.workload.prompts else None
+    workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
+    try:
+        result = calibrate(config, budget_s=args.budget_s, workload=workload,
+                           progress=lambda line: print(line, flush=True))
+    except ValueError as e:  # too few steps to fit
+        raise ConfigError(f"--budget-s {args.budget_s:g}: {e}; give calibration more time") from None
+    name = args.name or Path(args.output).stem
+    write_profile(args.output, profile_payload(name, result, config, args.config))
+    print(f"\n{len(result.records)} steps in {result.wall_s:.0f} s (budget {args.budget_s:g} s); "
+          "relative step error:")
+    print(f"  {'steps':<8} {'count':>6} {'mean':>7} {'median':>7} {'p90':>7}")
+    for kind, r in result.residuals.items():
+        print(f"  {kind:<8} {r['num_steps']:>6} {r['mean']:>7.1%} {r['median']:>7.1%} {r['p90']:>7.1%}")
+    print(f"wrote profile {name!r} to {args.output} (runner: {{kind: simulated, profile: {args.output}}})")
+    return 0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(s) or s <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return s
+
+
 def _check_writable(path: str) -> None:
     """Refuse an output path that cannot be written before a run, not after it."""
     parent = Path(path).resolve().parent
@@ -377,6 +417,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "(default: $SCHEDKIT_API_KEY, then server.api_key)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_serve)
+    p = sub.add_parser("calibrate", help="fit a simulator profile to the YAML's real runner")
+    p.add_argument("config")
+    p.add_argument("--output", "-o", required=True, help="the profile JSON to write")
+    p.add_argument("--name", help="the profile's name (default: the output file's stem)")
+    p.add_argument("--budget-s", type=_positive_seconds, default=600.0,
+                   help="wall-clock seconds for everything, model loading included (default 600); "
+                        "the grid of step shapes is sized to fit")
+    p.set_defaults(func=_calibrate)
     p = sub.add_parser("check", help="validate a config file")
     p.add_argument("config")
     p.set_defaults(func=_check)

@@ -105,3 +105,8 @@ class ReplayDivergenceError(ReplayError):
         super().__init__(message)
         self.step = step
         self.differences = differences
+
+
+class ForeignProfileWarning(UserWarning):
+    """A simulator cost-model profile fitted on another machine (its step times were
+    measured there); it loads all the same. The message names both machines."""

@@ -99,7 +99,7 @@ def test_help_names_every_command(capsys):
     assert exc.value.code == 0
     text = capsys.readouterr().out
     description = text.split("\n\n")[1]  # after the usage line, before the argument list
-    for command in ("run", "compare", "check", "plugins"):
+    for command in ("run", "compare", "calibrate", "check", "plugins"):
         assert command in description, description
     assert "compare" in (cli.__doc__ or "")
 

@@ -1,202 +1,357 @@
-"""Calibrate the simulator: record the real runner's step times, fit a cost model.
+"""Calibrate the simulator: record a real runner's step times, fit a cost model.
 
-    python scripts/fit_cost_model.py CONFIG.yaml --name h200-qwen2.5-0.5b -o profile.json
+``schedkit calibrate CONFIG -o PROFILE.json`` runs, within a time budget (default 600 s,
+model loading included), on the configured (real) runner:
 
-runs the config's workload on its (real) runner, then a grid of step shapes (bursts
-of identical-length requests: every batch size with every prompt length, so the fit
-sees large prefills and large decode batches however the workload is shaped), records
-every engine step's features (see :func:`schedkit.runners.simulated.step_features`)
+1. the config's own workload (at most a quarter of the budget);
+2. a grid of step shapes, bursts of identical-length requests (every batch size with
+   every prompt length: large prefills, large decode batches, mixed steps), bursts that
+   sample greedily and with top-k / top-p, and bursts under a grammar (where the
+   config's structured-output backend can be built). Each burst's duration is first
+   predicted by simulating it with a cost model fitted to the steps so far; the
+   cheapest run first and those that no longer fit the budget are skipped, so the grid
+   is sized to the machine;
+3. a swap phase: a second engine with a small KV cache and the ``cpu-offload``
+   connector, where requests are preempted for blocks, swapped out to host memory and
+   loaded back (a fifth of the budget);
+
+records every engine step's features (:class:`schedkit.runners.cost_model.StepShapes`)
 with its measured duration, scheduling and output processing included, and fits the
-linear model by non-negative least squares on relative error (coefficients that come
-out negative are dropped and the rest refitted).
+model (:mod:`schedkit.lab.cost_fit`). The profile records the machine, the versions, the
+config, the phases and the fit's residuals.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
-from collections import deque
-from collections.abc import Sequence
-from pathlib import Path
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from schedkit.config import Config
+from schedkit.config import Config, config_from_dict
+from schedkit.core.hooks import Preemption
+from schedkit.core.request import Request
+from schedkit.errors import RequestError, SchedkitError
+from schedkit.hookspecs import hookimpl
+from schedkit.lab.cost_fit import StepRecord, fit, residuals
+from schedkit.lab.step_recorder import Phase, PhaseReport, Session
 from schedkit.lab.workloads import WorkloadRequest, generate, token_run
-from schedkit.runners.simulated import FEATURES, CostModel, StepFeatures, step_features
+from schedkit.runners.cost_model import CostModel
+from schedkit.runners.simulated import SimulatedRunner
 
-StepRecord = tuple[StepFeatures, float]
+__all__ = ["Calibration", "Phase", "PhaseReport", "calibrate", "estimate_s", "grid_phases",
+           "record_steps", "sampling_phases", "swap_config"]
+
+GRAMMAR = {"regex": "[a-z ,.]{4,400}"}
+"""The constraint of the grammar bursts (every backend compiles a regular expression)."""
+SWAP_PLUGIN = "cpu-offload"
+GRID_PASSES = 4
+"""Most passes over the bursts (the later ones with what time is left)."""
 
 
-class _Recorder:
-    """Wraps a runner: remembers the features of each launched step; :meth:`on_step`
-    pairs the oldest with the duration of the engine step that collected it (scheduling
-    and output processing included, since the simulator's clock must advance by all of
-    it; under async scheduling, the interval between consecutive steps' outputs)."""
+def _first_line(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.records: list[StepRecord] = []
-        self._launched: deque[StepFeatures | None] = deque()
-        if hasattr(runner, "execute_async"):
-            self.execute_async = self._execute_async
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
+@dataclass(slots=True)
+class Calibration:
+    """What :func:`calibrate` measured and fitted."""
 
-    def _note(self, scheduler_output: Any) -> None:
-        cached = scheduler_output.scheduled_cached_reqs
-        before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for new in scheduler_output.scheduled_new_reqs:
-            before[new.req_id] = new.num_computed_tokens
-        self._launched.append(step_features(scheduler_output, before)
-                              if scheduler_output.num_scheduled_tokens else None)
+    records: list[StepRecord]
+    model: CostModel
+    residuals: dict[str, dict[str, float]]
+    phases: list[PhaseReport]
+    wall_s: float
+    budget_s: float
+    device_name: str | None = None
+    """The runner's accelerator (its ``device_name``), if it has one."""
 
-    def execute(self, scheduler_output: Any) -> Any:
-        self._note(scheduler_output)
-        return self.runner.execute(scheduler_output)
 
-    def _execute_async(self, scheduler_output: Any) -> Any:
-        self._note(scheduler_output)
-        return self.runner.execute_async(scheduler_output)
+# -- phases -------------------------------------------------------------------------------
+def _burst(name: str, key: int, batch: int, prompt_len: int, output_len: int, vocab_size: int,
+           sampling: dict[str, Any] | None = None) -> Phase:
+    reqs = [WorkloadRequest(f"{name}-{i}", 0.0, token_run(key + i, prompt_len, vocab_size), output_len)
+            for i in range(batch)]
+    return Phase(name, reqs, dict(sampling or {}))
 
-    def on_step(self, engine: Any) -> None:
-        features = self._launched.popleft() if self._launched else None
-        if features is not None and engine.last_step_s > 0:
-            self.records.append((features, engine.last_step_s))
+
+def _fits(config: Config, batch: int, prompt_len: int, output_len: int) -> bool:
+    cc = config.cache
+    return (prompt_len + output_len <= config.scheduler.max_model_len
+            and batch * (prompt_len + output_len + cc.block_size) <= 0.8 * cc.num_blocks * cc.block_size)
 
 
 def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int] | None = None,
-                batch_sizes: Sequence[int] | None = None) -> list[list[WorkloadRequest]]:
+                batch_sizes: Sequence[int] | None = None) -> list[Phase]:
     """Bursts of ``b`` distinct prompts of ``p`` tokens arriving together, for every
     batch size and prompt length that fits the scheduler and the KV cache: each gives
-    prefill steps of up to the token budget, then decode steps at batch ``b`` over
-    context ``p``. Defaults: batch sizes 1, 4, 16, 64, 256 up to ``max_num_seqs``
-    (and ``max_num_seqs`` itself); prompt lengths 32, 256, 1024, 4096 up to the model
-    length."""
-    sc, cc = config.scheduler, config.cache
+    prefill (and mixed) steps of up to the token budget, then decode steps at batch
+    ``b`` over context ``p``. Defaults: batch sizes 1, 4, 16, 64, 256 up to
+    ``max_num_seqs`` (and ``max_num_seqs`` itself); prompt lengths 32, 256, 1024, 4096
+    up to the model length."""
+    sc = config.scheduler
     if batch_sizes is None:
         batch_sizes = sorted({b for b in (1, 4, 16, 64, 256) if b < sc.max_num_seqs} | {sc.max_num_seqs})
     if prompt_lens is None:
         prompt_lens = [p for p in (32, 256, 1024, 4096) if p + output_len <= sc.max_model_len]
-    capacity = cc.num_blocks * cc.block_size
-    phases, key = [], 1 << 40
+    key = 1 << 40
+    phases = []
     for p in prompt_lens:
         for b in batch_sizes:
-            if b * (p + output_len + cc.block_size) > 0.8 * capacity:
-                continue
-            phase = []
-            for i in range(b):
-                key += 1
-                phase.append(WorkloadRequest(f"grid-p{p}-b{b}-{i}", 0.0,
-                                             token_run(key, p, config.runner.vocab_size), output_len))
-            phases.append(phase)
+            if _fits(config, b, p, output_len):
+                phases.append(_burst(f"grid-p{p}-b{b}", key, b, p, output_len, config.runner.vocab_size))
+                key += b
     return phases
 
 
+def sampling_phases(config: Config, output_len: int = 16) -> list[Phase]:
+    """Bursts that sample greedily, with top-k / top-p, and under a grammar (the grid's
+    requests sample with temperature 1 and nothing else), at small and large batches."""
+    sc = config.scheduler
+    kinds: dict[str, dict[str, Any]] = {
+        "greedy": {"temperature": 0.0}, "topk": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+        "grammar": {"temperature": 0.0, "structured_outputs": GRAMMAR}}
+    key = 1 << 42
+    phases = []
+    for kind, sampling in kinds.items():
+        for b in sorted({1, min(4, sc.max_num_seqs), min(32, sc.max_num_seqs)}):
+            if _fits(config, b, 32, output_len):
+                phases.append(_burst(f"{kind}-b{b}", key, b, 32, output_len, config.runner.vocab_size,
+                                     sampling))
+                key += b
+    return phases
+
+
+class RotateSwapped:
+    """The swap phase's plugin: every ``every`` steps (while requests wait) the request
+    running longest is preempted with its KV saved to host memory, so that a waiting one
+    takes its seat and, in the small KV cache, the blocks it freed; it loads its KV back
+    when it resumes."""
+
+    def __init__(self, every: int = 6) -> None:
+        self.every = every
+        self.num_calls = 0
+
+    @hookimpl
+    def schedkit_select_voluntary_preemptions(self, running: Sequence[Request]) -> list[Preemption] | None:
+        self.num_calls += 1
+        if self.num_calls % self.every or not running:
+            return None
+        return [Preemption(running[0], "calibration", save_kv=True)]
+
+
+def swap_config(config: Config, prompt_len: int = 256, output_len: int = 32) -> tuple[Config, Phase]:
+    """The swap phase: ``config`` with a KV cache of about three requests' worth of
+    blocks and the ``cpu-offload`` connector, and a burst of eight requests: running ones
+    are preempted (for blocks, and by :class:`RotateSwapped`), their KV saved to host
+    memory, and load it back when they resume."""
+    sc, cc = config.scheduler, config.cache
+    prompt_len = max(cc.block_size, min(prompt_len, sc.max_model_len // 4))
+    blocks_per_req = -(-(prompt_len + output_len) // cc.block_size) + 1
+    num_blocks = 3 * blocks_per_req + 1
+    data = config.model_dump(mode="json", exclude={"compare"})
+    data["cache"].update(num_blocks=num_blocks, enable_prefix_caching=True)
+    data["scheduler"]["max_model_len"] = min(sc.max_model_len, (num_blocks - 1) * cc.block_size)
+    data["plugins"] = [p for p in data["plugins"] if p["name"] != SWAP_PLUGIN] + [
+        {"name": SWAP_PLUGIN, "settings": {"max_blocks": 64 * blocks_per_req}}]
+    if data["runner"].get("device") == "cuda":
+        data["runner"]["cuda_graph_max_batch_size"] = min(data["runner"]["cuda_graph_max_batch_size"], 16)
+    lens = [prompt_len // 2, prompt_len, 3 * prompt_len // 4, prompt_len]
+    vocab = config.runner.vocab_size
+    reqs = [WorkloadRequest(f"swap-{i}", 0.0, token_run((1 << 43) + i, lens[i % 4], vocab), output_len)
+            for i in range(8)]
+    return config_from_dict(data, "<swap phase>"), Phase("swap", reqs)
+
+
+def estimate_s(config: Config, model: CostModel, phase: Phase) -> float:
+    """Seconds ``phase`` takes by the cost model: simulated on ``config``'s scheduler."""
+    session = Session(config, SimulatedRunner(vocab_size=config.runner.vocab_size, cost_model=model))
+    try:
+        session.run(Phase(phase.name, phase.requests))  # the grammar's cost is not in the way
+        return session.engine.now() - session.engine.start_time
+    finally:
+        session.close()
+
+
 def record_steps(config: Config, runner: Any = None, workload: list[WorkloadRequest] | None = None,
-                 phases: Sequence[list[WorkloadRequest]] = ()) -> list[StepRecord]:
+                 phases: Sequence[Phase] = ()) -> list[StepRecord]:
     """Replay a workload (default: the config's own) on one engine, then run each phase
-    (requests that all arrive at once) to completion in turn; return every step's
-    features and duration on the engine clock."""
-    from schedkit.core.request import Request, SamplingParams
+    to completion in turn; return every step's features and duration on the engine
+    clock."""
+    session = Session(config, runner if runner is not None else _build_runner(config))
+    try:
+        if workload is None:
+            workload = generate(config.workload, config.runner.vocab_size)
+        session.run(Phase("workload", workload, is_timed=True))
+        for phase in phases:
+            session.run(phase)
+        return session.records
+    finally:
+        session.close()
+
+
+def _build_runner(config: Config) -> Any:
     from schedkit.engine.core import EngineCore
 
-    recorder = _Recorder(runner if runner is not None else EngineCore._build_runner(config))
-    engine = EngineCore(config, runner=recorder)
-
-    def add(w: WorkloadRequest, offset: float | None) -> None:
-        engine.add_request(Request(w.request_id, w.prompt_token_ids,
-                                   SamplingParams(max_tokens=w.max_tokens, ignore_eos=True),
-                                   arrival_time=engine.now()), offset)
-
-    def drain() -> None:
-        while engine.has_requests():
-            steps = engine.num_steps
-            engine.step()
-            if engine.num_steps > steps:
-                recorder.on_step(engine)
-
-    for w in workload if workload is not None else generate(config.workload, config.runner.vocab_size):
-        add(w, w.arrival_time)
-    drain()
-    for phase in phases:
-        for w in phase:
-            add(w, None)
-        drain()
-    return recorder.records
+    return EngineCore._build_runner(config)
 
 
-def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares via the normal equations (Gauss-Jordan with partial pivoting)."""
-    n = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys, strict=True))]
-         for i in range(n)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-30:
-            a[piv][col] = 1e-30  # a feature that never varies: its coefficient goes to 0
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][n] / a[i][i] for i in range(n)]
+# -- the whole calibration ----------------------------------------------------------------
+@dataclass(slots=True)
+class _Clock:
+    start: float
+    budget_s: float
+
+    @property
+    def end(self) -> float:
+        return self.start + self.budget_s
+
+    def at(self, share: float) -> float:
+        return self.start + share * self.budget_s
 
 
-def fit(records: Sequence[StepRecord], min_samples: int = 3) -> CostModel:
-    """The simulator's cost model fitted to recorded steps: the linear part by
-    :func:`fit_linear`, then the decode residual table, the median misfit of the
-    decode-only steps at each batch size seen at least ``min_samples`` times."""
-    coefficients = fit_linear(records)
-    linear = CostModel.from_coefficients(coefficients)
-    by_batch: dict[int, list[float]] = {}
-    for f, d in records:
-        if d > 0 and not f[4]:
-            by_batch.setdefault(int(f[1]), []).append(d - linear.step_time(f))
-    table = {b: statistics.median(r) for b, r in sorted(by_batch.items()) if len(r) >= min_samples}
-    return CostModel.from_coefficients(coefficients, table)
+def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[WorkloadRequest] | None = None,
+              runner_factory: Callable[[Config], Any] | None = None,
+              progress: Callable[[str], None] = lambda line: None) -> Calibration:
+    """Record the configured runner's steps within ``budget_s`` seconds (wall time, model
+    loading included) and fit the cost model (see the module docstring).
 
+    Args:
+        config: A config whose runner is a real one (a simulated one gives back its own
+            profile: a check of the pipeline).
+        budget_s: Wall-clock seconds for everything; phases that no longer fit are
+            skipped or cut.
+        workload: The first phase's requests (default: the config's workload).
+        runner_factory: Builds a runner from a config (default: the engine's own way).
+        progress: Called with one line per phase.
 
-def fit_linear(records: Sequence[StepRecord]) -> dict[str, float]:
-    """Non-negative least-squares fit of the cost model's coefficients.
-
-    Each step counts by its relative error (rows divided by the measured duration), so
-    the many short decode steps that set TPOT weigh as much as long prefill steps.
-    Features are scaled to unit mean before solving so the tiny per-token coefficients
-    and the per-step base share one numeric range.
+    Raises:
+        ConfigError: The config's runner cannot be built or its workload read.
+        ValueError: Too few steps were recorded to fit (a budget far too small).
     """
-    records = [r for r in records if r[1] > 0]
-    if len(records) < len(FEATURES):
-        raise ValueError(f"need at least {len(FEATURES)} steps to fit, got {len(records)}")
-    xs = [[1.0 / d, *(x / d for x in f)] for f, d in records]
-    ys = [1.0] * len(records)
-    scale = [max(sum(abs(x[i]) for x in xs) / len(xs), 1e-30) for i in range(len(FEATURES))]
-    active = list(range(len(FEATURES)))
-    while True:
-        coef = _solve([[x[i] / scale[i] for i in active] for x in xs], ys)
-        negative = [i for i, c in zip(active, coef, strict=True) if c < 0]
-        if not negative:
-            break
-        active = [i for i in active if i not in negative]
-        if not active:
-            coef = []
-            break
-    out = dict.fromkeys(FEATURES, 0.0)
-    for i, c in zip(active, coef, strict=True):
-        out[FEATURES[i]] = c / scale[i]
-    return out
+    clock = _Clock(time.monotonic(), budget_s)
+    build = runner_factory or _build_runner
+    fit_reserve = min(20.0, 0.05 * budget_s)
+    swap_share = 0.2 * budget_s
+    reports: list[PhaseReport] = []
+
+    def note(report: PhaseReport) -> None:
+        reports.append(report)
+        progress(f"{report.name:<16} {report.status:<10} {report.num_steps:>5} steps "
+                 f"{report.wall_s:7.1f} s" + (f" (predicted {report.estimate_s:.1f} s)"
+                                               if report.estimate_s is not None else ""))
+
+    runner = build(config)
+    device_name = getattr(runner, "device_name", None)
+    is_virtual = bool(getattr(runner, "is_virtual_clock", False))
+    progress(f"runner ready after {time.monotonic() - clock.start:.1f} s")
+    session = Session(config, runner)
+    try:
+        if workload is None:
+            workload = generate(config.workload, config.runner.vocab_size)
+        note(session.run(Phase("workload", workload, is_timed=True), deadline=clock.at(0.25)))
+        _run_grid(session, config, clock.end - swap_share - fit_reserve, is_virtual, note)
+        records = list(session.records)
+    finally:
+        session.close()
+        del session, runner
+        gc.collect()  # the swap phase's runner needs the memory (on a GPU, all of it)
+    records += _run_swap(config, build, clock.end - fit_reserve, note)
+    model = fit(records)
+    return Calibration(records, model, residuals(records, model), reports, time.monotonic() - clock.start,
+                       budget_s, device_name)
 
 
-def relative_error(records: Sequence[StepRecord], model: CostModel) -> float:
-    """Mean |predicted - measured| / measured over the records."""
-    errs = [abs(model.step_time(f) - d) / d for f, d in records if d > 0]
-    return sum(errs) / len(errs) if errs else float("nan")
+def _run_grid(session: Session, config: Config, deadline: float, is_virtual: bool,
+              note: Callable[[PhaseReport], None]) -> None:
+    """The grid and sampling bursts, cheapest first (by the cost model fitted so far),
+    each only if it still fits before ``deadline``; a phase that overruns is cut there."""
+    config = session.config
+    phases = grid_phases(config) + sampling_phases(config)
+    estimates: dict[str, float] = {}
+    if not is_virtual and len(session.records) >= 20:
+        model = fit(session.records)
+        estimates = {ph.name: estimate_s(config, model, ph) for ph in phases}
+    order = sorted(range(len(phases)), key=lambda i: (
+        estimates.get(phases[i].name, 0.0), sum(len(r.prompt_token_ids) for r in phases[i].requests)))
+    ratios: list[float] = []  # measured / predicted so far: corrects the later predictions
+    ran: list[tuple[Phase, float]] = []
+    no_grammar = ""
+    for i in order:
+        ph = phases[i]
+        est = estimates.get(ph.name)
+        if no_grammar and "structured_outputs" in ph.sampling:
+            note(PhaseReport(ph.name, f"skipped: {no_grammar}", estimate_s=est))
+            continue
+        ratio = sum(ratios) / len(ratios) if ratios else 1.0
+        if time.monotonic() + (est or 0.0) * ratio > deadline:
+            note(PhaseReport(ph.name, "skipped: over budget", estimate_s=est))
+            continue
+        try:
+            report = session.run(ph, deadline)
+        except RequestError as e:  # its first request was refused
+            why = _first_line(str(e))
+            if "structured_outputs" in ph.sampling:
+                no_grammar = why = f"no structured-output backend ({why})"
+            note(PhaseReport(ph.name, f"skipped: {why}", estimate_s=est))
+            continue
+        report.estimate_s = est
+        if est and report.status == "ran":
+            ratios.append(report.wall_s / est)
+        note(report)
+        if report.status == "ran":
+            ran.append((ph, report.wall_s))
+    if not is_virtual:  # a simulated runner's steps are the same every time
+        _repeat(session, ran, deadline, note)
 
 
-def write_profile(path: str | Path, name: str, model: CostModel, description: str,
-                  num_steps: int, error: float) -> None:
-    Path(path).write_text(json.dumps({
-        "name": name, "description": description, "fitted": True, "num_steps": num_steps,
-        "mean_relative_step_error": error,
-        "coefficients": {k: getattr(model, k) for k in FEATURES},
-        "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s}}, indent=2) + "\n")
+def _repeat(session: Session, ran: list[tuple[Phase, float]], deadline: float,
+            note: Callable[[PhaseReport], None]) -> None:
+    """With time left, the bursts that ran again (new prompts), pass after pass, each
+    only if it fits before ``deadline`` by its last duration."""
+    key, vocab = 1 << 45, session.engine.config.runner.vocab_size
+    for k in range(1, GRID_PASSES):
+        did = False
+        for ph, wall_s in ran:
+            if time.monotonic() + 1.2 * wall_s > deadline:
+                continue
+            reqs = []
+            for r in ph.requests:
+                prompt = token_run(key, len(r.prompt_token_ids), vocab)
+                reqs.append(WorkloadRequest(f"{r.request_id}-r{k}", 0.0, prompt, r.max_tokens))
+                key += 1
+            note(session.run(Phase(f"{ph.name}-r{k}", reqs, ph.sampling), deadline))
+            did = True
+        if not did:
+            return
+
+
+def _run_swap(config: Config, build: Callable[[Config], Any], deadline: float,
+              note: Callable[[PhaseReport], None]) -> list[StepRecord]:
+    """The swap phase on its own engine, repeated with new prompts while time is left
+    (at most four rounds)."""
+    if time.monotonic() + 5 > deadline:
+        note(PhaseReport("swap", "skipped: over budget"))
+        return []
+    try:
+        swap_cfg, phase = swap_config(config)
+        session = Session(swap_cfg, build(swap_cfg), extra_plugins=[RotateSwapped()])
+    except (SchedkitError, ValueError) as e:
+        note(PhaseReport("swap", f"skipped: {_first_line(str(e))}"))
+        return []
+    try:
+        for round_ in range(4):
+            t0 = time.monotonic()
+            reqs = [WorkloadRequest(f"{w.request_id}-r{round_}", 0.0,
+                                    token_run((1 << 44) + 16 * round_ + j, len(w.prompt_token_ids),
+                                              config.runner.vocab_size), w.max_tokens)
+                    for j, w in enumerate(phase.requests)]
+            report = session.run(Phase(f"swap-{round_}", reqs), deadline)
+            note(report)
+            if report.status != "ran" or time.monotonic() + (time.monotonic() - t0) > deadline:
+                break
+        return list(session.records)
+    finally:
+        session.close()

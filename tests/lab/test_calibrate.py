@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from schedkit.config import config_from_dict
 from schedkit.lab.calibrate import (
-    fit,
-    fit_linear,
+    RotateSwapped,
     grid_phases,
     record_steps,
-    relative_error,
-    write_profile,
+    sampling_phases,
+    swap_config,
 )
-from schedkit.runners.simulated import CostModel, SimulatedRunner
+from schedkit.lab.cost_fit import fit, fit_linear, relative_error, residuals
+from schedkit.lab.profiles import minimal_payload, write_profile
+from schedkit.lab.step_recorder import Session
+from schedkit.runners.cost_model import FEATURES, CostModel, StepFeatures
+from schedkit.runners.simulated import SimulatedRunner
 
 TRUE = dict(base_s=2e-3, per_token_s=4e-6, per_request_s=3e-5, per_context_token_s=5e-9,
-            per_prefill_attention_s=2e-11, per_prefill_step_s=1e-3)
+            per_prefill_attention_s=2e-11, per_prefill_step_s=1e-3, per_mixed_step_s=4e-4,
+            per_sampled_row_s=2e-5, per_random_row_s=1e-5)
 
 
 class LaunchingSimulator(SimulatedRunner):
@@ -39,19 +45,53 @@ def test_fit_recovers_a_known_cost_model_from_recorded_steps(async_scheduling, r
                       "async_scheduling": async_scheduling},
         "workload": {"num_requests": 300, "rate": 40, "prompt_len": {"dist": "lognormal", "median": 400,
                      "sigma": 1.0, "min": 8, "max": 4000}, "output_len": [4, 200]}})
+    # the grammar bursts need a structured-output backend, which the simulator has not
+    sampling = [p for p in sampling_phases(config, output_len=8) if "structured_outputs" not in p.sampling]
     records = record_steps(config, runner=runner_cls(cost_model=CostModel(**TRUE)),
-                           phases=grid_phases(config, output_len=8))
+                           phases=grid_phases(config, output_len=8) + sampling)
     assert len(records) > 100
     assert {int(f[1]) for f, _ in records if not f[4]} >= {1, 4, 16, 64}  # decode batches of the grid
+    assert {f.kind for f, _ in records} == {"prefill", "decode", "mixed"}
     model = fit(records)
-    for k, v in TRUE.items():
-        assert getattr(model, k) == pytest.approx(v, rel=1e-3)
+    for k in FEATURES:
+        assert getattr(model, k) == pytest.approx(TRUE.get(k, 0.0), rel=1e-3, abs=1e-12), k
     assert all(abs(t) < 1e-9 for _, t in model.decode_batch_residual_s)
     assert relative_error(records, model) < 1e-6
+    r = residuals(records, model)
+    assert set(r) == {"overall", "prefill", "decode", "mixed"}
+    assert sum(r[k]["num_steps"] for k in ("prefill", "decode", "mixed")) == r["overall"]["num_steps"]
+    assert r["overall"]["p90"] < 1e-6
+
+
+def test_the_new_coefficients_are_fitted_when_their_features_vary():
+    # Synthetic steps in which sampling, grammar and swap terms vary independently of
+    # the shape: the fit gives back every coefficient.
+    true = CostModel(base_s=1e-3, per_token_s=2e-6, per_request_s=1e-5, per_context_token_s=3e-9,
+                     per_prefill_attention_s=1e-11, per_prefill_step_s=5e-4, per_mixed_step_s=2e-4,
+                     per_sampled_row_s=3e-5, per_random_row_s=2e-5, per_filtered_row_s=6e-5,
+                     per_grammar_row_s=8e-5, per_block_store_s=4e-4, per_block_load_s=3e-4)
+    rng = random.Random(0)
+    records = []
+    for _ in range(400):
+        reqs = rng.randint(1, 32)
+        prefill = rng.random() < 0.4
+        mixed = prefill and rng.random() < 0.5
+        tokens = reqs + (rng.randint(16, 1024) if prefill else 0)
+        rows = rng.randint(0, reqs)
+        is_random = rng.random() < 0.6
+        attention = tokens * rng.randint(0, 500) if prefill else 0
+        stored, loaded = (rng.choice((0, 0, 0, rng.randint(1, 40))) for _ in range(2))
+        f = StepFeatures(tokens, reqs, tokens + rng.randint(0, 20000), attention, float(prefill), float(mixed),
+                         rows, rows if is_random else 0, rows if is_random and rng.random() < 0.5 else 0,
+                         rng.randint(0, rows), stored, loaded)
+        records.append((f, true.step_time(f)))
+    coef = fit_linear(records)
+    for k in FEATURES:
+        assert coef[k] == pytest.approx(getattr(true, k), rel=1e-4), k
 
 
 def test_fit_drops_negative_coefficients():
-    records = [((t, 1.0, t, 0.0, 0.0), 1e-3 + 1e-6 * t) for t in (1, 10, 100, 1000, 50, 500, 20)]
+    records = [((t, 1.0, t, 0.0, 0.0), 1e-3 + 1e-6 * t) for t in (1, 10, 100, 1000, 50, 500, 20)] * 2
     coef = fit_linear(records)
     assert all(v >= 0 for v in coef.values())
     assert relative_error(records, CostModel.from_coefficients(coef)) < 0.01
@@ -73,7 +113,7 @@ def test_decode_residual_table_captures_what_the_line_cannot(tmp_path):
     r = dict(model.decode_batch_residual_s)
     assert model.decode_residual(6) == pytest.approx((r[4] + r[8]) / 2)
     assert model.decode_residual(64) == r[8]
-    write_profile(tmp_path / "p.json", "p", model, "test", len(records), relative_error(records, model))
+    write_profile(tmp_path / "p.json", minimal_payload("p", model, "test"))
     loaded = CostModel.load(str(tmp_path / "p.json"))
     assert loaded.decode_batch_residual_s == model.decode_batch_residual_s
     assert loaded.step_time(records[10][0]) == model.step_time(records[10][0])
@@ -84,8 +124,40 @@ def test_grid_phases_cover_batches_and_prompts_within_the_cache():
         "runner": {"kind": "simulated"}, "cache": {"num_blocks": 1400, "block_size": 16},
         "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 48, "max_model_len": 2048}})
     phases = grid_phases(config, output_len=16)
-    shapes = {(len(ph[0].prompt_token_ids), len(ph)) for ph in phases}
+    shapes = {(len(ph.requests[0].prompt_token_ids), len(ph.requests)) for ph in phases}
     # 22400 KV slots: 48 x (1024 + 32) does not fit in 80%, 16 x (1024 + 32) does
     assert shapes == {(p, b) for p in (32, 256, 1024) for b in (1, 4, 16, 48)} - {(1024, 48)}
-    prompts = [tuple(r.prompt_token_ids[:16]) for ph in phases for r in ph]
-    assert len(set(prompts)) == len(prompts)  # no prefix-cache hits between grid requests
+    phases += sampling_phases(config)
+    prompts = [tuple(r.prompt_token_ids[:16]) for ph in phases for r in ph.requests]
+    assert len(set(prompts)) == len(prompts)  # no prefix-cache hits between calibration requests
+    assert len({ph.name for ph in phases}) == len(phases)
+
+
+def test_the_swap_phase_has_a_small_cache_and_the_offload_connector():
+    config = config_from_dict({
+        "runner": {"kind": "simulated"}, "cache": {"num_blocks": 1400, "block_size": 16},
+        "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 16, "max_model_len": 2048},
+        "plugins": [{"name": "cpu-offload", "settings": {"max_blocks": 8}}]})
+    swap, phase = swap_config(config)
+    assert [p.name for p in swap.plugins] == ["cpu-offload"]
+    assert swap.plugins[0].settings["max_blocks"] > 8
+    assert swap.cache.enable_prefix_caching
+    need = sum(len(r.prompt_token_ids) + r.max_tokens for r in phase.requests)
+    assert need > 2 * swap.cache.num_blocks * swap.cache.block_size  # preemptions for blocks
+    assert swap.scheduler.max_model_len < swap.cache.num_blocks * swap.cache.block_size
+
+
+def test_the_swap_phase_saves_blocks_and_loads_them_back():
+    config = config_from_dict({
+        "runner": {"kind": "simulated"}, "cache": {"num_blocks": 1400, "block_size": 16},
+        "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 16, "max_model_len": 2048}})
+    swap, phase = swap_config(config)
+    session = Session(swap, SimulatedRunner.from_config(swap), extra_plugins=[RotateSwapped()])
+    try:
+        assert session.run(phase).status == "ran"
+    finally:
+        session.close()
+    stored = [f.blocks_stored for f, _ in session.records if f.blocks_stored]
+    loaded = [f.blocks_loaded for f, _ in session.records if f.blocks_loaded]
+    assert len(stored) >= 8 and len(loaded) >= 8  # the rotation swaps, not only KV pressure
+    assert max(loaded) >= 8  # whole requests' KV comes back, not a block or two

@@ -24,14 +24,14 @@ def test_step_duration_follows_the_cost_model():
     so = sched.schedule()  # a: 30 tokens, b: 70 tokens, both from 0
     out = runner.execute(so)
     tokens, reqs, ctx, attn = 100, 2, 100, 30 * 15 + 70 * 35
-    assert step_features(so, {"a": 0, "b": 0}) == (tokens, reqs, ctx, attn, 1.0)
+    assert step_features(so, {"a": 0, "b": 0})[:6] == (tokens, reqs, ctx, attn, 1.0, 0.0)
     assert out.step_duration == pytest.approx(1e-3 + 1e-5 * 100 + 1e-4 * 2 + 1e-7 * 100 + 1e-9 * attn + 2e-3)
     sched.update_from_output(so, out)
     so = sched.schedule()  # a decodes (1 token over 30), b finishes its prompt (30 over 70)
-    assert step_features(so, {"a": 30, "b": 70}) == (31, 2, 31 + 100, 30 * 85, 1.0)
+    assert step_features(so, {"a": 30, "b": 70})[:6] == (31, 2, 31 + 100, 30 * 85, 1.0, 1.0)  # mixed
     sched.update_from_output(so, runner.execute(so))
     so = sched.schedule()  # decode-only: no prefill-step cost
-    assert step_features(so, {"a": 31, "b": 100}) == (2, 2, 32 + 101, 0.0, 0.0)
+    assert step_features(so, {"a": 31, "b": 100})[:6] == (2, 2, 32 + 101, 0.0, 0.0, 0.0)
     assert runner.execute(so).step_duration == pytest.approx(1e-3 + 2e-5 + 2e-4 + 1e-7 * 133)
 
 

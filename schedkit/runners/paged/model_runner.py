@@ -165,6 +165,11 @@ class PagedModelRunner:
         """The model's vocabulary."""
         return self.args.vocab_size
 
+    @property
+    def device_name(self) -> str | None:
+        """The GPU's name on CUDA (calibration records it); None on the CPU."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Any) -> PagedModelRunner:

@@ -1,0 +1,278 @@
+"""The simulator's cost model: a step's shape (:class:`StepFeatures`), read from the
+scheduler's output, and its predicted duration (:class:`CostModel`), loaded from a
+profile (``schedkit/runners/profiles/*.json``, fitted by ``schedkit calibrate``)::
+
+    t = base + per_token * tokens + per_request * requests
+        + per_context_token * context tokens read + per_prefill_attention * sum(n * (computed + n / 2))
+        + per_prefill_step * [a chunk of more than one token] + per_mixed_step * [and a one-token one]
+        + per_sampled_row * rows sampled + per_random_row * rows on the random path
+        + per_filtered_row * rows through top-k / top-p + per_grammar_row * rows under a grammar
+        + per_block_store * KV blocks swapped out + per_block_load * KV blocks swapped in
+        + decode_batch_residual(requests)   (decode-only steps)
+
+``tokens`` is every token computed in the step; ``context tokens read`` sums, over the
+scheduled requests, the KV positions their attention reads (computed + n); the fifth term
+is the quadratic part of prefill attention. A step that computes a multi-token chunk pays
+``per_prefill_step`` (on CUDA it runs eagerly, where decode-only steps replay a captured
+CUDA graph), and a mixed one (chunks and one-token decodes together) ``per_mixed_step``
+besides. A sampled row is one position whose logits are computed and sampled (a request
+whose chunk reaches its last token, plus one per draft token). The paged runner's sampler
+works on the whole batch: when any row samples with a temperature, every row takes the
+random path (softmax, cumulative sum, search), and when any row has top-k or top-p, every
+row is sorted; the ``random`` and ``filtered`` rows count those. A grammar row is a
+sampled row of a structured request (its bitmask is filled on the host and applied to
+the logits). The swap terms are the blocks the ``cpu-offload`` KV connector saves to
+host memory (a victim of preemption) and loads back (the victim resuming) in the step.
+
+The optional residual table corrects decode-only steps by batch size (linear between
+the sizes it lists, its end values beyond them): what a line cannot express, such as
+CUDA-graph batch buckets or a CPU matmul that is slower at 3 rows than at 4. Profiles
+written before a coefficient existed load with it at 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from schedkit.core.outputs import SchedulerOutput
+from schedkit.errors import ConfigError, ForeignProfileWarning
+from schedkit.kv.connectors.offload import OffloadMetadata
+from schedkit.runners.machine import describe_machine, same_machine, this_machine
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+FEATURES = ("base_s", "per_token_s", "per_request_s", "per_context_token_s", "per_prefill_attention_s",
+            "per_prefill_step_s", "per_mixed_step_s", "per_sampled_row_s", "per_random_row_s",
+            "per_filtered_row_s", "per_grammar_row_s", "per_block_store_s", "per_block_load_s")
+"""Coefficient names: the constant, then one per field of :class:`StepFeatures`, in order."""
+REQUIRED_FEATURES = FEATURES[:5]
+"""Coefficients every profile has; the others count 0 where a profile leaves them out."""
+STEP_KINDS = ("prefill", "decode", "mixed")
+
+
+class StepFeatures(NamedTuple):
+    """The cost model's inputs for one step (see the module docstring)."""
+
+    tokens: float
+    requests: float
+    context_tokens: float
+    prefill_attention: float
+    is_prefill_step: float
+    """1.0 when some request computes a chunk of more than one token."""
+    is_mixed_step: float = 0.0
+    """1.0 when such chunks and one-token decodes share the step."""
+    sampled_rows: float = 0.0
+    random_rows: float = 0.0
+    filtered_rows: float = 0.0
+    grammar_rows: float = 0.0
+    blocks_stored: float = 0.0
+    blocks_loaded: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """"decode" (one-token requests only), "mixed" or "prefill"."""
+        if not self.is_prefill_step:
+            return "decode"
+        return "mixed" if self.is_mixed_step else "prefill"
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    base_s: float
+    per_token_s: float
+    per_request_s: float
+    per_context_token_s: float
+    per_prefill_attention_s: float
+    per_prefill_step_s: float = 0.0
+    per_mixed_step_s: float = 0.0
+    per_sampled_row_s: float = 0.0
+    per_random_row_s: float = 0.0
+    per_filtered_row_s: float = 0.0
+    per_grammar_row_s: float = 0.0
+    per_block_store_s: float = 0.0
+    per_block_load_s: float = 0.0
+    decode_batch_residual_s: tuple[tuple[int, float], ...] = ()
+    """(batch size, seconds) pairs, sorted by batch size."""
+    name: str = "custom"
+    fitted_async_scheduling: bool | None = None
+    """``scheduler.async_scheduling`` of the steps the profile was fitted to (None: not
+    recorded). Under async scheduling a step's time is the interval between consecutive
+    steps' outputs, host work hidden behind the device's excluded."""
+
+    @classmethod
+    def load(cls, name_or_path: str) -> CostModel:
+        """A profile by name (from the bundled profiles) or by path to a JSON file.
+
+        Warns (:class:`ForeignProfileWarning`) when the profile records the machine it
+        was fitted on and that is not this one; it loads all the same.
+
+        Raises:
+            ConfigError: No such profile, or the file is not one.
+        """
+        path = Path(name_or_path)
+        if not path.is_file():
+            path = PROFILE_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+            raise ConfigError(f"runner.profile = {name_or_path!r}: no such profile file or "
+                              f"bundled profile (bundled: {known})")
+        try:
+            data = json.loads(path.read_text())
+            model = cls.from_profile(data, default_name=path.stem)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{path}: not a cost-model profile (needs coefficients "
+                              f"{', '.join(REQUIRED_FEATURES)}, optionally {', '.join(FEATURES[5:])} "
+                              f"and decode_batch_residual_s mapping batch sizes to seconds): {e}") from e
+        _warn_if_foreign(model.name, data.get("hardware"))
+        return model
+
+    @classmethod
+    def from_profile(cls, data: dict[str, Any], default_name: str = "custom") -> CostModel:
+        """The model of a profile's JSON object (KeyError, TypeError or ValueError if it
+        is not one)."""
+        coef = data["coefficients"]
+        missing = [k for k in REQUIRED_FEATURES if k not in coef]
+        if missing:
+            raise KeyError(", ".join(missing))
+        residual = data.get("decode_batch_residual_s", {})
+        table = tuple(sorted((int(b), float(t)) for b, t in residual.items()))
+        fitted_on = data.get("fitted_on") or {}
+        is_async = fitted_on.get("async_scheduling")
+        return cls(**{k: float(coef[k]) for k in FEATURES if k in coef},
+                   decode_batch_residual_s=table, name=str(data.get("name", default_name)),
+                   fitted_async_scheduling=None if is_async is None else bool(is_async))
+
+    @classmethod
+    def from_coefficients(cls, coefficients: dict[str, float],
+                          decode_batch_residual_s: dict[int, float] | None = None) -> CostModel:
+        values: dict[str, Any] = {k: float(coefficients.get(k, 0.0)) for k in FEATURES}
+        return cls(**values, decode_batch_residual_s=tuple(sorted((decode_batch_residual_s or {}).items())))
+
+    @property
+    def coefficients(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in FEATURES}
+
+    def step_time(self, f: StepFeatures) -> float:
+        t = (self.base_s + self.per_token_s * f[0] + self.per_request_s * f[1]
+             + self.per_context_token_s * f[2] + self.per_prefill_attention_s * f[3]
+             + self.per_prefill_step_s * f[4])
+        if len(f) > 5:
+            t += (self.per_mixed_step_s * f[5] + self.per_sampled_row_s * f[6]
+                  + self.per_random_row_s * f[7] + self.per_filtered_row_s * f[8]
+                  + self.per_grammar_row_s * f[9] + self.per_block_store_s * f[10]
+                  + self.per_block_load_s * f[11])
+        if self.decode_batch_residual_s and not f[4]:
+            t += self.decode_residual(f[1])
+        return max(t, 0.0)
+
+    def transfer_time(self, f: StepFeatures) -> float:
+        """The swap terms alone: what a step that computes nothing but moves KV blocks costs."""
+        return self.per_block_store_s * f.blocks_stored + self.per_block_load_s * f.blocks_loaded
+
+    def decode_residual(self, batch_size: float) -> float:
+        """The residual table at ``batch_size`` (interpolated; 0 without a table)."""
+        table = self.decode_batch_residual_s
+        if not table:
+            return 0.0
+        i = bisect.bisect_left(table, (batch_size, float("-inf")))
+        if i == 0:
+            return table[0][1]
+        if i == len(table):
+            return table[-1][1]
+        (b0, t0), (b1, t1) = table[i - 1], table[i]
+        return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+
+
+def _warn_if_foreign(name: str, fitted: Any) -> None:
+    if not isinstance(fitted, dict):
+        return  # hand-set, or written before profiles recorded their machine
+    here = this_machine(probe_gpu=bool(fitted.get("gpu")))
+    if not same_machine(fitted, here):
+        warnings.warn(f"cost-model profile {name!r} was fitted on another machine "
+                      f"({describe_machine(fitted)}); this one is {describe_machine(here)}: "
+                      "its step times may not hold here", ForeignProfileWarning, stacklevel=3)
+
+
+def step_features(scheduler_output: SchedulerOutput, computed_before: dict[str, int]) -> StepFeatures:
+    """The features of one step, each request's computed tokens before it given; without
+    the requests' sampling settings (which :class:`StepShapes` tracks) a request samples
+    when it computes one token, greedily."""
+    return _scan(scheduler_output, computed_before, {})
+
+
+@dataclass(slots=True)
+class _Sampling:
+    sample_from: int
+    """A chunk that reaches this many computed tokens samples (prompt; resumed: all tokens)."""
+    is_random: bool
+    """It samples with a temperature (not greedily)."""
+    is_filtered: bool
+    """It has top-k or top-p (the batch is sorted when any row samples randomly)."""
+
+
+def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling]) -> StepFeatures:
+    spec = so.scheduled_spec_decode_tokens
+    tokens = context = attn = 0.0
+    num_prefill = num_decode = rows = 0
+    any_random = any_filtered = False
+    for rid, n in so.num_scheduled_tokens.items():
+        c = before[rid]
+        tokens += n
+        context += c + n
+        if n > 1:
+            attn += n * (c + n / 2)
+            num_prefill += 1
+        else:
+            num_decode += 1
+        drafts = len(spec[rid]) if spec and rid in spec else 0
+        state = reqs.get(rid)
+        if state is None:  # settings unknown: a one-token step samples
+            if n - drafts == 1:
+                rows += 1 + drafts
+        elif c + n - drafts >= state.sample_from:
+            rows += 1 + drafts
+            any_random = any_random or state.is_random
+            any_filtered = any_filtered or state.is_filtered
+    grammar = sum(1 + len(spec.get(rid, ())) for rid in so.structured_output_request_ids)
+    meta = so.kv_connector_metadata
+    stored = loaded = 0
+    if isinstance(meta, OffloadMetadata):
+        stored, loaded = len(meta.saves), len(meta.loads)
+    return StepFeatures(tokens, float(num_prefill + num_decode), context, attn, float(num_prefill > 0),
+                        float(num_prefill > 0 and num_decode > 0), float(rows),
+                        float(rows if any_random else 0), float(rows if any_random and any_filtered else 0),
+                        float(grammar), float(stored), float(loaded))
+
+
+@dataclass(slots=True)
+class StepShapes:
+    """Follows the requests a runner sees (their prompt lengths and sampling settings)
+    so that each step's :class:`StepFeatures` can be read from its scheduler output.
+    The simulator and the calibration's recorder use the same one, so the features fitted
+    are the features charged."""
+
+    _reqs: dict[str, _Sampling] = field(default_factory=dict)
+
+    def features(self, so: SchedulerOutput) -> StepFeatures:
+        """The step's features; call once per step, in order (it updates the tracking)."""
+        reqs = self._reqs
+        for rid in so.finished_req_ids:
+            reqs.pop(rid, None)
+        before: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            p = new.sampling_params
+            reqs[new.req_id] = _Sampling(len(new.prompt_token_ids), p.temperature > 0,
+                                         p.top_k > 0 or p.top_p < 1)
+            before[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        if cached.req_ids:
+            before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for rid, tokens in cached.resumed_token_ids.items():
+            state = reqs.get(rid)
+            if state is not None:
+                state.sample_from = len(tokens)
+        return _scan(so, before, reqs)

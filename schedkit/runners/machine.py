@@ -1,0 +1,63 @@
+"""What machine this is: the fingerprint a cost-model profile records where it was
+fitted, and that loading it compares (no torch: the GPU is read from the driver)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+_NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _gpus(probe: bool) -> list[str]:
+    """NVIDIA GPU names from the driver's /proc files; with ``probe``, from ``nvidia-smi``
+    where those are not visible (a container)."""
+    names = []
+    try:
+        for info in sorted(_NVIDIA_PROC.glob("*/information")):
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    names.append(line.split(":", 1)[1].strip())
+    except OSError:
+        pass
+    if names or not probe or shutil.which("nvidia-smi") is None:
+        return names
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def this_machine(probe_gpu: bool = True, gpu: str | None = None) -> dict[str, Any]:
+    """This machine: ``{"cpu": model name, "cpu_count": logical CPUs, "gpu": name or
+    None}`` (several GPUs: ``"N x name"``; ``gpu`` overrides what is found)."""
+    if gpu is None:
+        names = _gpus(probe_gpu)
+        if names:
+            gpu = names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
+    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count() or 0, "gpu": gpu}
+
+
+def same_machine(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same CPU model, CPU count and GPU."""
+    return all(a.get(k) == b.get(k) for k in ("cpu", "cpu_count", "gpu"))
+
+
+def describe_machine(m: dict[str, Any]) -> str:
+    return f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count', '?')} CPUs, {m.get('gpu') or 'no GPU'}"

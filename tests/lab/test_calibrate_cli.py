@@ -1,0 +1,93 @@
+"""``schedkit calibrate``: the profile it writes, and the errors it gives."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schedkit.cli import main
+from schedkit.config import config_from_dict
+from schedkit.lab.simulate import run_workload
+from schedkit.runners.cost_model import FEATURES, CostModel
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = {
+    "cache": {"num_blocks": 2000, "block_size": 16, "enable_prefix_caching": True},
+    "scheduler": {"max_num_batched_tokens": 1024, "max_num_seqs": 16, "max_model_len": 2048},
+    "workload": {"rate": 20, "num_requests": 60, "prompt_len": [16, 600], "output_len": [4, 48]},
+}
+
+
+def _config(tmp_path: Path, runner: dict) -> Path:
+    path = tmp_path / "calib.yaml"
+    path.write_text(yaml.safe_dump({"runner": runner, **SMALL}))
+    return path
+
+
+def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
+    # The simulator stands in for the real runner (no torch here): calibrating it must
+    # give its own profile back, and write every recorded field.
+    cfg = _config(tmp_path, {"kind": "simulated", "profile": "h200-qwen2.5-0.5b-handset"})
+    out = tmp_path / "fitted.json"
+    assert main(["calibrate", str(cfg), "-o", str(out), "--budget-s", "120"]) == 0
+    printed = capsys.readouterr().out
+    assert "relative step error" in printed and str(out) in printed
+    data = json.loads(out.read_text())
+    assert data["name"] == "fitted" and data["fitted"] is True
+    assert set(data["hardware"]) == {"cpu", "cpu_count", "gpu"}
+    assert set(data["versions"]) >= {"schedkit", "torch", "python"}
+    assert data["fitted_on"]["config"] == str(cfg) and data["fitted_on"]["async_scheduling"] is False
+    assert data["fitted_on"]["sections"]["runner"]["kind"] == "simulated"
+    res = data["residuals"]
+    assert set(res) == {"overall", "prefill", "decode", "mixed"}
+    assert all(set(r) == {"num_steps", "mean", "median", "p90"} for r in res.values())
+    assert res["overall"]["num_steps"] == data["num_steps"] > 100
+    assert res["overall"]["p90"] < 1e-6
+    phases = {p["name"]: p for p in data["calibration"]["phases"]}
+    assert phases["workload"]["status"] == "ran" and phases["swap-0"]["num_steps"] > 0
+    assert phases["grammar-b1"]["status"].startswith("skipped: no structured-output backend")
+    assert set(data["coefficients"]) == set(FEATURES)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fitted on this machine: no warning
+        model = CostModel.load(str(out))
+    truth = CostModel.load("h200-qwen2.5-0.5b-handset")
+    for k in ("base_s", "per_token_s", "per_request_s", "per_context_token_s"):
+        assert getattr(model, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
+    sim = config_from_dict({"runner": {"kind": "simulated", "profile": str(out)}, **SMALL})
+    assert len(run_workload(sim).metrics) == SMALL["workload"]["num_requests"]
+
+
+def test_bad_config_output_and_runner_name_what_is_wrong(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main(["calibrate", str(missing), "-o", str(tmp_path / "p.json")]) == 2
+    assert str(missing) in capsys.readouterr().err
+    cfg = _config(tmp_path, {"kind": "simulated"})
+    assert main(["calibrate", str(cfg), "-o", str(tmp_path / "no" / "such" / "p.json")]) == 2
+    assert "--output" in capsys.readouterr().err
+    fake = _config(tmp_path, {"kind": "fake"})
+    assert main(["calibrate", str(fake), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "runner.kind = 'fake'" in err and str(fake) in err
+    with pytest.raises(SystemExit):
+        main(["calibrate", str(cfg), "-o", str(tmp_path / "p.json"), "--budget-s", "0"])
+    assert "positive number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_the_paged_runner_on_a_tiny_random_model(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "tiny.json"
+    cfg = REPO / "configs" / "calibration" / "cpu-tiny-llama.yaml"
+    assert main(["calibrate", str(cfg), "-o", str(out), "--budget-s", "45"]) == 0
+    data = json.loads(out.read_text())
+    assert data["calibration"]["wall_s"] < 60
+    phases = {p["name"]: p for p in data["calibration"]["phases"]}
+    assert phases["swap-0"]["num_steps"] > 0
+    assert data["residuals"]["overall"]["median"] < 0.5
+    model = CostModel.load(str(out))
+    assert model.base_s > 0 and model.fitted_async_scheduling is False

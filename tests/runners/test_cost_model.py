@@ -1,0 +1,158 @@
+"""The simulator's cost model: the features read from a step, what each term charges,
+old profiles, and profiles fitted on another machine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import warnings
+
+import pytest
+
+from benchmarks.scenarios import kv_pressure
+from schedkit.config import config_from_dict
+from schedkit.core.request import Request, SamplingParams
+from schedkit.errors import ForeignProfileWarning
+from schedkit.kv.connectors.offload import OffloadMetadata
+from schedkit.lab.simulate import run_workload
+from schedkit.plugins.testing import make_scheduler
+from schedkit.runners.cost_model import PROFILE_DIR, CostModel, StepShapes
+from schedkit.runners.machine import describe_machine, this_machine
+from schedkit.runners.simulated import SimulatedRunner
+
+BASE = dict(base_s=1e-3, per_token_s=1e-5, per_request_s=1e-4, per_context_token_s=1e-7,
+            per_prefill_attention_s=1e-9)
+EXTRA = dict(per_mixed_step_s=3e-3, per_sampled_row_s=1e-4, per_random_row_s=2e-4, per_filtered_row_s=4e-4,
+             per_grammar_row_s=5e-4, per_block_store_s=1e-3, per_block_load_s=2e-3)
+
+
+def _request(rid: str, n: int, **sampling) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8, **sampling), arrival_time=0.0)
+
+
+def _first_steps(*reqs: Request, budget: int = 100):
+    """The first two scheduler outputs of ``reqs`` (each updated with a fake runner)."""
+    sched = make_scheduler(max_num_batched_tokens=budget)
+    runner = SimulatedRunner(cost_model=CostModel(**BASE))
+    for r in reqs:
+        sched.add_request(r)
+    outs = []
+    for _ in range(2):
+        so = sched.schedule()
+        outs.append(so)
+        sched.update_from_output(so, runner.execute(so))
+    return outs
+
+
+def test_step_shapes_count_sampled_random_filtered_and_grammar_rows():
+    # a: 30 tokens, greedy; b: 100 tokens with top-k. Step 1 finishes a's prompt (a
+    # samples) and computes 70 of b's; step 2 decodes a and finishes b (both sample).
+    s1, s2 = _first_steps(_request("a", 30, temperature=0.0), _request("b", 100, top_k=20))
+    shapes = StepShapes()
+    f1 = shapes.features(s1)
+    assert (f1.sampled_rows, f1.random_rows, f1.filtered_rows) == (1, 0, 0)  # a alone: greedy
+    assert f1.kind == "prefill"
+    f2 = shapes.features(s2)
+    assert f2.kind == "mixed" and f2.sampled_rows == 2
+    assert f2.random_rows == 2 and f2.filtered_rows == 2  # b samples: the whole batch goes that way
+    again = StepShapes()
+    again.features(s1)
+    s2.structured_output_request_ids = {"a": 0}
+    assert again.features(s2).grammar_rows == 1
+
+
+def test_every_new_term_is_charged_by_the_simulator():
+    old = CostModel(**BASE)
+    new = CostModel(**BASE, **EXTRA)
+    s1, s2 = _first_steps(_request("a", 30), _request("b", 100, top_p=0.5))
+    plain = StepShapes().features(s1)
+    assert old.step_time(plain) < new.step_time(plain)  # sampled and random rows
+    shapes = StepShapes()
+    shapes.features(s1)
+    mixed = shapes.features(s2)
+    assert new.step_time(mixed) - old.step_time(mixed) == pytest.approx(
+        3e-3 + 2 * (1e-4 + 2e-4 + 4e-4))
+
+    def run(so, model):
+        runner = SimulatedRunner(cost_model=model)
+        return runner.execute(so).step_duration
+
+    swapped = copy.copy(s1)
+    swapped.kv_connector_metadata = OffloadMetadata(saves=[(5, b"x"), (6, b"y")], loads=[(b"z", 7)])
+    assert run(swapped, new) == pytest.approx(run(s1, new) + 2 * 1e-3 + 2e-3)
+    assert run(swapped, old) == pytest.approx(run(s1, old))  # old profiles charge no swap
+    structured = copy.copy(s1)
+    structured.structured_output_request_ids = {"a": 0}
+    assert run(structured, new) == pytest.approx(run(s1, new) + 5e-4)
+
+
+def test_swap_steps_take_longer_on_the_simulator(tmp_path):
+    # Preemption by swap under KV pressure: with per-block costs in the profile, the
+    # steps that save and load blocks take longer, so the whole replay does.
+    def replay(coefficients):
+        path = tmp_path / f"p{len(coefficients)}.json"
+        path.write_text(json.dumps({"name": "p", "coefficients": coefficients}))
+        cfg = kv_pressure(0, [{"name": "cpu-offload"}])
+        data = cfg.model_dump(mode="json", exclude={"compare"})
+        data["runner"]["profile"] = str(path)
+        runner = SimulatedRunner.from_config(config_from_dict(data))
+        charged = []
+        execute = runner.execute
+
+        def spy(so):
+            out = execute(so)
+            charged.append(runner.last_features)
+            return out
+
+        runner.execute = spy
+        result = run_workload(config_from_dict(data), runner=runner)
+        return max(m.finish_time or 0.0 for m in result.metrics), charged
+
+    coefficients = dict(BASE)
+    plain, steps = replay(coefficients)
+    assert sum(f.blocks_stored for f in steps) > 0 and sum(f.blocks_loaded for f in steps) > 0
+    swapping, _ = replay({**coefficients, "per_block_store_s": 1e-3, "per_block_load_s": 1e-3})
+    assert swapping > plain
+
+
+def test_old_profiles_load_with_the_new_coefficients_at_zero():
+    old = json.loads((PROFILE_DIR / "cpu-tiny-llama.json").read_text())
+    assert "per_block_store_s" not in old["coefficients"]
+    model = CostModel.load("cpu-tiny-llama")
+    assert model.per_block_store_s == model.per_grammar_row_s == model.per_mixed_step_s == 0.0
+    assert model.per_token_s == old["coefficients"]["per_token_s"]
+    assert model.fitted_async_scheduling is None
+
+
+def test_a_profile_fitted_on_another_machine_warns_but_loads(tmp_path):
+    elsewhere = {"cpu": "Imaginary CPU 9000", "cpu_count": 4096, "gpu": "NVIDIA H999"}
+    path = tmp_path / "far.json"
+    path.write_text(json.dumps({"name": "far", "hardware": elsewhere, "coefficients": BASE}))
+    with pytest.warns(ForeignProfileWarning) as caught:
+        model = CostModel.load(str(path))
+    assert model.base_s == BASE["base_s"]
+    message = str(caught[0].message)
+    assert "Imaginary CPU 9000, 4096 CPUs, NVIDIA H999" in message
+    assert describe_machine(this_machine()) in message
+    # fitted here: no warning
+    path.write_text(json.dumps({"name": "near", "hardware": this_machine(), "coefficients": BASE}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CostModel.load(str(path))
+
+
+def test_a_profile_fitted_in_the_other_scheduling_mode_is_reported(tmp_path, caplog):
+    path = tmp_path / "async.json"
+    path.write_text(json.dumps({"name": "a", "fitted_on": {"async_scheduling": True}, "coefficients": BASE}))
+
+    def build(is_async):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="schedkit.runners.simulated"):
+            SimulatedRunner.from_config(config_from_dict({
+                "runner": {"kind": "simulated", "profile": str(path)},
+                "scheduler": {"async_scheduling": is_async}}))
+        return caplog.text
+
+    assert "async_scheduling = True" in build(False)
+    assert build(True) == ""

@@ -18,8 +18,8 @@
 #             grammar bitmask on the graph, eager, async and n-gram paths
 #   calib     schedkit calibrate: fit the simulator's profile to measured steps (the
 #             workload, a grid of step shapes sized to its budget, a swap phase), written
-#             to $OUT/h200-qwen2.5-0.5b.json; then replay the Azure trace on the real
-#             runner and the simulator (fcfs, sjf) and compare TTFT/TPOT
+#             to $OUT/h200-qwen2.5-0.5b.json; then the reduced accuracy grid (8 experiments,
+#             real runner twice and simulator once each) against it, to $OUT/grid-h200.json
 #   bench     schedkit (sync, then async scheduling) then the peer on the peer's workload
 #             (qwen0.5b shape, bf16, 256 requests)
 #   decode    decode step at batch 256 x 1,024 context (sync, then async scheduling)
@@ -64,7 +64,7 @@ section tests 150 gpu_tests.txt python3 -m pytest tests/gpu -m gpu -q -rfEs -s -
 grep -E "passed|failed|error|top-1" "$LOGS/gpu_tests.txt" 2>/dev/null | tail -6 | tee -a "$OUT/summary.txt"
 
 # calib: schedkit calibrate's own budget ends 15 s inside the section's cap (it writes the
-# profile at its end); the replay runs only if the profile came out.
+# profile at its end); the accuracy grid runs only if the profile came out.
 CALIB_S=160
 LEFT=$((BUDGET_S - SECONDS))
 [ "$CALIB_S" -gt "$LEFT" ] && CALIB_S=$LEFT
@@ -73,10 +73,9 @@ section calib "$CALIB_S" calibration.txt python3 -m schedkit.cli calibrate \
   --budget-s $((CALIB_S > 40 ? CALIB_S - 15 : 25))
 tail -7 "$LOGS/calibration.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 if [ -f "$OUT/h200-qwen2.5-0.5b.json" ]; then
-  section calib 120 sim_validation.txt python3 scripts/validate_simulator.py \
-    configs/calibration/h200-qwen0.5b-azure.yaml --profile "$OUT/h200-qwen2.5-0.5b.json" \
-    --policy fcfs --policy sjf -o "$LOGS/sim_validation.json"
-  tail -8 "$LOGS/sim_validation.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
+  section calib 130 accuracy_grid.txt python3 scripts/accuracy_grid.py configs/accuracy/grid-h200.yaml \
+    --reduced --profile "$OUT/h200-qwen2.5-0.5b.json" -o "$OUT/grid-h200.json"
+  sed -n '/mean abs/,/Kendall/p' "$LOGS/accuracy_grid.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 fi
 
 section bench 140 bench_schedkit.txt python3 scripts/bench_paged.py --model qwen0.5b --device cuda \

@@ -100,6 +100,7 @@ class EngineCore:
         self.config = config
         self.plugin_manager = get_plugin_manager(config, extra_plugins=extra_plugins)
         self.runner = runner if runner is not None else self._build_runner(config)
+        self._owns_runner = runner is None
         self._virtual = bool(getattr(self.runner, "is_virtual_clock", False))
         self._now = 0.0
         self._future: list[tuple[float, int, Request]] = []
@@ -434,9 +435,15 @@ class EngineCore:
         return any(compiling(r) for r in self.scheduler.waiting_for_fsm())
 
     def close(self) -> None:
-        """Release what the engine holds besides the runner: the grammar compile threads
-        and the structured-output backend."""
+        """Release what the engine holds: the grammar compile threads, the structured-output
+        backend, and the runner's memory (its ``close``, e.g. the paged runner's KV cache)
+        when the engine built the runner itself; a runner passed in stays its owner's.
+        Without it the memory waits for a garbage collection of the engine's reference
+        cycles, which a loop of runs in one process can outpace."""
         self.structured_output_manager.shutdown()
+        close = getattr(self.runner, "close", None) if self._owns_runner else None
+        if close is not None:
+            close()
 
     def _launch(self, scheduler_output: SchedulerOutput) -> StepHandle:
         if self._launch_async:

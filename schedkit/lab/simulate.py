@@ -117,6 +117,7 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
     finally:
         if bar is not None:
             bar.close()
+        engine.close()
     metrics = [request_metrics(r, token_times[r.request_id], start, failed.get(r.request_id))
                for r in done] + refused
     metrics.sort(key=lambda m: (m.arrival_time, m.request_id))

@@ -236,6 +236,15 @@ class PagedModelRunner:
             self.graphs.capture()
         return num_blocks
 
+    def close(self) -> None:
+        """Free the KV cache, the captured graphs and the weights now, not when the
+        engine's reference cycles are next collected (the runner cannot step after)."""
+        self.kv_caches = []
+        self.graphs = None
+        self.__dict__.pop("model", None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def set_kv_connector(self, connector: Any) -> None:
         """Use ``connector`` (worker side): it sees this runner's KV cache, loads into it
         before each step's forward pass and saves from it after."""

@@ -126,3 +126,41 @@ def test_ngram_drafts_keep_greedy_output_and_save_steps(model_dir: Any) -> None:
     assert run_engine(engine, reqs()) == expected
     assert sum(proposed) > 0
     assert engine.num_steps < plain.num_steps
+
+
+def test_a_closed_engine_frees_the_kv_cache_and_weights_of_the_runner_it_built(model_dir: Any) -> None:
+    """Engines form reference cycles; a loop of runs in one process (a grid, a compare)
+    must not hold every finished run's KV cache and weights until the next full
+    collection."""
+    import gc
+    import weakref
+
+    from schedkit.lab.simulate import run_workload
+    from schedkit.lab.workloads import WorkloadRequest
+
+    built: list[Any] = []
+    cfg = paged_config(model_dir("llama"), num_blocks=64)
+    workload = [WorkloadRequest(f"r{i}", 0.0, [1, 2, 3, 4 + i], 3) for i in range(3)]
+    orig = EngineCore.__init__
+
+    def spy(self: EngineCore, *a: Any, **k: Any) -> None:
+        orig(self, *a, **k)
+        built.append((weakref.ref(self.runner.kv_caches[0][0]), self.runner))
+
+    gc.disable()
+    try:
+        EngineCore.__init__ = spy  # type: ignore[method-assign]
+        try:
+            assert len(run_workload(cfg, workload).metrics) == 3
+        finally:
+            EngineCore.__init__ = orig  # type: ignore[method-assign]
+        ((kv, closed),) = built
+        assert kv() is None  # freed at once, no collection needed
+        assert "model" not in vars(closed)
+        # A runner passed in stays its owner's: the engine leaves it whole.
+        runner = EngineCore._build_runner(cfg)
+        engine = EngineCore(cfg, runner=runner)
+        engine.close()
+        assert runner.kv_caches and runner.model is not None
+    finally:
+        gc.enable()

@@ -114,19 +114,21 @@ def main() -> None:
         grid = load_grid(a.grid, profile=a.profile)
         experiments = grid.experiments(reduced=a.reduced)
         out = Path(a.output)
-        done = json.loads(out.read_text())["results"] if a.resume and out.is_file() else None
+        before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
+        done, wall_before = before.get("results"), before.get("wall_s", 0.0)
         data = {"grid": a.grid, "reduced": a.reduced, "profile": grid.profile, "repeats": grid.config.repeats,
                 "commit": _commit(), "date": datetime.date.today().isoformat(), "machine": _machine()}
         t0 = time.perf_counter()
 
         def save(results: dict[str, Any]) -> None:
-            out.write_text(json.dumps({**data, "results": results, "wall_s": time.perf_counter() - t0}, indent=1))
+            out.write_text(json.dumps({**data, "results": results,
+                                       "wall_s": wall_before + time.perf_counter() - t0}, indent=1))
 
         print(f"{len(experiments)} experiments, {grid.config.repeats} real runs each", file=sys.stderr)
         results = run_grid(grid, experiments, done=done, save=save,
                            progress=lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}",
                                                       file=sys.stderr, flush=True))
-        data.update(results=results, overall=overall(results), wall_s=time.perf_counter() - t0)
+        data.update(results=results, overall=overall(results), wall_s=wall_before + time.perf_counter() - t0)
         out.write_text(json.dumps(data, indent=1))
     text = render(data)
     print(text)

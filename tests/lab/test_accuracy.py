@@ -174,3 +174,21 @@ def test_a_bad_grid_file_is_a_config_error_naming_what_is_wrong(tmp_path, edit, 
 def test_a_missing_grid_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read the grid file"):
         load_grid(tmp_path / "nope.yaml")
+
+
+def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accuracy_grid", Path(__file__).parents[2] / "scripts" / "accuracy_grid.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    grid = load_grid(write_grid(tmp_path))
+    results = run_grid(grid, grid.experiments(reduced=True))
+    data = {"grid": "grid.yaml", "reduced": True, "profile": grid.profile, "repeats": 2, "commit": "abc",
+            "date": "2026-01-01", "machine": "test", "wall_s": 60.0, "results": results, "overall": overall(results)}
+    text = script.render(data)
+    assert "| e2e_mean_s | 0.0% |" in text and "small/overload/wide/sjf" in text
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- accuracy_grid:reduced -->\nold\n<!-- /accuracy_grid:reduced -->\nend\n")
+    script.write_doc(text, page)
+    assert page.read_text() == f"intro\n<!-- accuracy_grid:reduced -->\n{text}<!-- /accuracy_grid:reduced -->\nend\n"

@@ -19,8 +19,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,10 @@ from schedkit.lab.accuracy import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ of this checkout
+
+from benchmarks.provenance import commit, machine  # noqa: E402
+
 DOC = ROOT / "docs" / "simulator-accuracy.md"
 
 
@@ -76,26 +78,6 @@ def write_doc(text: str, path: Path = DOC, key: str = "reduced") -> None:
     path.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
-def _commit() -> str:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return rev + ("+dirty" if dirty else "")
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("grid", nargs="?", help="grid file (YAML)")
@@ -117,7 +99,7 @@ def main() -> None:
         before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
         done, wall_before = before.get("results"), before.get("wall_s", 0.0)
         data = {"grid": a.grid, "reduced": a.reduced, "profile": grid.profile, "repeats": grid.config.repeats,
-                "commit": _commit(), "date": datetime.date.today().isoformat(), "machine": _machine()}
+                "commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine()}
         t0 = time.perf_counter()
 
         def save(results: dict[str, Any]) -> None:

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ of this checkout
 
+from benchmarks.provenance import commit, machine  # noqa: E402
 from benchmarks.results_table import SECTIONS, render_readme_table, write_docs  # noqa: E402
 
 PY = sys.executable
@@ -214,25 +214,6 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 assert list(RUNNERS) == [s.key for s in SECTIONS]
 
 
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
-def commit() -> str:
-    rev = sh(["git", "rev-parse", "--short", "HEAD"]).strip()
-    # The results file itself changes with every run: it does not make the code dirty.
-    dirty = sh(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results.json"]).strip()
-    return rev + ("+dirty" if dirty else "")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "results.json")
@@ -248,7 +229,8 @@ def main() -> int:
         unknown = sorted(set(only) - set(RUNNERS))
         if unknown:
             ap.error(f"unknown sections {unknown}; known: {', '.join(RUNNERS)}")
-        stored.update(commit=commit(), date=datetime.date.today().isoformat(), machine=machine())
+        stored.update(commit=commit(ignore=("docs/results.json",)), date=datetime.date.today().isoformat(),
+                      machine=machine())
         for key in only:
             t0 = time.perf_counter()
             print(f"[{key}] ...", file=sys.stderr, flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from schedkit.config import RouterConfig, SimulatedRunnerConfig, load_config
 from schedkit.core.request import SamplingParams
-from schedkit.lab.accuracy import relative_error, run_metrics
+from schedkit.lab.accuracy import compare_runs, summary_metrics
 from schedkit.lab.cluster_sim import run_cluster_workload
 from schedkit.lab.metrics import metrics_from_output, summarize
 from schedkit.lab.workloads import generate
@@ -34,8 +33,8 @@ KEYS = ("ttft_p50_s", "ttft_p99_s", "e2e_mean_s", "prefix_hit_rate")
 
 
 def figures(metrics: list) -> dict[str, float]:
-    m = run_metrics(metrics)
-    return {**{k: m[k] for k in KEYS if k in m}, "prefix_hit_rate": summarize(metrics)["prefix_hit_rate"]}
+    summary = summarize(metrics)
+    return {**summary_metrics(summary), "prefix_hit_rate": summary["prefix_hit_rate"]}
 
 
 def real_run(config: Any, workload: list) -> dict[str, float]:
@@ -79,13 +78,7 @@ def main() -> None:
             "runner": SimulatedRunnerConfig(vocab_size=base.runner.vocab_size, eos_token_id=None,
                                             profile=a.profile)})
         sim = figures(run_cluster_workload(cfg, workload).metrics)
-        rows = {}
-        for k in KEYS:
-            values = [r[k] for r in reals[router]]
-            mean = statistics.fmean(values)
-            spread = 2 * max(relative_error(v, mean) for v in values) if len(values) > 1 else float("nan")
-            rows[k] = {"real": mean, "spread": spread, "sim": sim[k], "error": relative_error(sim[k], mean)}
-        out["routers"][router] = rows
+        out["routers"][router] = compare_runs(reals[router], sim, KEYS)
     print(f"{len(workload)} requests, {base.replicas.count} replicas, profile {a.profile}")
     print(f"{'router':<18} {'metric':<16} {'real':>10} {'sim':>10} {'error':>8} {'spread':>8}")
     for router, rows in out["routers"].items():

@@ -51,7 +51,7 @@ from schedkit.config import (
 )
 from schedkit.config.base import StrictModel
 from schedkit.errors import ConfigError
-from schedkit.lab.metrics import RequestMetrics, percentile
+from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.workloads import WorkloadRequest, generate
 
 METRICS = ("e2e_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "preemptions")
@@ -235,35 +235,22 @@ def at_once(workload: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
 
 # -- metrics, errors, rankings ---------------------------------------------------------------
 
-def throughput_in_window(metrics: Sequence[RequestMetrics]) -> float:
-    """Output tokens per second produced between the first and the last arrival (the
-    drain after the last arrival excluded), or over the whole run when every request
-    arrives at once."""
-    arrivals = [m.arrival_time for m in metrics]
-    if not arrivals:
-        return 0.0
-    lo, hi = min(arrivals), max(arrivals)
-    times = [t for m in metrics for t in m.token_times]
-    if hi <= lo:
-        hi = max(times, default=lo)
-    if hi <= lo:
-        return 0.0
-    return sum(1 for t in times if lo <= t <= hi) / (hi - lo)
+def summary_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
+    """The values of :data:`METRICS` in a :func:`~schedkit.lab.metrics.summarize` result
+    (throughput: output tokens per second over the arrival window)."""
+    return {
+        "e2e_mean_s": summary["e2e_s"]["mean"],
+        "ttft_p50_s": summary["ttft_s"]["p50"],
+        "ttft_p99_s": summary["ttft_s"]["p99"],
+        "tpot_p50_s": summary["tpot_s"]["p50"],
+        "throughput_tok_s": summary["output_tokens_per_s"],
+        "preemptions": float(summary["preemptions"]),
+    }
 
 
 def run_metrics(metrics: Sequence[RequestMetrics]) -> dict[str, float]:
     """The values of :data:`METRICS` for one run's requests."""
-    ttft = [v for m in metrics if (v := m.ttft) is not None]
-    e2e = [v for m in metrics if (v := m.e2e) is not None]
-    tpot = [v for m in metrics if (v := m.tpot) is not None]
-    return {
-        "e2e_mean_s": statistics.fmean(e2e) if e2e else math.nan,
-        "ttft_p50_s": percentile(ttft, 50) if ttft else math.nan,
-        "ttft_p99_s": percentile(ttft, 99) if ttft else math.nan,
-        "tpot_p50_s": percentile(tpot, 50) if tpot else math.nan,
-        "throughput_tok_s": throughput_in_window(metrics),
-        "preemptions": float(sum(m.num_preemptions for m in metrics)),
-    }
+    return summary_metrics(summarize(metrics))
 
 
 def relative_error(value: float, reference: float) -> float:
@@ -273,12 +260,13 @@ def relative_error(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
 
 
-def compare_runs(real: Sequence[Mapping[str, float]], sim: Mapping[str, float]) -> dict[str, dict[str, float]]:
+def compare_runs(real: Sequence[Mapping[str, float]], sim: Mapping[str, float],
+                 names: Sequence[str] = METRICS) -> dict[str, dict[str, float]]:
     """Per metric: the real runs' mean, their spread (the largest relative deviation of
     one run from that mean, times two: the relative range for two runs), the simulator's
     value and its error against the mean."""
     out = {}
-    for name in METRICS:
+    for name in names:
         values = [r[name] for r in real]
         mean = statistics.fmean(values)
         spread = 2 * max(relative_error(v, mean) for v in values) if len(values) > 1 else math.nan
@@ -368,10 +356,10 @@ def _run(config: Config, workload: list[WorkloadRequest]) -> tuple[list[RequestM
     return result.metrics, result.wall_s
 
 
-def capacity(grid: Grid, workload: str, shape: str, run: RunFn = _run) -> float:
+def capacity(grid: Grid, workload: Sequence[WorkloadRequest], shape: str, run: RunFn = _run) -> float:
     """Requests per second the simulator serves when the whole workload arrives at
     once (fcfs, the shape's scheduler): the rate loads are fractions of."""
-    reqs = at_once(grid_workload(grid, workload))
+    reqs = at_once(workload)
     metrics, _ = run(grid.shape_config(shape, simulated=True), reqs)
     finish = max(m.finish_time for m in metrics if m.finish_time is not None)
     return len(reqs) / finish
@@ -383,9 +371,6 @@ def grid_workload(grid: Grid, name: str) -> list[WorkloadRequest]:
     return generate(wl, grid.base.runner.vocab_size, base_dir)
 
 
-def experiment_workload(grid: Grid, exp: Experiment, capacities: Mapping[tuple[str, str], float]) -> list[WorkloadRequest]:
-    rate = grid.config.loads[exp.load] * capacities[(exp.workload, exp.shape)]
-    return at_rate(grid_workload(grid, exp.workload), rate)
 
 
 def run_grid(grid: Grid, experiments: Sequence[Experiment], *, run: RunFn = _run,
@@ -399,13 +384,19 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *, run: RunFn = _run
     real run, so an interrupted grid can resume."""
     say = progress or (lambda _msg: None)
     results: dict[str, Any] = {k: dict(v) for k, v in (done or {}).items()}
-    capacities = {}
+    # Each workload is generated once, each experiment's requests scaled once: the
+    # simulated run and every real run get the very same list.
+    base = {w: grid_workload(grid, w) for w in sorted({e.workload for e in experiments})}
+    requests: dict[str, list[WorkloadRequest]] = {}
     for w, s in sorted({(e.workload, e.shape) for e in experiments}):
-        capacities[(w, s)] = capacity(grid, w, s, run)
-        say(f"capacity {w}/{s}: {capacities[(w, s)]:.3f} req/s (simulated)")
+        cap = capacity(grid, base[w], s, run)
+        say(f"capacity {w}/{s}: {cap:.3f} req/s (simulated)")
+        for e in experiments:
+            if (e.workload, e.shape) == (w, s):
+                requests[e.key] = at_rate(base[w], grid.config.loads[e.load] * cap)
     for e in experiments:
         r = results.setdefault(e.key, {"real_runs": [], "real_wall_s": []})
-        reqs = experiment_workload(grid, e, capacities)
+        reqs = requests[e.key]
         r["offered_req_s"] = offered_rate(reqs)
         r["requests"] = len(reqs)
         metrics, wall = run(grid.shape_config(e.shape, e.policy, simulated=True), reqs)
@@ -416,8 +407,7 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *, run: RunFn = _run
             r = results[e.key]
             if len(r["real_runs"]) > rep:
                 continue
-            reqs = experiment_workload(grid, e, capacities)
-            metrics, wall = run(grid.shape_config(e.shape, e.policy), reqs)
+            metrics, wall = run(grid.shape_config(e.shape, e.policy), requests[e.key])
             r["real_runs"].append(run_metrics(metrics))
             r["real_wall_s"].append(wall)
             say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {wall:.1f} s")

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 from pathlib import Path
+
+from schedkit.runners.machine import this_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine() -> str:
     """``CPU model, N cores, Python X.Y.Z``."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    m = this_machine(probe_gpu=False)
+    return f"{m['cpu']}, {m['cpu_count']} cores, Python {platform.python_version()}"
 
 
 def commit(*, ignore: tuple[str, ...] = ()) -> str:

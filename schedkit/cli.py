@@ -17,6 +17,10 @@ from schedkit.errors import ConfigError, PluginError, SchedkitError
 if TYPE_CHECKING:
     from schedkit.lab.compare import CompareResult, Sample, SweepPoint
 
+STEAL_WARNING = 0.03
+"""A calibration during which the hypervisor took more than this share of the CPU time
+warns that its step times are another guest's load as much as the runner's."""
+
 
 def _run(args: argparse.Namespace) -> int:
     from schedkit.core.request import SamplingParams
@@ -235,6 +239,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"  {'steps':<8} {'count':>6} {'mean':>7} {'median':>7} {'p90':>7}")
     for kind, r in result.residuals.items():
         print(f"  {kind:<8} {r['num_steps']:>6} {r['mean']:>7.1%} {r['median']:>7.1%} {r['p90']:>7.1%}")
+    if result.steal is not None and result.steal > STEAL_WARNING:
+        print(f"warning: the hypervisor took {result.steal:.1%} of the CPU time during the fit (steal): "
+              "this VM shares its cores, its steps ran slower than alone; fit again on a quiet machine "
+              "or read the profile's errors against that")
     print(f"wrote profile {name!r} to {args.output} (runner: {{kind: simulated, profile: {args.output}}})")
     return 0
 

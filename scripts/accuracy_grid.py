@@ -3,12 +3,16 @@
     python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml --reduced -o grid.json
     python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml -o grid-full.json
     python scripts/accuracy_grid.py --render grid.json          # the tables of a stored run
+    python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml --reduced \
+        --calibrate configs/calibration/cpu-smollm2.yaml -o grid.json   # fit, then the grid
 
 Method (schedkit/lab/accuracy.py): per workload and scheduler shape, the simulator's
 capacity (every request at once, fcfs) sets the offered loads; each experiment then runs
 once on the simulator and ``repeats`` times on the real runner, the real runs in passes
 over the whole grid (A B C ... A B C) so that the machine's drift spreads over every
-experiment. Results are saved after every real run; ``--resume`` keeps the finished
+experiment. Every real run also records its steps, whose predicted time against their
+measured time is the run's speed ratio (the machine's drift since the fit), and the
+hypervisor's steal share. Results are saved after every real run; ``--resume`` keeps the finished
 ones. ``--write-docs`` puts the tables into docs/simulator-accuracy.md (between its
 ``accuracy_grid`` markers). Nothing else should run on the machine meanwhile.
 """
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from schedkit.cli import main as cli_main
 from schedkit.lab.accuracy import (
     HEADLINE,
     METRICS,
@@ -52,9 +57,16 @@ def render(data: dict[str, Any]) -> str:
     lines = [f"Grid `{data['grid']}` ({'reduced' if data['reduced'] else 'full'}), commit {data['commit']}, "
              f"{data['date']}, {data['machine']}; profile `{data['profile']}`; "
              f"{o['experiments']} experiments, real runner {data['repeats']} runs each; "
-             f"wall {data['wall_s'] / 60:.1f} min; simulator {o['speedup']:.0f}x faster than real time.", "",
-             "| metric | mean abs. % error |", "|---|---|"]
-    lines += [f"| {m} | {_pct(o['mape'][m])} |" for m in METRICS]
+             f"wall {data['wall_s'] / 60:.1f} min; simulator {o['speedup']:.0f}x faster than real time."
+             + _fitted(data.get("calibrated")), "",
+             "| metric | mean abs. % error | at the runs' own speed |", "|---|---|---|"]
+    at_speed = o.get("mape_at_run_speed") or {}
+    lines += [f"| {m} | {_pct(o['mape'][m])} | {_pct(at_speed.get(m, math.nan))} |" for m in METRICS]
+    if o.get("speed_ratio"):
+        r = o["speed_ratio"]
+        lines += ["", f"The real runs' steps took {r['min']:.2f}-{r['max']:.2f}x (mean {r['mean']:.2f}x) what "
+                  "the profile predicts for those very steps" + _steal(o.get("steal")) + "; the last column "
+                  "simulates each experiment with the profile scaled by its runs' own ratio."]
     lines += ["", f"Outside the bound (15% or twice the real runs' spread): "
               f"{', '.join(o['outside_bound']) or 'none'}.",
               f"Policy rankings by E2E mean: mean Kendall's tau {o['kendall_tau_mean']:.2f}.", "",
@@ -66,6 +78,20 @@ def render(data: dict[str, Any]) -> str:
     for cell, r in rankings(results).items():
         lines.append(f"| {cell} | {' < '.join(r['real'])} | {' < '.join(r['sim'])} | {r['tau']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _fitted(c: dict[str, Any] | None) -> str:
+    if not c:
+        return ""
+    steal = "" if c.get("steal_share") is None else f", steal {_pct(c['steal_share'])}"
+    return (f" The profile was fitted to `{c['config']}` right before the grid ({c['wall_s']:.0f} s, "
+            f"mean step error {_pct(c['mean_relative_step_error'])}{steal}).")
+
+
+def _steal(span: dict[str, float] | None) -> str:
+    if not span:
+        return ""
+    return f"; the hypervisor's steal share was {_pct(span['min'])}-{_pct(span['max'])} of the CPU time"
 
 
 def write_doc(text: str, path: Path = DOC, key: str = "reduced") -> None:
@@ -85,6 +111,10 @@ def main() -> None:
     ap.add_argument("--profile", help="the simulator's profile instead of the grid file's (a name or a path)")
     ap.add_argument("-o", "--output", default="accuracy-grid.json")
     ap.add_argument("--resume", action="store_true", help="keep the finished real runs in --output")
+    ap.add_argument("--calibrate", metavar="CONFIG",
+                    help="first fit a profile to CONFIG's runner (schedkit calibrate) and use it: "
+                         "the fit and the grid back to back")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="the calibration's budget (seconds)")
     ap.add_argument("--render", metavar="JSON", help="print the tables of a stored run, run nothing")
     ap.add_argument("--write-docs", action="store_true", help="put the tables into docs/simulator-accuracy.md")
     a = ap.parse_args()
@@ -93,13 +123,27 @@ def main() -> None:
     else:
         if not a.grid:
             ap.error("give a grid file (or --render JSON)")
+        out = Path(a.output)
+        calibrated = None
+        if a.calibrate:
+            if a.resume:
+                ap.error("--calibrate fits a new profile: it cannot resume runs made with another")
+            a.profile = str(out.with_name(f"{out.stem}-profile.json"))
+            t_fit = time.perf_counter()
+            rc = cli_main(["calibrate", a.calibrate, "-o", a.profile, "--budget-s", str(a.budget_s)])
+            if rc:
+                raise SystemExit(rc)
+            fitted = json.loads(Path(a.profile).read_text())
+            calibrated = {"config": a.calibrate, "wall_s": round(time.perf_counter() - t_fit, 1),
+                          "steal_share": fitted["calibration"].get("steal_share"),
+                          "mean_relative_step_error": fitted.get("mean_relative_step_error")}
         grid = load_grid(a.grid, profile=a.profile)
         experiments = grid.experiments(reduced=a.reduced)
-        out = Path(a.output)
         before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
         done, wall_before = before.get("results"), before.get("wall_s", 0.0)
         data = {"grid": a.grid, "reduced": a.reduced, "profile": grid.profile, "repeats": grid.config.repeats,
-                "commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine()}
+                "commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine(),
+                "calibrated": calibrated}
         t0 = time.perf_counter()
 
         def save(results: dict[str, Any]) -> None:

@@ -53,6 +53,9 @@ from schedkit.config.base import StrictModel
 from schedkit.errors import ConfigError
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.workloads import WorkloadRequest, generate
+from schedkit.runners.cost_model import CostModel
+from schedkit.runners.machine import cpu_times, steal_share
+from schedkit.runners.simulated import SimulatedRunner
 
 METRICS = ("e2e_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "preemptions")
 """What each experiment compares (see :func:`run_metrics`)."""
@@ -316,15 +319,25 @@ def rankings(results: Mapping[str, Mapping[str, Any]], metric: str = "e2e_mean_s
     return out
 
 
-def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Mean absolute percentage error of each metric over the experiments, the
-    experiments outside their bound (15% or twice the real spread, whichever is
-    larger) on E2E mean and TTFT p50, and the mean Kendall's tau of the rankings."""
+def _mape(results: Mapping[str, Mapping[str, Any]], key: str = "compare") -> dict[str, float]:
     mape = {}
     for name in METRICS:
-        errs = [r["compare"][name]["error"] for r in results.values()
-                if math.isfinite(r["compare"][name]["error"])]
+        errs = [r[key][name]["error"] for r in results.values()
+                if key in r and math.isfinite(r[key][name]["error"])]
         mape[name] = statistics.fmean(errs) if errs else math.nan
+    return mape
+
+
+def _values(results: Mapping[str, Mapping[str, Any]], key: str) -> list[float]:
+    return [x for r in results.values() for x in r.get(key, []) if x is not None and math.isfinite(x)]
+
+
+def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean absolute percentage error of each metric over the experiments (also of the
+    simulator at the real runs' own speed, where recorded), the experiments outside
+    their bound (15% or twice the real spread, whichever is larger) on E2E mean and TTFT
+    p50, the mean Kendall's tau of the rankings, and the real runs' speed ratios and
+    steal shares (min, mean, max)."""
     outside = []
     for key, r in results.items():
         for name in ("e2e_mean_s", "ttft_p50_s"):
@@ -335,32 +348,80 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     taus = [c["tau"] for c in rankings(results).values() if math.isfinite(c["tau"])]
     sim_s = sum(r["sim_wall_s"] for r in results.values())
     real_s = sum(statistics.fmean(r["real_wall_s"]) for r in results.values())
-    return {"experiments": len(results), "mape": mape, "outside_bound": outside,
+    spans = {}
+    for name in ("real_speed_ratio", "real_steal"):
+        values = _values(results, name)
+        spans[name] = ({"min": min(values), "mean": statistics.fmean(values), "max": max(values)}
+                       if values else None)
+    return {"experiments": len(results), "mape": _mape(results), "outside_bound": outside,
+            "mape_at_run_speed": _mape(results, "compare_at_run_speed"),
             "kendall_tau_mean": statistics.fmean(taus) if taus else math.nan,
-            "speedup": real_s / sim_s if sim_s else math.nan}
+            "speedup": real_s / sim_s if sim_s else math.nan,
+            "speed_ratio": spans["real_speed_ratio"], "steal": spans["real_steal"]}
 
 
 # -- running ---------------------------------------------------------------------------------
 
-RunFn = Callable[[Config, list[WorkloadRequest]], tuple[list[RequestMetrics], float]]
-"""Runs one workload under one config: (per-request metrics, wall seconds)."""
+@dataclasses.dataclass(slots=True)
+class RunOutcome:
+    """One run of an experiment's requests."""
+
+    metrics: list[RequestMetrics]
+    wall_s: float
+    step_s: float = 0.0
+    """The measured durations of the steps that ran tokens, summed (a recorded run)."""
+    predicted_s: float = 0.0
+    """The profile's prediction of those same steps, summed."""
+    steal: float | None = None
+    """The machine's steal share over the run (:func:`~schedkit.runners.machine.steal_share`)."""
+
+    @property
+    def speed_ratio(self) -> float:
+        """Measured over predicted step time: how much slower than the profile the
+        machine ran these very steps (1: as fitted; nan: not recorded)."""
+        return self.step_s / self.predicted_s if self.predicted_s > 0 else math.nan
 
 
-def _run(config: Config, workload: list[WorkloadRequest]) -> tuple[list[RequestMetrics], float]:
+def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel | None = None,
+             runner: Any = None) -> RunOutcome:
+    """Run ``workload`` through ``config``'s engine (or on ``runner``); with ``model``,
+    pair every step that ran tokens with the model's prediction of it.
+
+    Raises:
+        ConfigError: A request failed: an accuracy experiment needs every one served.
+    """
     from schedkit.lab.simulate import run_workload
-    result = run_workload(config, workload)
+    from schedkit.lab.step_recorder import StepRecorder
+    from schedkit.runners import configured_runner_class
+
+    owned = runner is None and model is not None
+    if owned:
+        runner = configured_runner_class(config).from_config(config)
+    recorder = StepRecorder(runner) if model is not None else None
+    before = cpu_times()
+    try:
+        result = run_workload(config, workload, runner=recorder if recorder is not None else runner,
+                              on_step=recorder.on_step if recorder is not None else None)
+    finally:
+        if owned and hasattr(runner, "close"):
+            runner.close()
+    steal = steal_share(before, cpu_times())
     if result.failed:
         first = next(iter(result.failed.items()))
         raise ConfigError(f"{len(result.failed)} requests failed (first: {first[0]}: {first[1]}); "
                           "an accuracy experiment needs every request served")
-    return result.metrics, result.wall_s
+    out = RunOutcome(result.metrics, result.wall_s, steal=steal)
+    if recorder is not None and model is not None:
+        out.step_s = sum(seconds for _, seconds in recorder.records)
+        out.predicted_s = sum(model.step_time(features) for features, _ in recorder.records)
+    return out
 
 
-def capacity(grid: Grid, workload: Sequence[WorkloadRequest], shape: str, run: RunFn = _run) -> float:
+def capacity(grid: Grid, workload: Sequence[WorkloadRequest], shape: str) -> float:
     """Requests per second the simulator serves when the whole workload arrives at
     once (fcfs, the shape's scheduler): the rate loads are fractions of."""
     reqs = at_once(workload)
-    metrics, _ = run(grid.shape_config(shape, simulated=True), reqs)
+    metrics = run_once(grid.shape_config(shape, simulated=True), reqs).metrics
     finish = max(m.finish_time for m in metrics if m.finish_time is not None)
     return len(reqs) / finish
 
@@ -373,7 +434,7 @@ def grid_workload(grid: Grid, name: str) -> list[WorkloadRequest]:
 
 
 
-def run_grid(grid: Grid, experiments: Sequence[Experiment], *, run: RunFn = _run,
+def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
              done: Mapping[str, Mapping[str, Any]] | None = None,
              save: Callable[[dict[str, Any]], None] | None = None,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -381,41 +442,63 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *, run: RunFn = _run
     real runs in passes (each pass over every experiment, so slow drift of the machine
     spreads over all of them instead of landing on one). ``done`` holds results of an
     earlier, interrupted run to keep; ``save`` is called with the results after each
-    real run, so an interrupted grid can resume."""
+    real run, so an interrupted grid can resume.
+
+    Each real run records its steps: the profile's prediction of those very steps gives
+    the run's *speed ratio* (measured / predicted), and the machine's steal share is read
+    around it. Finally every experiment is simulated once more with the profile scaled
+    by its real runs' mean speed ratio (``sim_at_run_speed``): what the error would be
+    had the machine run at the speed the profile was fitted at, which separates the
+    machine's drift from the model's error."""
     say = progress or (lambda _msg: None)
+    model = CostModel.load(grid.profile)
     results: dict[str, Any] = {k: dict(v) for k, v in (done or {}).items()}
     # Each workload is generated once, each experiment's requests scaled once: the
     # simulated run and every real run get the very same list.
     base = {w: grid_workload(grid, w) for w in sorted({e.workload for e in experiments})}
     requests: dict[str, list[WorkloadRequest]] = {}
     for w, s in sorted({(e.workload, e.shape) for e in experiments}):
-        cap = capacity(grid, base[w], s, run)
+        cap = capacity(grid, base[w], s)
         say(f"capacity {w}/{s}: {cap:.3f} req/s (simulated)")
         for e in experiments:
             if (e.workload, e.shape) == (w, s):
                 requests[e.key] = at_rate(base[w], grid.config.loads[e.load] * cap)
     for e in experiments:
-        r = results.setdefault(e.key, {"real_runs": [], "real_wall_s": []})
+        r = results.setdefault(e.key, {})
+        for k in ("real_runs", "real_wall_s", "real_speed_ratio", "real_steal"):
+            r.setdefault(k, [])
         reqs = requests[e.key]
         r["offered_req_s"] = offered_rate(reqs)
         r["requests"] = len(reqs)
-        metrics, wall = run(grid.shape_config(e.shape, e.policy, simulated=True), reqs)
-        r["sim"], r["sim_wall_s"] = run_metrics(metrics), wall
+        out = run_once(grid.shape_config(e.shape, e.policy, simulated=True), reqs)
+        r["sim"], r["sim_wall_s"] = run_metrics(out.metrics), out.wall_s
     repeats = grid.config.repeats
     for rep in range(repeats):
         for i, e in enumerate(experiments):
             r = results[e.key]
             if len(r["real_runs"]) > rep:
                 continue
-            metrics, wall = run(grid.shape_config(e.shape, e.policy), requests[e.key])
-            r["real_runs"].append(run_metrics(metrics))
-            r["real_wall_s"].append(wall)
-            say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {wall:.1f} s")
+            out = run_once(grid.shape_config(e.shape, e.policy), requests[e.key], model)
+            r["real_runs"].append(run_metrics(out.metrics))
+            r["real_wall_s"].append(out.wall_s)
+            r["real_speed_ratio"].append(out.speed_ratio)
+            r["real_steal"].append(out.steal)
+            steal = "" if out.steal is None else f", steal {100 * out.steal:.1f}%"
+            say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {out.wall_s:.1f} s, "
+                f"steps {out.speed_ratio:.2f}x the profile's{steal}")
             if save is not None:
                 save(results)
     for e in experiments:
         r = results[e.key]
         r["compare"] = compare_runs(r["real_runs"], r["sim"])
+        ratios = [x for x in r["real_speed_ratio"] if x is not None and math.isfinite(x)]
+        if ratios:
+            runner = SimulatedRunner(vocab_size=grid.base.runner.vocab_size,
+                                     eos_token_id=grid.base.runner.eos_token_id,
+                                     cost_model=model.scaled(statistics.fmean(ratios)))
+            out = run_once(grid.shape_config(e.shape, e.policy, simulated=True), requests[e.key], runner=runner)
+            r["sim_at_run_speed"] = run_metrics(out.metrics)
+            r["compare_at_run_speed"] = compare_runs(r["real_runs"], r["sim_at_run_speed"])
     return results
 
 

@@ -38,6 +38,7 @@ from schedkit.lab.cost_fit import StepRecord, fit, residuals
 from schedkit.lab.step_recorder import Phase, PhaseReport, Session
 from schedkit.lab.workloads import WorkloadRequest, generate, token_run
 from schedkit.runners.cost_model import CostModel
+from schedkit.runners.machine import cpu_times, steal_share
 from schedkit.runners.simulated import SimulatedRunner
 
 __all__ = ["Calibration", "Phase", "PhaseReport", "calibrate", "estimate_s", "grid_phases",
@@ -67,6 +68,10 @@ class Calibration:
     budget_s: float
     device_name: str | None = None
     """The runner's accelerator (its ``device_name``), if it has one."""
+    steal: float | None = None
+    """The machine's steal share during the calibration
+    (:func:`~schedkit.runners.machine.steal_share`): on a VM whose cores are shared, the
+    steps ran about that much slower than on the machine alone."""
 
 
 # -- phases -------------------------------------------------------------------------------
@@ -232,6 +237,7 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
         ValueError: Too few steps were recorded to fit (a budget far too small).
     """
     clock = _Clock(time.monotonic(), budget_s)
+    cpu_before = cpu_times()
     build = runner_factory or _build_runner
     fit_reserve = min(20.0, 0.05 * budget_s)
     swap_share = 0.2 * budget_s
@@ -261,7 +267,7 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
     records += _run_swap(config, build, clock.end - fit_reserve, note)
     model = fit(records)
     return Calibration(records, model, residuals(records, model), reports, time.monotonic() - clock.start,
-                       budget_s, device_name)
+                       budget_s, device_name, steal_share(cpu_before, cpu_times()))
 
 
 def _run_grid(session: Session, config: Config, deadline: float, is_virtual: bool,

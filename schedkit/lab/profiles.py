@@ -71,6 +71,7 @@ def profile_payload(name: str, calibration: Calibration, config: Config, config_
         "fitted_on": {"config": config_path, "async_scheduling": config.scheduler.async_scheduling,
                       "sections": config.model_dump(mode="json", include=CONFIG_SECTIONS)},
         "calibration": {"wall_s": round(calibration.wall_s, 1), "budget_s": calibration.budget_s,
+                        "steal_share": calibration.steal,
                         "phases": [p.to_dict() for p in calibration.phases]},
         "num_steps": len(calibration.records),
         "mean_relative_step_error": overall.get("mean"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,13 +56,15 @@ def progress_bar(label: str, total: int) -> Any:
 
 def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
                  base_dir: str | Path | None = None, extra_plugins: Iterable[Any] = (),
-                 runner: Any = None, progress: str | None = None) -> RunResult:
+                 runner: Any = None, progress: str | None = None,
+                 on_step: Callable[[EngineCore], None] | None = None) -> RunResult:
     """Replay ``workload`` (default: the config's own) through ``config``'s engine.
 
     The workload's time 0 is the engine's ``start_time``, the moment it is ready to
     serve (the runner built and initialized), and every request arrives at its
     workload time on the engine clock. ``progress``: a label; show a progress bar on
-    stderr (:func:`progress_bar`) while the requests run.
+    stderr (:func:`progress_bar`) while the requests run. ``on_step`` is called with the
+    engine after every step it ran.
     """
     if workload is None:
         workload = generate(config.workload, config.runner.vocab_size, base_dir)
@@ -96,7 +98,10 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
         bar.update(len(refused))
     try:
         while engine.has_requests():
+            steps = engine.num_steps
             outputs = engine.step()
+            if on_step is not None and engine.num_steps > steps:
+                on_step(engine)
             now = engine.now()
             num_done = len(done) + len(refused)
             for group in outputs.values():

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -155,6 +155,13 @@ class CostModel:
     @property
     def coefficients(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in FEATURES}
+
+    def scaled(self, factor: float) -> CostModel:
+        """The same model with every duration multiplied by ``factor`` (a machine that runs
+        ``factor`` times slower than the one the profile was fitted on)."""
+        values: dict[str, Any] = {k: v * factor for k, v in self.coefficients.items()}
+        values["decode_batch_residual_s"] = tuple((b, t * factor) for b, t in self.decode_batch_residual_s)
+        return replace(self, **values, name=f"{self.name} x{factor:.3f}")
 
     def step_time(self, f: StepFeatures) -> float:
         t = (self.base_s + self.per_token_s * f[0] + self.per_request_s * f[1]

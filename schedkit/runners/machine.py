@@ -61,3 +61,29 @@ def same_machine(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def describe_machine(m: dict[str, Any]) -> str:
     return f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count', '?')} CPUs, {m.get('gpu') or 'no GPU'}"
+
+
+def cpu_times() -> tuple[int, ...] | None:
+    """The machine's CPU time counters (the ``cpu`` line of /proc/stat, in clock ticks:
+    user, nice, system, idle, iowait, irq, softirq, steal, ...), or None where there is
+    no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    return tuple(int(x) for x in fields[1:])
+
+
+def steal_share(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests between two
+    :func:`cpu_times` readings (0 on a machine of its own; a VM whose cores are shared
+    runs slower by about this much), or None when either reading is missing or no time
+    passed."""
+    if before is None or after is None:
+        return None
+    delta = [a - b for a, b in zip(after, before, strict=False)]
+    total = sum(delta[:8])
+    return delta[7] / total if total > 0 else None

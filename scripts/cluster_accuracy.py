@@ -2,6 +2,8 @@
 
     python scripts/cluster_accuracy.py configs/accuracy/cluster-smollm2-cpu.yaml \\
         --profile cpu-smollm2-135m-1t [--routers round-robin,prefix-affinity] [--repeats 2] -o out.json
+    python scripts/cluster_accuracy.py configs/accuracy/cluster-groups-smollm2-cpu.yaml \
+        --calibrate configs/calibration/cpu-smollm2-1t.yaml -o out.json    # fit, then check
 
 For each router, the config's workload runs through ``replicas.count`` real engine
 processes behind the router (``LLM``, the config's paged runner) ``--repeats`` times,
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from schedkit.cli import main as cli_main
 from schedkit.config import RouterConfig, SimulatedRunnerConfig, load_config
 from schedkit.core.request import SamplingParams
 from schedkit.lab.accuracy import compare_runs, summary_metrics
@@ -28,6 +31,7 @@ from schedkit.lab.cluster_sim import run_cluster_workload
 from schedkit.lab.metrics import metrics_from_output, summarize
 from schedkit.lab.workloads import generate
 from schedkit.llm import LLM
+from schedkit.runners.machine import cpu_times, steal_share
 
 KEYS = ("ttft_p50_s", "ttft_p99_s", "e2e_mean_s", "prefix_hit_rate")
 
@@ -54,24 +58,41 @@ def real_run(config: Any, workload: list) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
-    ap.add_argument("--profile", required=True, help="the simulator's profile (one replica's, as fitted)")
+    ap.add_argument("--profile", help="the simulator's profile (one replica's, as fitted)")
+    ap.add_argument("--calibrate", metavar="CONFIG",
+                    help="first fit the profile to CONFIG (a one-replica copy of the config) with "
+                         "schedkit calibrate, then run the check on it")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="the calibration's budget (seconds)")
     ap.add_argument("--routers", default="round-robin,prefix-affinity")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("-o", "--output")
     a = ap.parse_args()
+    if bool(a.profile) == bool(a.calibrate):
+        ap.error("give --profile PROFILE or --calibrate CONFIG")
+    fitted = None
+    if a.calibrate:
+        a.profile = str(Path(a.output or "cluster-check.json").with_suffix("")) + "-profile.json"
+        if cli_main(["calibrate", a.calibrate, "-o", a.profile, "--budget-s", str(a.budget_s)]):
+            raise SystemExit("calibration failed")
+        data = json.loads(Path(a.profile).read_text())
+        fitted = {"config": a.calibrate, "steal_share": data["calibration"].get("steal_share"),
+                  "mean_relative_step_error": data.get("mean_relative_step_error")}
     base = load_config(a.config)
     workload = generate(base.workload, base.runner.vocab_size, Path(a.config).parent)
-    out: dict[str, Any] = {"config": a.config, "profile": a.profile, "replicas": base.replicas.count,
-                           "requests": len(workload), "routers": {}}
+    out: dict[str, Any] = {"config": a.config, "profile": a.profile, "calibrated": fitted,
+                           "replicas": base.replicas.count, "requests": len(workload), "routers": {},
+                           "steal": {}}
     routers = a.routers.split(",")
     reals: dict[str, list[dict[str, float]]] = {r: [] for r in routers}
     for rep in range(a.repeats):  # routers in turn: A B A B
         for router in routers:
             cfg = base.model_copy(update={"router": RouterConfig(policy=router)})
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_times()
             reals[router].append(real_run(cfg, workload))
-            print(f"real {router} run {rep + 1}: {time.perf_counter() - t0:.1f} s {reals[router][-1]}",
-                  file=sys.stderr, flush=True)
+            steal = steal_share(cpu0, cpu_times())
+            out["steal"].setdefault(router, []).append(steal)
+            print(f"real {router} run {rep + 1}: {time.perf_counter() - t0:.1f} s, steal "
+                  f"{'n/a' if steal is None else f'{steal:.1%}'}: {reals[router][-1]}", file=sys.stderr, flush=True)
     for router in routers:
         cfg = base.model_copy(update={
             "router": RouterConfig(policy=router),

@@ -47,6 +47,8 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     assert all(set(r) == {"num_steps", "mean", "median", "p90"} for r in res.values())
     assert res["overall"]["num_steps"] == data["num_steps"] > 100
     assert res["overall"]["p90"] < 1e-6
+    steal = data["calibration"]["steal_share"]  # read from /proc/stat on Linux
+    assert steal is None or 0 <= steal <= 1
     phases = {p["name"]: p for p in data["calibration"]["phases"]}
     assert phases["workload"]["status"] == "ran" and phases["swap-0"]["num_steps"] > 0
     assert phases["grammar-b1"]["status"].startswith("skipped: no structured-output backend")

@@ -18,7 +18,7 @@ from schedkit.kv.connectors.offload import OffloadMetadata
 from schedkit.lab.simulate import run_workload
 from schedkit.plugins.testing import make_scheduler
 from schedkit.runners.cost_model import PROFILE_DIR, CostModel, StepShapes
-from schedkit.runners.machine import describe_machine, this_machine
+from schedkit.runners.machine import cpu_times, describe_machine, steal_share, this_machine
 from schedkit.runners.simulated import SimulatedRunner
 
 BASE = dict(base_s=1e-3, per_token_s=1e-5, per_request_s=1e-4, per_context_token_s=1e-7,
@@ -156,3 +156,26 @@ def test_a_profile_fitted_in_the_other_scheduling_mode_is_reported(tmp_path, cap
 
     assert "async_scheduling = True" in build(False)
     assert build(True) == ""
+
+
+def test_a_scaled_model_predicts_every_step_that_many_times_longer():
+    model = CostModel.load("cpu-smollm2-135m")
+    slow = model.scaled(1.25)
+    steps = _first_steps(_request("a", 30), _request("b", 100, top_k=20), _request("c", 300))
+    shapes = StepShapes()
+    for so in steps:
+        features = shapes.features(so)
+        assert slow.step_time(features) == pytest.approx(1.25 * model.step_time(features))
+    assert slow.decode_residual(5) == pytest.approx(1.25 * model.decode_residual(5))
+    assert slow.coefficients == {k: 1.25 * v for k, v in model.coefficients.items()}
+
+
+def test_steal_share_is_the_steal_column_over_all_cpu_time():
+    before = (100, 0, 50, 800, 10, 0, 0, 40, 0, 0)
+    after = (200, 0, 100, 1550, 10, 0, 0, 140, 0, 0)  # 1000 ticks, 100 of them stolen
+    assert steal_share(before, after) == pytest.approx(0.1)
+    assert steal_share(before, before) is None  # no time passed
+    assert steal_share(None, after) is None
+    now = cpu_times()
+    if now is not None:  # Linux: the real counters parse
+        assert len(now) >= 8 and all(x >= 0 for x in now)

@@ -505,6 +505,51 @@ def schedkit_on_request_finished(request: Request, now: float) -> None:
 # router never fails a request because of a router plugin.
 
 
+@hookspec(firstresult=True)
+def schedkit_router_disaggregate(request: RouteRequest, prefill_replicas: Sequence[ReplicaState],
+                                 decode_replicas: Sequence[ReplicaState]) -> bool | None:
+    """Decide whether ``request`` is disaggregated: prefilled on a prefill replica, its
+    KV then sent to a decode replica that produces its tokens; or served whole on one
+    replica. Selective disaggregation: a short or mostly cached prompt gains nothing
+    from the move and pays for the transfer.
+
+    Called:
+        In the router's process, once per routing decision, before the replicas are
+        chosen, and only with ``replicas.roles`` configured and a healthy replica for
+        each stage (without roles no request is disaggregated and this hook is never
+        called). When it answers True, the filters, scorers and picker then run twice:
+        ``request.stage`` PREFILL over ``prefill_replicas``, then DECODE over
+        ``decode_replicas`` less the chosen prefill replica; when False, once, stage
+        WHOLE, over ``decode_replicas``.
+
+    Args:
+        request: The request to place (``num_prompt_tokens``, ``block_hashes``,
+            ``block_size``, ...). Do not mutate.
+        prefill_replicas: The healthy replicas that may prefill it (roles ``prefill``
+            and ``both``), in index order. Do not mutate.
+        decode_replicas: The healthy replicas that may decode it or serve it whole
+            (roles ``decode`` and ``both``), in index order; their ``cached_blocks``
+            say how much of the prompt each would not need to receive. Do not mutate.
+
+    Returns:
+        True to disaggregate, False to serve it whole, None to leave it to the next
+        plugin.
+
+    Errors:
+        An exception or an answer that is not a bool is ignored: counted in the router's
+        ``num_hook_errors``, logged (at most a line per 10 s), and the next plugin is
+        asked (the built-in last). Should every plugin fail, the request is served whole.
+
+    Built-in:
+        ``selective-pd`` (on whenever ``replicas.roles`` is set, trylast; its settings
+        under ``router.plugins``), as llm-d's selective P/D: True when the prompt's
+        tokens not in the best decode candidate's prefix cache number more than
+        ``threshold`` (default 256; ``.inf``: never).
+
+    .. versionadded:: 0.3
+    """
+
+
 @hookspec
 def schedkit_router_filter(request: RouteRequest,
                            replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState] | None:
@@ -513,13 +558,15 @@ def schedkit_router_filter(request: RouteRequest,
 
     Called:
         On every router plugin that implements it, in the router's process, once per
-        routing decision, in turn: each filter sees what the ones before it left.
+        routing decision (twice for a disaggregated request: its PREFILL stage, then
+        its DECODE stage), in turn: each filter sees what the ones before it left.
 
     Args:
         request: The request to place (``RouteRequest``: id, prompt, tenant, priority,
-            ``max_tokens``, session id, ``block_hashes``). Do not mutate.
-        replicas: The candidates: healthy replicas, in index order, less those earlier
-            filters dropped. Do not mutate.
+            ``max_tokens``, session id, ``block_hashes``, and ``stage``, the part being
+            placed: WHOLE, PREFILL or DECODE). Do not mutate.
+        replicas: The candidates: healthy replicas whose role takes ``request.stage``,
+            in index order, less those earlier filters dropped. Do not mutate.
 
     Returns:
         The members of ``replicas`` that may take it, or None for no opinion.
@@ -546,12 +593,13 @@ def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState
 
     Called:
         On every router plugin that implements it and whose ``router.weights`` entry
-        (default 1) is not 0, in the router's process, once per routing decision, after
-        the filters. The router multiplies each plugin's scores by its weight and adds
+        (default 1) is not 0, in the router's process, once per routing decision (per
+        stage of a disaggregated request), after the filters. The router multiplies each plugin's scores by its weight and adds
         them up per replica.
 
     Args:
-        request: The request to place. Do not mutate.
+        request: The request to place (``request.stage``: the part being placed). Do
+            not mutate.
         replicas: The candidates left by the filters, in index order. Do not mutate.
 
     Returns:
@@ -578,10 +626,12 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
     """Choose the replica that gets ``request``.
 
     Called:
-        In the router's process, once per routing decision, after the scorers.
+        In the router's process, once per routing decision (per stage of a
+        disaggregated request), after the scorers.
 
     Args:
-        request: The request to place. Do not mutate.
+        request: The request to place (``request.stage``: the part being placed). Do
+            not mutate.
         replicas: The candidates left by the filters, in index order. Do not mutate.
         scores: Their weighted total scores, in the same order (all 0 without scorers).
 
@@ -595,9 +645,10 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
 
     Built-in:
         ``best-score`` (always on, trylast): the highest total; among equal totals the
-        first candidate after the replica that got the previous request, so with no
-        scorer it is round-robin. ``round-robin`` answers the next replica in turn,
-        whatever the scores.
+        first candidate after the replica that got the previous request (of the same
+        kind: prefill stages rotate apart from whole requests and decode stages), so
+        with no scorer it is round-robin. ``round-robin`` answers the next replica in
+        turn, whatever the scores.
 
     .. versionadded:: 0.2
     """
@@ -605,18 +656,20 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
 
 @hookspec
 def schedkit_on_route_event(event: RouteEvent) -> None:
-    """Observe a routing outcome: a request routed (``ROUTED``, with every candidate's
-    total score), finished (``FINISHED``), failed (``FAILED``: an error, or its replica
-    died after it produced tokens) or moved because its replica died before it produced a
-    token (``REROUTED``, followed by a ``ROUTED`` to the new replica).
+    """Observe a routing outcome: a request (or one stage of a disaggregated request, as
+    ``event.stage`` says) routed (``ROUTED``, with every candidate's total score),
+    finished (``FINISHED``; for a PREFILL stage: its prefill is done, its KV on its
+    way), failed (``FAILED``: an error, or its replica died after it produced tokens) or
+    moved because its replica died before it produced a token (``REROUTED``, followed
+    by a ``ROUTED`` to the new replica).
 
     Called:
         On every router plugin that implements it, in the router's process, once per
         outcome.
 
     Args:
-        event: What happened (``kind``, ``request``, ``replica``, ``scores``). Do not
-            mutate.
+        event: What happened (``kind``, ``request``, ``replica``, ``scores``,
+            ``stage``). Do not mutate.
 
     Returns:
         Nothing; return values are ignored.
@@ -634,7 +687,8 @@ def schedkit_on_route_event(event: RouteEvent) -> None:
 
 
 ROUTER_HOOK_NAMES: tuple[str, ...] = (
-    "schedkit_router_filter", "schedkit_router_score", "schedkit_router_pick", "schedkit_on_route_event")
+    "schedkit_router_disaggregate", "schedkit_router_filter", "schedkit_router_score", "schedkit_router_pick",
+    "schedkit_on_route_event")
 """The hooks a router plugin implements (they run in the router's process)."""
 HOOK_NAMES: tuple[str, ...] = tuple(
     name for name in list(globals()) if name.startswith("schedkit_") and name not in ROUTER_HOOK_NAMES)

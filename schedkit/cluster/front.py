@@ -47,7 +47,7 @@ from schedkit.engine.messages import (
     kv_events_from_wire,
     wire_max_tokens,
 )
-from schedkit.errors import EngineDeadError, RequestError
+from schedkit.errors import ConfigError, EngineDeadError, RequestError
 
 log = logging.getLogger("schedkit.cluster")
 
@@ -115,6 +115,10 @@ class ClusterClient:
                 it); nothing is left running.
             EngineDeadError: A replica failed to start.
         """
+        if config.replicas.roles is not None:
+            raise ConfigError("replicas.roles: real replicas do not move KV between engines yet, so "
+                              "prefill/decode disaggregation runs only in the cluster simulation "
+                              "(schedkit.lab.cluster_sim); leave roles out to serve")
         router = Router(config)
         rcfg = replica_config(config)
         if config.replicas.backend == "ray":  # connecting to Ray blocks for seconds

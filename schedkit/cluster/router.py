@@ -2,7 +2,10 @@
 
 One decision: the healthy replicas -> every filter in turn -> every scorer (each
 plugin's scores times its ``router.weights`` entry, summed per replica) -> the picker
-(first answer; the built-in ``BestScore`` last). The router keeps each replica's
+(first answer; the built-in ``BestScore`` last). With ``replicas.roles`` a request is
+first either disaggregated or not (``schedkit_router_disaggregate``); a disaggregated
+one then takes two such decisions, its prefill stage over the replicas that prefill and
+its decode stage over those that decode (:meth:`Router.place`). The router keeps each replica's
 :class:`~schedkit.core.routing.ReplicaState`: its outstanding requests (exact), its
 queue lengths and KV usage (as reported), and its prefix cache (from its KV events).
 
@@ -22,7 +25,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from schedkit.config import Config
-from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.core.routing import (
+    Placement,
+    ReplicaRole,
+    ReplicaState,
+    RouteEvent,
+    RouteEventKind,
+    RouteRequest,
+    RouteStage,
+)
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.errors import ConfigError, EngineDeadError
 from schedkit.hookspecs import ROUTER_HOOK_NAMES
@@ -67,7 +78,9 @@ class Router:
         assert n >= 1, "a router needs at least one replica"
         self.config = config
         self.plugin_manager = get_router_plugin_manager(config, extra_plugins=extra_plugins)
-        self.replicas = [ReplicaState(i) for i in range(n)]
+        self.replicas = [ReplicaState(i, role=ReplicaRole(config.replicas.role_of(i))) for i in range(n)]
+        self.has_roles = any(r.role is not ReplicaRole.BOTH for r in self.replicas)
+        """Roles are configured: requests may be disaggregated (:meth:`place`)."""
         self.weights = dict(config.router.weights)
         cache = config.cache
         self._hasher = BlockHasher(cache.block_size, cache.hash_algo) if cache.enable_prefix_caching else None
@@ -84,9 +97,13 @@ class Router:
         """Router-hook errors so far by ``(plugin, hook)``: raises and bad answers."""
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._placed: dict[str, tuple[RouteRequest, int]] = {}
-        """Outstanding requests: id -> (request, replica index)."""
+        """Outstanding requests: id -> (request, replica index: whole or decode stage)."""
+        self._prefilling: dict[str, tuple[RouteRequest, int]] = {}
+        """Disaggregated requests whose prefill is under way: id -> (request, replica index)."""
         self.num_rerouted = 0
         self.num_failed_by_death = 0
+        self.num_disaggregated = 0
+        """Requests placed on a prefill and a decode replica."""
 
     # -- requests ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
@@ -112,7 +129,8 @@ class Router:
                             block_size=hasher.block_size)
 
     def route(self, request: RouteRequest) -> ReplicaState:
-        """Choose a healthy replica for ``request`` and count it as outstanding there.
+        """Choose a healthy replica for the whole of ``request`` (never disaggregated:
+        with roles, among the replicas that decode) and count it as outstanding there.
 
         Raises:
             EngineDeadError: No replica is healthy.
@@ -122,15 +140,61 @@ class Router:
         if not candidates:
             raise EngineDeadError(f"no replica left to take request {request.request_id!r}: "
                                   f"all {len(self.replicas)} died")
+        if self.has_roles:
+            candidates = [r for r in candidates if r.role.can_decode] or candidates
+        return self._decide(request, RouteStage.WHOLE, candidates)
+
+    def place(self, request: RouteRequest) -> Placement:
+        """Place ``request``: without roles as :meth:`route`; with roles, first decide
+        whether it is disaggregated (``schedkit_router_disaggregate``), then choose its
+        prefill replica (stage PREFILL, among the replicas that prefill) and its decode
+        replica (stage DECODE, among those that decode, less the prefill one), or the one
+        replica that serves it whole. Each chosen replica counts it as outstanding: the
+        prefill replica until :meth:`prefill_done`, the other until :meth:`finished`.
+
+        Raises:
+            EngineDeadError: No replica is healthy.
+        """
+        if not self.has_roles:
+            return Placement(self.route(request))
+        healthy = [r for r in self.replicas if r.healthy]
+        decode = [r for r in healthy if r.role.can_decode]
+        # the one replica left to decode (a ``both`` one) cannot also be the prefill one
+        prefill = [r for r in healthy if r.role.can_prefill and not (len(decode) == 1 and r is decode[0])]
+        if not (prefill and decode and self._disaggregate(request, prefill, decode)):
+            return Placement(self.route(request))
+        assert request.request_id not in self._placed, f"{request.request_id} is already routed"
+        first = self._decide(request, RouteStage.PREFILL, prefill)
+        self.num_disaggregated += 1
+        return Placement(self._decide(request, RouteStage.DECODE, [r for r in decode if r is not first]), first)
+
+    def _decide(self, request: RouteRequest, stage: RouteStage, candidates: list[ReplicaState]) -> ReplicaState:
+        """One routing decision over ``candidates`` (filters, scorers, picker), counted
+        at the replica chosen and announced to the observers."""
+        request.stage = stage
         candidates = self._filter(request, candidates)
         scores = self._score(request, candidates)
         replica = self._pick(request, candidates, scores)
         replica.num_outstanding += 1
         replica.num_routed += 1
-        self._placed[request.request_id] = (request, replica.index)
+        table = self._prefilling if stage is RouteStage.PREFILL else self._placed
+        table[request.request_id] = (request, replica.index)
         self._emit(RouteEvent(RouteEventKind.ROUTED, request, replica,
-                              {r.index: s for r, s in zip(candidates, scores, strict=True)}))
+                              {r.index: s for r, s in zip(candidates, scores, strict=True)}, stage))
         return replica
+
+    def prefill_done(self, request_id: str, *, failed: bool = False) -> None:
+        """A disaggregated request's prefill ended on its prefill replica, its KV on its
+        way to the decode replica (``failed``: the prefill failed, and so does the
+        request). Unknown ids are ignored."""
+        placed = self._prefilling.pop(request_id, None)
+        if placed is None:
+            return
+        request, index = placed
+        replica = self.replicas[index]
+        replica.num_outstanding -= 1
+        self._emit(RouteEvent(RouteEventKind.FAILED if failed else RouteEventKind.FINISHED, request,
+                              replica, stage=RouteStage.PREFILL))
 
     def replica_of(self, request_id: str) -> int | None:
         """The replica an outstanding request is on (None once it finished)."""
@@ -146,7 +210,8 @@ class Router:
         request, index = placed
         replica = self.replicas[index]
         replica.num_outstanding -= 1
-        self._emit(RouteEvent(RouteEventKind.FAILED if failed else RouteEventKind.FINISHED, request, replica))
+        self._emit(RouteEvent(RouteEventKind.FAILED if failed else RouteEventKind.FINISHED, request, replica,
+                              stage=request.stage))
 
     def replica_died(self, index: int) -> list[RouteRequest]:
         """Take replica ``index`` out of rotation; returns its outstanding requests (still
@@ -199,6 +264,21 @@ class Router:
         except BaseException as e:  # a plugin's exit() must not end the front end
             self._bad(plugin, hook, f"raised {type(e).__name__}: {e}")
             return False, None
+
+    def _disaggregate(self, request: RouteRequest, prefill: list[ReplicaState],
+                      decode: list[ReplicaState]) -> bool:
+        """The first bool a ``schedkit_router_disaggregate`` plugin answers (False when
+        none does)."""
+        hook = "schedkit_router_disaggregate"
+        kwargs = {"request": request, "prefill_replicas": prefill, "decode_replicas": decode}
+        for fn, argnames, plugin in self._impls[hook]:
+            ok, answer = self._call(fn, argnames, plugin, hook, kwargs)
+            if not ok or answer is None:
+                continue
+            if type(answer) is bool:
+                return answer
+            self._bad(plugin, hook, f"answered {_describe(answer)}, not True, False or None")
+        return False
 
     def _filter(self, request: RouteRequest, candidates: list[ReplicaState]) -> list[ReplicaState]:
         hook = "schedkit_router_filter"
@@ -276,11 +356,13 @@ class Router:
             "policy": self.config.router.policy,
             "plugins": [name for name, _ in plugins],
             "plugin_hooks": [[name, hooks] for name, hooks in plugins],
-            "replicas": [{"index": r.index, "healthy": r.healthy, "num_outstanding": r.num_outstanding,
+            "replicas": [{"index": r.index, "role": r.role.value, "healthy": r.healthy,
+                          "num_outstanding": r.num_outstanding,
                           "num_routed": r.num_routed, "num_waiting": r.num_waiting,
                           "num_running": r.num_running, "kv_cache_usage": r.kv_cache_usage,
                           "num_cached_blocks": len(r.cached_blocks)} for r in self.replicas],
             "num_rerouted": self.num_rerouted,
             "num_failed_by_death": self.num_failed_by_death,
+            "num_disaggregated": self.num_disaggregated,
             "num_hook_errors": [[p, h, n] for (p, h), n in self.errors.items()],
         }

@@ -6,8 +6,32 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schedkit.config.base import StrictModel
+from schedkit.config.base import LocatedValueError, StrictModel
 from schedkit.config.plugins import PluginConfig, check_listed_once
+
+ROLES = ("prefill", "decode", "both")
+"""What a replica does: ``prefill`` replicas only prefill requests that are disaggregated
+(their KV goes on to a decode replica); ``decode`` and ``both`` replicas serve whole
+requests and decode disaggregated ones; ``both`` replicas may also be picked for a
+disaggregated request's prefill."""
+
+
+class RolesConfig(StrictModel):
+    """Prefill/decode disaggregation: how many replicas have each role. Replica indices
+    are given out in order: the first ``prefill`` replicas prefill, the next ``decode``
+    ones decode, the rest are ``both`` (docs/cluster-simulation.md#disaggregation)."""
+
+    prefill: int = Field(default=0, ge=0)
+    """Replicas that only prefill (indices ``0 .. prefill-1``)."""
+    decode: int = Field(default=0, ge=0)
+    """Replicas that serve whole requests and the decode of disaggregated ones (the
+    indices after the prefill replicas)."""
+
+    def role_of(self, index: int) -> str:
+        """``prefill``, ``decode`` or ``both`` for replica ``index``."""
+        if index < self.prefill:
+            return "prefill"
+        return "decode" if index < self.prefill + self.decode else "both"
 
 
 class ReplicasConfig(StrictModel):
@@ -37,6 +61,34 @@ class ReplicasConfig(StrictModel):
     a replica on another node binds that node's IP as Ray knows it
     (``ray.util.get_node_ip_address()``, the node's ``--node-ip-address``), reachable from
     that network; one on the front end's node still binds loopback."""
+    roles: RolesConfig | None = None
+    """Prefill/decode disaggregation, e.g. ``{prefill: 4, decode: 12}``; None (the
+    default): every replica serves whole requests. The cluster simulation runs it; real
+    replicas do not move KV between engines yet and refuse it."""
+
+    def role_of(self, index: int) -> str:
+        """Replica ``index``'s role: ``prefill``, ``decode`` or ``both`` (every replica
+        without ``roles``)."""
+        return "both" if self.roles is None else self.roles.role_of(index)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ReplicasConfig:
+        roles = self.roles
+        if roles is None:
+            return self
+        if roles.prefill + roles.decode > self.count:
+            raise LocatedValueError(f"prefill ({roles.prefill}) + decode ({roles.decode}) "
+                                    f"replicas exceed replicas.count ({self.count})",
+                                    ("roles",), roles.model_dump())
+        if roles.prefill == 0:
+            raise LocatedValueError("at least one replica must prefill: with no prefill replica "
+                                    "nothing is disaggregated (leave roles out instead)",
+                                    ("roles", "prefill"), roles.prefill)
+        if roles.prefill == self.count:
+            raise LocatedValueError(f"all {self.count} replicas prefill, so a prefilled "
+                                    "request has nowhere to decode; give some the decode role or leave "
+                                    "them unlisted (both)", ("roles", "prefill"), roles.prefill)
+        return self
 
     @model_validator(mode="after")
     def _check_resources(self) -> ReplicasConfig:

@@ -13,6 +13,40 @@ from dataclasses import dataclass, field
 from schedkit.kv.prefix_index import CachedPrefixIndex
 
 
+class ReplicaRole(enum.Enum):
+    """What a replica does (``replicas.roles``; every replica is BOTH without it)."""
+
+    BOTH = "both"
+    """Whole requests, and either stage of a disaggregated one."""
+    PREFILL = "prefill"
+    """Only the prefill of disaggregated requests."""
+    DECODE = "decode"
+    """Whole requests and the decode of disaggregated ones."""
+
+    @property
+    def can_prefill(self) -> bool:
+        """May take a disaggregated request's prefill stage."""
+        return self is not ReplicaRole.DECODE
+
+    @property
+    def can_decode(self) -> bool:
+        """May take a whole request or a disaggregated request's decode stage."""
+        return self is not ReplicaRole.PREFILL
+
+
+class RouteStage(enum.Enum):
+    """Which part of a request a routing decision places."""
+
+    WHOLE = "whole"
+    """The whole request on one replica (always, without ``replicas.roles``)."""
+    PREFILL = "prefill"
+    """A disaggregated request's prefill (its prompt and first token), whose KV then goes
+    to its decode replica."""
+    DECODE = "decode"
+    """A disaggregated request's decode: the replica that receives its prompt's KV and
+    produces its tokens."""
+
+
 class RouteRequest:
     """One request to place on a replica.
 
@@ -31,10 +65,13 @@ class RouteRequest:
         attempt: 0 when first routed; 1, 2... when re-routed after its replica died.
         block_size: Tokens per block of :attr:`block_hashes` (the replicas' KV block
             size; 0 without prefix caching).
+        stage: The part being placed by the decision under way: ``WHOLE``, or for a
+            disaggregated request ``PREFILL`` then ``DECODE`` (the router sets it before
+            each decision; filters, scorers and pickers may read it).
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "max_tokens", "session_id",
-                 "num_prompt_tokens", "attempt", "block_size", "_hashes", "_hash_fn")
+                 "num_prompt_tokens", "attempt", "block_size", "stage", "_hashes", "_hash_fn")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
                  priority: int = 0, max_tokens: int | None = None, session_id: str | None = None,
@@ -49,6 +86,7 @@ class RouteRequest:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.attempt = 0
         self.block_size = block_size if hash_fn is not None else 0
+        self.stage = RouteStage.WHOLE
         self._hashes: list[bytes] | None = None
         self._hash_fn = hash_fn
 
@@ -79,7 +117,9 @@ class ReplicaState:
             and running list).
         kv_cache_usage: Fraction of its KV blocks in use, as last reported.
         cached_blocks: The block hashes its prefix cache holds, from its KV events.
-        num_routed: Requests routed here so far.
+        num_routed: Decisions that placed a request (or a stage of one) here so far.
+        role: What it does (``replicas.roles``); the router offers a replica only for
+            the stages its role takes.
     """
 
     index: int
@@ -91,6 +131,7 @@ class ReplicaState:
     kv_cache_usage: float = 0.0
     cached_blocks: CachedPrefixIndex = field(default_factory=CachedPrefixIndex)
     num_routed: int = 0
+    role: ReplicaRole = ReplicaRole.BOTH
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -99,9 +140,10 @@ class ReplicaState:
 
 class RouteEventKind(enum.Enum):
     ROUTED = "routed"
-    """The request was sent to ``replica``."""
+    """The request (its ``stage``) was sent to ``replica``."""
     FINISHED = "finished"
-    """It finished there (any finish reason but an error)."""
+    """It finished there (any finish reason but an error); for stage ``PREFILL``: its
+    prefill is done, its KV on its way to the decode replica."""
     FAILED = "failed"
     """It failed there (an error, or its replica died after it produced tokens)."""
     REROUTED = "rerouted"
@@ -119,9 +161,24 @@ class RouteEvent:
         replica: The replica it concerns.
         scores: With ROUTED: the weighted total score of each candidate the picker saw,
             by replica index (empty when nothing scored).
+        stage: The stage it concerns (``WHOLE`` unless the request is disaggregated).
     """
 
     kind: RouteEventKind
     request: RouteRequest
     replica: ReplicaState
     scores: dict[int, float] = field(default_factory=dict)
+    stage: RouteStage = RouteStage.WHOLE
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """Where a request goes: ``replica`` serves it (the whole request, or its decode
+    when disaggregated); ``prefill`` is its prefill replica when it is disaggregated."""
+
+    replica: ReplicaState
+    prefill: ReplicaState | None = None
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.prefill is not None

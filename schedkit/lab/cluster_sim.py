@@ -27,12 +27,20 @@ The event loop (a discrete-event simulation; every time is on the one shared clo
   (``finished``). A request that arrives while a step runs is routed on the state the
   replicas had reported by then, as a real router would see it.
 
+* With ``replicas.roles`` the router may disaggregate a request
+  (:meth:`~schedkit.cluster.router.Router.place`): its prefill copy (one output token)
+  runs on its prefill replica; when it ends, its KV hand-off to the decode replica takes
+  the cost model's transfer time (:mod:`schedkit.lab.cluster_handoffs`), a third kind of
+  event beside arrivals and steps (ties: arrivals first). At its end the prefill replica
+  frees the blocks it kept, and the request, its arrival time unchanged, is added to the
+  decode replica, whose ``transfer`` connector hands it the KV that arrived.
+
 Token times and metrics are recorded as :func:`~schedkit.lab.simulate.run_workload`
 records them, so :func:`~schedkit.lab.metrics.summarize` works on the union, and with one
 replica the result equals ``run_workload``'s request for request. Everything is
 deterministic: the same config and workload give identical metrics.
-:func:`summarize_cluster` adds the cluster's own figures: per replica, load imbalance,
-prefix hit rate, the router's counters.
+:func:`~schedkit.lab.cluster_summary.summarize_cluster` adds the cluster's own figures:
+per replica, load imbalance, prefix hit rate, the router's counters, the hand-offs.
 """
 
 from __future__ import annotations
@@ -43,11 +51,12 @@ import heapq
 import math
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from schedkit.cluster.router import Router, replica_config
+from schedkit.cluster.transfer import KVTransferPlugin
 from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutput
 from schedkit.core.request import Request, SamplingParams
@@ -55,14 +64,9 @@ from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError, SchedkitError
 from schedkit.kv.hashing import BlockHasher
-from schedkit.lab.metrics import (
-    RequestMetrics,
-    percentile,
-    refused_metrics,
-    request_metrics,
-    summarize,
-)
-from schedkit.lab.simulate import RunResult
+from schedkit.lab.cluster_handoffs import Handoffs
+from schedkit.lab.cluster_summary import ClusterRunResult, summarize_cluster
+from schedkit.lab.metrics import RequestMetrics, refused_metrics, request_metrics
 from schedkit.lab.workloads import WorkloadRequest, generate
 
 __all__ = ["ClusterRunResult", "run_cluster_workload", "summarize_cluster"]
@@ -70,31 +74,6 @@ __all__ = ["ClusterRunResult", "run_cluster_workload", "summarize_cluster"]
 _INF = math.inf
 GC_THRESHOLD = (100_000, 50, 100)
 """``gc.set_threshold`` during a run (the default is (700, 10, 10))."""
-
-
-@dataclass(slots=True)
-class ClusterRunResult(RunResult):
-    """A :class:`~schedkit.lab.simulate.RunResult` (``metrics`` of every request, sorted
-    by arrival; ``failed``; ``num_steps``, the replicas' total; ``wall_s``) plus where
-    each request went and what each replica did."""
-
-    num_replicas: int = 1
-    replica_of: dict[str, int] = field(default_factory=dict)
-    """request_id -> the replica the router chose (every request, refused ones too)."""
-    replica_steps: list[int] = field(default_factory=list)
-    """Steps each replica ran."""
-    replica_busy_s: list[float] = field(default_factory=list)
-    """Engine-clock seconds each replica spent in steps (the sum of its step durations)."""
-    engine_prefix_cache: list[dict[str, int]] = field(default_factory=list)
-    """Each replica's own prefix-cache counters (``queries``, ``hits``: tokens looked up
-    and found at admission, re-admissions after preemption included)."""
-    router_stats: dict[str, Any] = field(default_factory=dict)
-    """:meth:`Router.stats` at the end of the run."""
-
-    def replica_metrics(self, index: int) -> list[RequestMetrics]:
-        """The metrics of the requests routed to replica ``index``."""
-        where = self.replica_of
-        return [m for m in self.metrics if where.get(m.request_id) == index]
 
 
 def _refused(req: Request, start: float, error: str) -> RequestMetrics:
@@ -105,7 +84,7 @@ def _refused(req: Request, start: float, error: str) -> RequestMetrics:
 class _Replica:
     """One replica's engine and the loop's bookkeeping for it."""
 
-    __slots__ = ("index", "engine", "version", "key", "added", "busy_s")
+    __slots__ = ("index", "engine", "version", "key", "added", "busy_s", "waiting_s")
 
     def __init__(self, index: int, engine: EngineCore) -> None:
         self.index = index
@@ -115,8 +94,11 @@ class _Replica:
         self.key: float | None = None
         """When its next step starts (None: not in the heap)."""
         self.added = False
-        """A request was added since its last step (so a last empty step says nothing)."""
+        """A request was added (or blocks freed) since its last step (so a last empty
+        step says nothing)."""
         self.busy_s = 0.0
+        self.waiting_s = 0.0
+        """The waiting queue's length after each step times the step's duration, summed."""
 
 
 def run_cluster_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
@@ -183,6 +165,9 @@ class _Report(NamedTuple):
     kv_events: list[Any]
     finished: list[tuple[str, bool]]
     """(request_id, failed) of each request that finished in the step."""
+    prefilled: list[tuple[str, bool, bool]]
+    """(request_id, failed, ended) of each disaggregated request whose prefill ended in
+    the step (``ended``: the request ended with it)."""
 
 
 class _ClusterRun:
@@ -195,7 +180,9 @@ class _ClusterRun:
         self.wall0 = time.perf_counter()
         n = config.replicas.count
         rconfig = replica_config(config)
-        self.engines = [EngineCore(rconfig) for _ in range(n)]
+        has_roles = config.replicas.roles is not None
+        engine_plugins = [KVTransferPlugin()] if has_roles else []
+        self.engines = [EngineCore(rconfig, extra_plugins=engine_plugins) for _ in range(n)]
         if not all(e.is_virtual for e in self.engines):
             raise ConfigError("the cluster simulation needs a virtual clock: runner.kind fake or "
                               "simulated, with runner.clock virtual")
@@ -206,6 +193,10 @@ class _ClusterRun:
         cache = rconfig.cache
         self.block_size = cache.block_size
         self.hasher = BlockHasher(cache.block_size, cache.hash_algo) if cache.enable_prefix_caching else None
+        cost_model = getattr(self.engines[0].runner, "cost_model", None)
+        self.handoffs = Handoffs(self.engines, cost_model.kv_transfer_time if cost_model is not None
+                                 else lambda num_blocks: 0.0, self.hasher) if has_roles else None
+        """Disaggregated requests (None without ``replicas.roles``)."""
         self.eos = config.runner.eos_token_id
         self.slo = config.workload.slo
         self.workload = workload
@@ -226,12 +217,16 @@ class _ClusterRun:
         self.replica_of: dict[str, int] = {}
 
     def run(self) -> ClusterRunResult:
-        """Step the replica due first, or route the next arrival when it comes before
-        (or with) every step due; then deliver the reports left and sum up."""
+        """Step the replica due first, or take the next event when it comes before (or
+        with) every step due: a KV hand-off ending, or the next arrival (first on a tie);
+        then deliver the reports left and sum up."""
+        handoffs = self.handoffs
         while True:
             rep = self._replica_due()
             if rep is not None:
                 self._step(rep)
+            elif handoffs is not None and handoffs.due and handoffs.next_end() < self._next_arrival_time():
+                self._deliver(handoffs)
             elif self.next_arrival < self.num_arrivals:
                 self._route_next_arrival()
             else:
@@ -239,11 +234,19 @@ class _ClusterRun:
         self._apply_reports(_INF)
         return self._result()
 
+    def _next_arrival_time(self) -> float:
+        return self.arrivals[self.next_arrival] if self.next_arrival < self.num_arrivals else _INF
+
+    def _next_event_time(self) -> float:
+        """When the next arrival or KV hand-off end comes (inf: none is left)."""
+        t = self._next_arrival_time()
+        return t if self.handoffs is None else min(t, self.handoffs.next_end())
+
     def _replica_due(self) -> _Replica | None:
         """The replica whose step starts first, if it starts before the next arrival
-        (stale heap entries are dropped on the way)."""
+        or hand-off end (stale heap entries are dropped on the way)."""
         ready, replicas = self.ready, self.replicas
-        t_next = self.arrivals[self.next_arrival] if self.next_arrival < self.num_arrivals else _INF
+        t_next = self._next_event_time()
         while ready and ready[0][2] != replicas[ready[0][1]].version:
             heapq.heappop(ready)
         if ready and ready[0][0] < t_next:
@@ -266,8 +269,10 @@ class _ClusterRun:
         if e.last_step_empty and not rep.added:
             # Its last step ran nothing and nothing came since: like the engine's clock,
             # which then jumps to its next held arrival, it waits for the next arrival
-            # (to anyone); with none left it steps on, as run_workload's engine would.
-            return max(now, self.arrivals[self.next_arrival]) if self.next_arrival < self.num_arrivals else now
+            # or hand-off end (to anyone); with none left it steps on, as run_workload's
+            # engine would.
+            t = self._next_event_time()
+            return max(now, t) if t < _INF else now
         return now
 
     def _schedule(self, rep: _Replica) -> None:
@@ -290,17 +295,40 @@ class _ClusterRun:
         rep.busy_s += now - before
         rep.added = False
         finished: list[tuple[str, bool]] = []
+        prefilled: list[tuple[str, bool, bool]] = []
+        prefilling = self.handoffs.prefilling if self.handoffs is not None else None
         for group in outputs.values():
             for o in group.outputs:
-                if self._record_output(o, now):
+                if prefilling and o.request_id in prefilling:
+                    self._prefill_output(o, rep.index, now, prefilled)
+                elif self._record_output(o, now):
                     finished.append((o.request_id, o.error is not None))
         sched = e.scheduler
+        rep.waiting_s += len(sched.waiting) * (now - before)
         kv = sched.kv_cache_manager
         self.num_reports += 1
         heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index, len(sched.waiting),
                                              len(sched.running), kv.usage, kv.take_events(),
-                                             finished))
+                                             finished, prefilled))
         self._schedule(rep)
+
+    def _prefill_output(self, o: EngineCoreOutput, index: int, now: float,
+                        prefilled: list[tuple[str, bool, bool]]) -> None:
+        """An output of a disaggregated request's prefill copy on replica ``index``: its
+        one token is not the request's (the decode replica produces every token); at its
+        end the KV hand-off starts, or the request ends there (an error, a rejection)."""
+        if o.finish_reason is None:
+            return
+        assert self.handoffs is not None
+        rid = o.request_id
+        ended = self.handoffs.prefill_ended(o, index, now)
+        prefilled.append((rid, o.error is not None, ended is not None))
+        if ended is None:
+            return
+        req, copy = ended
+        if o.error is not None:
+            self.failed[rid] = o.error
+        self.metrics.append(replace(request_metrics(copy, [], self.start, o.error), max_tokens=req.max_tokens))
 
     def _record_output(self, o: EngineCoreOutput, now: float) -> bool:
         """One request's output of a step: its token times, and its metrics when it
@@ -319,7 +347,11 @@ class _ClusterRun:
             if not ended.is_finished:  # refused when it arrived
                 self.metrics.append(_refused(ended, self.start, o.error or "refused"))
             else:
-                self.metrics.append(request_metrics(ended, times, self.start, self.failed.get(rid)))
+                m = request_metrics(ended, times, self.start, self.failed.get(rid))
+                if self.handoffs is not None and rid in self.handoffs.cached_tokens:
+                    # disaggregated: its prompt was computed, and hit the cache, on its prefill replica
+                    m = replace(m, num_cached_tokens=self.handoffs.cached_tokens.pop(rid))
+                self.metrics.append(m)
         return True
 
     def _apply_reports(self, upto: float) -> None:
@@ -333,6 +365,10 @@ class _ClusterRun:
                 router.apply_kv_events(r.replica, r.kv_events)
             for rid, bad in r.finished:
                 router.finished(rid, failed=bad)
+            for rid, bad, ended in r.prefilled:
+                router.prefill_done(rid, failed=bad)
+                if ended:
+                    router.finished(rid, failed=bad)
 
     def _route_next_arrival(self) -> None:
         """Route the next arrival, on what the replicas had reported by its arrival
@@ -345,20 +381,61 @@ class _ClusterRun:
                       SamplingParams(max_tokens=w.max_tokens, eos_token_id=self.eos),
                       arrival_time=t, priority=w.priority, tenant=w.tenant,
                       ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority))
-        j = self.router.route(self._route_request(w, req)).index
+        placement = self.router.place(self._route_request(w, req))
+        j = placement.replica.index
         self.replica_of[w.request_id] = j
-        rep = self.replicas[j]
+        if placement.prefill is not None:
+            self._start_prefill(req, placement.prefill.index, j, t)
+        else:
+            self._add(req, j, t)
+
+    def _add(self, req: Request, index: int, arrival: float) -> None:
+        """Add the request to replica ``index``, arrived at ``arrival`` (at or before the
+        replica's clock, or held until then); a refusal is recorded as one."""
+        rid = req.request_id
+        rep = self.replicas[index]
         try:
-            rep.engine.add_request_at(req, t)
+            rep.engine.add_request_at(req, arrival)
         except SchedkitError as err:
-            self.failed[w.request_id] = str(err)
+            self.failed[rid] = str(err)
             self.metrics.append(_refused(req, self.start, str(err)))
-            self.router.finished(w.request_id, failed=True)
+            self.router.finished(rid, failed=True)
             return
-        self.live[w.request_id] = req
-        self.token_times[w.request_id] = []
+        self.live[rid] = req
+        self.token_times[rid] = []
         rep.added = True
         self._schedule(rep)
+
+    def _start_prefill(self, req: Request, prefill: int, decode: int, t: float) -> None:
+        """A disaggregated request: its prefill copy goes to replica ``prefill`` (a
+        refusal there ends the request)."""
+        assert self.handoffs is not None
+        copy = self.handoffs.prefill_copy(req)
+        rep = self.replicas[prefill]
+        try:
+            rep.engine.add_request_at(copy, t)
+        except SchedkitError as err:
+            self.failed[req.request_id] = str(err)
+            self.metrics.append(_refused(req, self.start, str(err)))
+            self.router.prefill_done(req.request_id, failed=True)
+            self.router.finished(req.request_id, failed=True)
+            return
+        self.handoffs.started(req, copy, prefill, decode)
+        rep.added = True
+        self._schedule(rep)
+
+    def _deliver(self, handoffs: Handoffs) -> None:
+        """The first KV hand-off in flight ends: its prefill replica frees the blocks
+        (and may schedule what waited for them), and the request reaches its decode
+        replica, whose idle clock catches up with the hand-off's end."""
+        req, handoff = handoffs.deliver()
+        self._apply_reports(handoff.end)
+        sender = self.replicas[handoff.prefill]
+        sender.engine.advance_to(handoff.end)  # behind only when idle: it uses the blocks from now on
+        sender.added = True
+        self._schedule(sender)
+        self.engines[handoff.decode].advance_to(handoff.end)
+        self._add(req, handoff.decode, req.arrival_time)
 
     def _route_request(self, w: WorkloadRequest, req: Request) -> RouteRequest:
         """What the router sees of the request. With prefix caching the prompt is hashed
@@ -388,81 +465,8 @@ class _ClusterRun:
             time.perf_counter() - self.wall0, self.start, num_replicas=len(engines),
             replica_of=self.replica_of, replica_steps=[e.num_steps for e in engines],
             replica_busy_s=[r.busy_s for r in self.replicas], engine_prefix_cache=prefix,
-            router_stats=self.router.stats())
-
-
-# -- the cluster summary -------------------------------------------------------------------
-
-def _imbalance(values: list[float]) -> float:
-    """max / mean (1.0 = perfectly even; 0 for no load at all)."""
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean > 0 else 0.0
-
-
-def _replica_summary(metrics: list[RequestMetrics], steps: int, busy_s: float,
-                     engine_prefix: dict[str, int]) -> dict[str, Any]:
-    served = [m for m in metrics if not m.rejected]
-    prompt = sum(m.num_prompt_tokens for m in served)
-    output = sum(m.num_output_tokens for m in metrics)
-    cached = sum(m.num_cached_tokens for m in served)
-    computed = (prompt - cached + output + sum(m.num_recomputed_tokens for m in served))
-    ttfts = [m.ttft if m.ttft is not None else _INF for m in metrics]
-    tpots = [v for m in metrics if (v := m.tpot) is not None]
-    return {
-        "requests": len(metrics),
-        "rejected": len(metrics) - len(served),
-        "prompt_tokens": prompt,
-        "output_tokens": output,
-        "tokens": prompt + output,
-        "computed_tokens": computed,
-        "prefix_hit_rate": cached / prompt if prompt else 0.0,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "tpot_p50_s": percentile(tpots, 50),
-        "preemptions": sum(m.num_preemptions for m in metrics),
-        "steps": steps,
-        "busy_s": busy_s,
-        "engine_prefix_cache": dict(engine_prefix),
-    }
-
-
-def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
-    """The cluster's summary: JSON-serialisable and deterministic (no wall time in it).
-
-    Keys: ``overall`` (:func:`~schedkit.lab.metrics.summarize` of every request, under
-    the workload's SLO, fairness weights and tenant shares), ``replicas`` (one entry each:
-    requests, rejected, prompt / output / computed tokens, prefix hit rate, TTFT p50 and
-    p99, TPOT p50, preemptions, steps, busy seconds, the engine's own prefix-cache
-    counters), ``load_imbalance`` (max over replicas / mean of: ``requests``, ``tokens``
-    (prompt + output tokens served), ``computed_tokens`` (tokens the replica computed:
-    prompt minus prefix-cache hits, plus outputs and recomputed tokens) and ``busy_s``),
-    ``prefix_hit_rate`` (prefix-cache hit tokens / prompt tokens of the requests served,
-    from each request's ``num_cached_tokens``; the same as ``overall``'s),
-    ``router`` (policy, ``num_rerouted``, ``num_failed_by_death``, ``num_hook_errors``,
-    requests routed to each replica) and ``num_replicas``, ``num_steps``.
-    """
-    wl = config.workload
-    overall = summarize(run.metrics, wl.slo, fairness=wl.fairness, shares=wl.tenant_shares)
-    per: list[list[RequestMetrics]] = [[] for _ in range(run.num_replicas)]
-    where = run.replica_of
-    for m in run.metrics:
-        per[where[m.request_id]].append(m)
-    replicas = [_replica_summary(ms, run.replica_steps[i], run.replica_busy_s[i],
-                                 run.engine_prefix_cache[i]) for i, ms in enumerate(per)]
-    stats = run.router_stats
-    return {
-        "num_replicas": run.num_replicas,
-        "num_steps": run.num_steps,
-        "overall": overall,
-        "prefix_hit_rate": overall["prefix_hit_rate"],
-        "load_imbalance": {k: _imbalance([float(r[k]) for r in replicas])
-                           for k in ("requests", "tokens", "computed_tokens", "busy_s")},
-        "replicas": replicas,
-        "router": {
-            "policy": stats.get("policy"),
-            "num_rerouted": stats.get("num_rerouted", 0),
-            "num_failed_by_death": stats.get("num_failed_by_death", 0),
-            "num_hook_errors": stats.get("num_hook_errors", []),
-            "num_routed": [r["num_routed"] for r in stats.get("replicas", [])],
-        },
-    }
+            router_stats=self.router.stats(),
+            replica_roles=[r.role.value for r in self.router.replicas],
+            replica_queue_depth=[r.waiting_s / r.busy_s if r.busy_s else 0.0 for r in self.replicas],
+            prefill_of=dict(self.handoffs.prefill_of) if self.handoffs is not None else {},
+            handoffs=list(self.handoffs.done) if self.handoffs is not None else [])

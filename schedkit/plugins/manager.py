@@ -280,10 +280,14 @@ BUILTIN_ROUTERS: Mapping[str, str] = {
     "prefix-affinity": "schedkit.policies.routers:PrefixAffinity",
     "session-affinity": "schedkit.policies.routers:SessionAffinity",
     "weighted": "schedkit.policies.routers:Weighted",
+    "selective-pd": "schedkit.policies.routers:SelectivePD",
 }
 """The built-in router plugins, by the name ``router.policy`` / ``router.plugins`` use."""
 ROUTER_DEFAULT = ("best-score", "schedkit.policies.routers:BestScore")
 """The default picker every router has (``trylast``)."""
+DISAGGREGATION_DEFAULT = "selective-pd"
+"""The router plugin that decides disaggregation when no other does (``trylast``): on
+whenever ``replicas.roles`` is set, with its ``router.plugins`` settings if listed."""
 
 
 def _load_object(value: str) -> Any:
@@ -310,6 +314,13 @@ def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = 
 
     def where(name: str) -> str | None:
         return config.where_switched_on(name)
+
+    if config.replicas.roles is not None:
+        wanted.setdefault(DISAGGREGATION_DEFAULT, {})
+    elif DISAGGREGATION_DEFAULT in wanted:
+        raise ConfigError(f"{_at(where(DISAGGREGATION_DEFAULT))}router plugin {DISAGGREGATION_DEFAULT!r} "
+                          "decides which requests are disaggregated, which needs replicas.roles "
+                          "(e.g. {prefill: 1, decode: 3})")
 
     blocked = _blocked()
     env = f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV, '')}"

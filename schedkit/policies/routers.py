@@ -9,6 +9,11 @@ got the previous request, so a router with no scorer is round-robin.
 The load a router sees at once is ``ReplicaState.num_outstanding`` (requests routed to a
 replica and not finished; the router's own count), so the load-aware scorers use it
 rather than the queue lengths a replica reports now and then.
+
+With ``replicas.roles``, ``SelectivePD`` decides which requests are disaggregated, and
+the rotations (``BestScore``'s ties, ``RoundRobin``, ``SessionAffinity``'s homes) keep
+prefill stages apart from the rest: prefill replicas and decode replicas each take
+their turn among themselves.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest, RouteStage
 from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import check_int, check_number
 
-__all__ = ["BestScore", "KVUsage", "LeastOutstanding", "PrefixAffinity", "RoundRobin",
-           "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "prefix_scores"]
+__all__ = ["BestScore", "KVUsage", "LeastOutstanding", "PrefixAffinity", "RoundRobin", "SelectivePD",
+           "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "num_uncached_tokens",
+           "prefix_scores"]
 
 
 def _next_after(replicas: Sequence[ReplicaState], last: int) -> int:
@@ -53,22 +59,36 @@ def prefix_scores(request: RouteRequest, replicas: Sequence[ReplicaState]) -> li
     return [r.cached_blocks.num_matched_blocks(hashes) / n for r in replicas]
 
 
+def num_uncached_tokens(request: RouteRequest, replicas: Sequence[ReplicaState]) -> int:
+    """Prompt tokens that the candidate with the longest cached prefix does not hold
+    (the whole prompt when no candidate holds any of it, or without prefix caching)."""
+    hashes = request.block_hashes
+    best = max(r.cached_blocks.num_matched_blocks(hashes) for r in replicas) if hashes and replicas else 0
+    return request.num_prompt_tokens - best * request.block_size
+
+
+def _is_prefill(stage: RouteStage) -> bool:
+    """Prefill stages rotate apart from whole requests and decode stages."""
+    return stage is RouteStage.PREFILL
+
+
 def free_kv_scores(replicas: Sequence[ReplicaState]) -> list[float]:
     """``1 - kv_cache_usage`` of each candidate, as it last reported (clamped to 0..1)."""
     return [1.0 - min(max(r.kv_cache_usage, 0.0), 1.0) for r in replicas]
 
 
 class BestScore:
-    """The default picker: highest score, ties rotate (round-robin among equals)."""
+    """The default picker: highest score, ties rotate (round-robin among equals; prefill
+    stages in a rotation of their own)."""
 
     def __init__(self) -> None:
-        self.last = -1
+        self.last = {False: -1, True: -1}
 
     @hookimpl(trylast=True)
-    def schedkit_router_pick(self, replicas: Sequence[ReplicaState],
+    def schedkit_router_pick(self, request: RouteRequest, replicas: Sequence[ReplicaState],
                              scores: Sequence[float]) -> ReplicaState:
         best = max(scores)
-        start = _next_after(replicas, self.last)
+        start = _next_after(replicas, self.last[_is_prefill(request.stage)])
         n = len(replicas)
         for k in range(n):
             pos = (start + k) % n
@@ -79,23 +99,25 @@ class BestScore:
     @hookimpl
     def schedkit_on_route_event(self, event: RouteEvent) -> None:
         if event.kind is RouteEventKind.ROUTED:
-            self.last = event.replica.index
+            self.last[_is_prefill(event.stage)] = event.replica.index
 
 
 class RoundRobin:
-    """Each request to the next healthy replica in turn, whatever the scores.
+    """Each request to the next healthy replica in turn, whatever the scores (prefill
+    stages in a rotation of their own).
 
     Defining property: over any run of requests with no replica joining or leaving, the
     counts routed to the replicas differ by at most one.
     """
 
     def __init__(self) -> None:
-        self.last = -1
+        self.last = {False: -1, True: -1}
 
     @hookimpl
-    def schedkit_router_pick(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        r = replicas[_next_after(replicas, self.last)]
-        self.last = r.index
+    def schedkit_router_pick(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        key = _is_prefill(request.stage)
+        r = replicas[_next_after(replicas, self.last[key])]
+        self.last[key] = r.index
         return r
 
 
@@ -162,13 +184,15 @@ class SessionAffinity:
         self.max_entries = check_int("max_entries", max_entries, minimum=1)
         self.home: OrderedDict[str, int] = OrderedDict()
 
-    def _key(self, request: RouteRequest) -> str | None:
-        return request.session_id if self.key == "session" else request.tenant
+    def _key(self, request: RouteRequest, stage: RouteStage) -> str | None:
+        """The session (or tenant); a prefill stage's home is kept apart from the other's."""
+        key = request.session_id if self.key == "session" else request.tenant
+        return f"prefill:{key}" if key is not None and _is_prefill(stage) else key
 
     @hookimpl
     def schedkit_router_score(self, request: RouteRequest,
                               replicas: Sequence[ReplicaState]) -> list[float] | None:
-        key = self._key(request)
+        key = self._key(request, request.stage)
         home = self.home.get(key) if key is not None else None
         if home is None:
             return None
@@ -178,7 +202,7 @@ class SessionAffinity:
     def schedkit_on_route_event(self, event: RouteEvent) -> None:
         if event.kind is not RouteEventKind.ROUTED:
             return
-        key = self._key(event.request)
+        key = self._key(event.request, event.stage)
         if key is None:
             return
         self.home[key] = event.replica.index
@@ -218,3 +242,24 @@ class Weighted:
                     total[i] += weight * s
         norm = self.queue_weight + self.prefix_weight + self.kv_weight
         return [t / norm for t in total]
+
+
+class SelectivePD:
+    """Selective prefill/decode disaggregation, as llm-d's: a request is disaggregated
+    when the part of its prompt that no decode candidate holds (the best candidate's
+    prefix-cache hit, from the router's view) is longer than ``threshold`` tokens. A
+    short or mostly cached prompt is served whole: moving its KV would cost more than
+    computing it where it decodes. Always on with ``replicas.roles`` (``trylast``: a
+    plugin's answer wins); its settings go under ``router.plugins``.
+
+    Settings:
+        threshold: Uncached prompt tokens above which a request is disaggregated
+            (default 256; 0: every request with an uncached token; ``.inf``: none).
+    """
+
+    def __init__(self, threshold: float = 256) -> None:
+        self.threshold = check_number("threshold", threshold, allow_inf=True)
+
+    @hookimpl(trylast=True)
+    def schedkit_router_disaggregate(self, request: RouteRequest, decode_replicas: Sequence[ReplicaState]) -> bool:
+        return num_uncached_tokens(request, decode_replicas) > self.threshold

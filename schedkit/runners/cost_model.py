@@ -24,6 +24,14 @@ sampled row of a structured request (its bitmask is filled on the host and appli
 the logits). The swap terms are the blocks the ``cpu-offload`` KV connector saves to
 host memory (a victim of preemption) and loads back (the victim resuming) in the step.
 
+A profile may also say what moving KV between two engines costs (prefill/decode
+disaggregation in the cluster simulation), under ``kv_transfer``: ``latency_s`` paid once
+per hand-off, plus ``per_block_s`` per KV block sent (blocks of the block size the
+profile's engines run with). Without them a hand-off has no latency and a block costs a
+swap out and a swap in (``per_block_store_s + per_block_load_s``: device to host on the
+sender, host to device on the receiver, a transfer staged through host memory); without
+swap terms either, it is free. See :meth:`CostModel.kv_transfer_time`.
+
 The optional residual table corrects decode-only steps by batch size (linear between
 the sizes it lists, its end values beyond them): what a line cannot express, such as
 CUDA-graph batch buckets or a CPU matmul that is slower at 3 rows than at 4. Profiles
@@ -102,6 +110,12 @@ class CostModel:
     """``scheduler.async_scheduling`` of the steps the profile was fitted to (None: not
     recorded). Under async scheduling a step's time is the interval between consecutive
     steps' outputs, host work hidden behind the device's excluded."""
+    kv_transfer_latency_s: float | None = None
+    """The profile's ``kv_transfer.latency_s``: fixed seconds per KV hand-off between
+    engines (None: 0)."""
+    per_block_transfer_s: float | None = None
+    """The profile's ``kv_transfer.per_block_s``: seconds per KV block sent to another
+    engine (None: ``per_block_store_s + per_block_load_s``)."""
 
     @classmethod
     def load(cls, name_or_path: str) -> CostModel:
@@ -142,9 +156,17 @@ class CostModel:
         table = tuple(sorted((int(b), float(t)) for b, t in residual.items()))
         fitted_on = data.get("fitted_on") or {}
         is_async = fitted_on.get("async_scheduling")
+        transfer = data.get("kv_transfer") or {}
+        unknown = sorted(set(transfer) - {"latency_s", "per_block_s"})
+        if unknown:
+            raise ValueError(f"kv_transfer has unknown keys {unknown} (it takes latency_s, per_block_s)")
+        latency, per_block = transfer.get("latency_s"), transfer.get("per_block_s")
         return cls(**{k: float(coef[k]) for k in FEATURES if k in coef},
                    decode_batch_residual_s=table, name=str(data.get("name", default_name)),
-                   fitted_async_scheduling=None if is_async is None else bool(is_async))
+                   fitted_async_scheduling=None if is_async is None else bool(is_async),
+                   kv_transfer_latency_s=None if latency is None else _seconds("kv_transfer.latency_s", latency),
+                   per_block_transfer_s=None if per_block is None else _seconds("kv_transfer.per_block_s",
+                                                                                per_block))
 
     @classmethod
     def from_coefficients(cls, coefficients: dict[str, float],
@@ -180,6 +202,17 @@ class CostModel:
         """The swap terms alone: what a step that computes nothing but moves KV blocks costs."""
         return self.per_block_store_s * f.blocks_stored + self.per_block_load_s * f.blocks_loaded
 
+    def kv_transfer_time(self, num_blocks: int) -> float:
+        """Seconds to hand a request's KV to another engine, ``num_blocks`` blocks of it
+        sent: ``latency + num_blocks * per_block`` (module docstring for the defaults of a
+        profile without ``kv_transfer``). The latency is paid even with no block to send:
+        the hand-off itself is a message."""
+        latency = self.kv_transfer_latency_s or 0.0
+        per_block = self.per_block_transfer_s
+        if per_block is None:
+            per_block = self.per_block_store_s + self.per_block_load_s
+        return latency + per_block * num_blocks
+
     def decode_residual(self, batch_size: float) -> float:
         """The residual table at ``batch_size`` (interpolated; 0 without a table)."""
         table = self.decode_batch_residual_s
@@ -192,6 +225,13 @@ class CostModel:
             return table[-1][1]
         (b0, t0), (b1, t1) = table[i - 1], table[i]
         return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+
+
+def _seconds(key: str, value: Any) -> float:
+    """A profile's duration: a finite number >= 0 (ValueError naming ``key`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{key} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _warn_if_foreign(name: str, fitted: Any) -> None:

@@ -13,6 +13,7 @@ from schedkit.core.request import Request, SamplingParams
 from schedkit.core.routing import RouteEventKind
 from schedkit.engine.core import EngineCore
 from schedkit.errors import EngineDeadError
+from schedkit.hookspecs import ROUTER_HOOK_NAMES
 from schedkit.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
@@ -324,6 +325,10 @@ def test_dead_replica_events_are_ignored():
 
 # ------------------------------------------------------------------ plugin failures
 class RaisingEverywhere:
+    @hookimpl(tryfirst=True)
+    def schedkit_router_disaggregate(self, request):
+        raise RuntimeError("disaggregation bug")
+
     @hookimpl
     def schedkit_router_filter(self, replicas):
         raise RuntimeError("filter bug")
@@ -344,6 +349,10 @@ class RaisingEverywhere:
 class Nonsense:
     def __init__(self, foreign):
         self.foreign = foreign
+
+    @hookimpl(tryfirst=True)
+    def schedkit_router_disaggregate(self, request):
+        return "maybe"
 
     @hookimpl
     def schedkit_router_filter(self, replicas):
@@ -379,6 +388,10 @@ class BadRepr:
 class LazyBugs:
     """Answers whose own code raises only when the router reads them."""
 
+    @hookimpl(tryfirst=True)
+    def schedkit_router_disaggregate(self, request):
+        return BadRepr()
+
     @hookimpl
     def schedkit_router_filter(self, replicas):
         return (r for r in replicas if r.no_such_attribute)
@@ -404,6 +417,16 @@ def test_a_misbehaving_router_plugin_never_loses_a_request(make_plugin, caplog):
     assert r.errors and all(p == type(plugin).__name__ + "-0" for p, _ in r.errors)
     assert any("router plugin" in m for m in caplog.messages)
     assert r.stats()["num_hook_errors"]
+
+
+def test_the_fault_plugins_implement_every_router_hook():
+    """Each hook a router plugin may implement is exercised by the misbehaving plugins
+    (the one that raises everywhere, and the ones answering nonsense); the
+    disaggregation decision is reached with replica roles, in
+    tests/cluster/test_disaggregation.py."""
+    assert all(hasattr(RaisingEverywhere, h) for h in ROUTER_HOOK_NAMES)
+    covered = {h for cls in (Nonsense, WrongLength, LazyBugs) for h in ROUTER_HOOK_NAMES if hasattr(cls, h)}
+    assert covered == set(ROUTER_HOOK_NAMES) - {"schedkit_on_route_event"}
 
 
 def test_a_plugin_filter_narrows_and_a_plugin_picker_decides():

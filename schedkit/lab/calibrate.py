@@ -82,6 +82,23 @@ def _burst(name: str, key: int, batch: int, prompt_len: int, output_len: int, vo
     return Phase(name, reqs, dict(sampling or {}))
 
 
+SHARED_LAG_S = 1e-3
+"""In a shared-prefix burst, the requests after the first arrive this much later: the
+first computes the prefix alone, the others find it cached."""
+
+
+def _shared_burst(name: str, key: int, batch: int, prefix_len: int, output_len: int, vocab_size: int,
+                  suffix_len: int = 16) -> Phase:
+    """``batch`` prompts of one ``prefix_len``-token prefix and a distinct suffix each; the
+    first arrives alone, the rest right after it and read its prefix blocks from the
+    cache: decode steps where every request reads the same blocks."""
+    prefix = token_run(key, prefix_len, vocab_size)
+    reqs = [WorkloadRequest(f"{name}-{i}", SHARED_LAG_S if i else 0.0,
+                            prefix + token_run(key + 1 + i, suffix_len, vocab_size), output_len)
+            for i in range(batch)]
+    return Phase(name, reqs, is_timed=True, shared_prefix=prefix_len)
+
+
 def _fits(config: Config, batch: int, prompt_len: int, output_len: int) -> bool:
     cc = config.cache
     return (prompt_len + output_len <= config.scheduler.max_model_len
@@ -93,7 +110,9 @@ def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int]
     """Bursts of ``b`` distinct prompts of ``p`` tokens arriving together, for every
     batch size and prompt length that fits the scheduler and the KV cache: each gives
     prefill (and mixed) steps of up to the token budget, then decode steps at batch
-    ``b`` over context ``p``. Defaults: batch sizes 1, 4, 16, 64, 256 up to
+    ``b`` over context ``p``. With prefix caching on, also bursts of ``b`` prompts that
+    share a ``p``-token prefix (``p`` of 256 or more, ``b`` above 1): decode steps whose
+    requests read the same blocks. Defaults: batch sizes 1, 4, 16, 64, 256 up to
     ``max_num_seqs`` (and ``max_num_seqs`` itself); prompt lengths 32, 256, 1024, 4096
     up to the model length."""
     sc = config.scheduler
@@ -108,6 +127,13 @@ def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int]
             if _fits(config, b, p, output_len):
                 phases.append(_burst(f"grid-p{p}-b{b}", key, b, p, output_len, config.runner.vocab_size))
                 key += b
+    if config.cache.enable_prefix_caching:
+        for p in prompt_lens:
+            for b in batch_sizes:
+                if p >= 256 and b > 1 and _fits(config, b, p + 16, output_len):
+                    phases.append(_shared_burst(f"shared-p{p}-b{b}", key, b, p, output_len,
+                                                config.runner.vocab_size))
+                    key += b + 1
     return phases
 
 
@@ -174,7 +200,8 @@ def estimate_s(config: Config, model: CostModel, phase: Phase) -> float:
     """Seconds ``phase`` takes by the cost model: simulated on ``config``'s scheduler."""
     session = Session(config, SimulatedRunner(vocab_size=config.runner.vocab_size, cost_model=model))
     try:
-        session.run(Phase(phase.name, phase.requests))  # the grammar's cost is not in the way
+        # The grammar's cost is not in the way.
+        session.run(Phase(phase.name, phase.requests, is_timed=phase.is_timed))
         return session.engine.now() - session.engine.start_time
     finally:
         session.close()
@@ -324,11 +351,14 @@ def _repeat(session: Session, ran: list[tuple[Phase, float]], deadline: float,
             if time.monotonic() + 1.2 * wall_s > deadline:
                 continue
             reqs = []
+            prefix = token_run(key, ph.shared_prefix, vocab)
+            key += 1
             for r in ph.requests:
-                prompt = token_run(key, len(r.prompt_token_ids), vocab)
-                reqs.append(WorkloadRequest(f"{r.request_id}-r{k}", 0.0, prompt, r.max_tokens))
+                prompt = prefix + token_run(key, len(r.prompt_token_ids) - ph.shared_prefix, vocab)
+                reqs.append(WorkloadRequest(f"{r.request_id}-r{k}", r.arrival_time, prompt, r.max_tokens))
                 key += 1
-            note(session.run(Phase(f"{ph.name}-r{k}", reqs, ph.sampling), deadline))
+            note(session.run(Phase(f"{ph.name}-r{k}", reqs, ph.sampling, ph.is_timed, ph.shared_prefix),
+                             deadline))
             did = True
         if not did:
             return

@@ -29,6 +29,9 @@ class Phase:
     """SamplingParams fields of every request (besides ``max_tokens``)."""
     is_timed: bool = False
     """Requests arrive at their ``arrival_time`` (else all at once)."""
+    shared_prefix: int = 0
+    """The requests' prompts begin with this many tokens in common (a burst that reads
+    one cached prefix; repeated with a new common prefix)."""
 
 
 @dataclass(slots=True)
@@ -64,6 +67,10 @@ class StepRecorder:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
+
+    def initialize(self, num_blocks: int, block_size: int) -> int:
+        self.shapes.block_size = block_size
+        return int(self.runner.initialize(num_blocks, block_size))
 
     def _note(self, scheduler_output: Any) -> None:
         features = self.shapes.features(scheduler_output)

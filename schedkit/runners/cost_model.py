@@ -4,6 +4,7 @@ profile (``schedkit/runners/profiles/*.json``, fitted by ``schedkit calibrate``)
 
     t = base + per_token * tokens + per_request * requests
         + per_context_token * context tokens read + per_prefill_attention * sum(n * (computed + n / 2))
+        + per_shared_context_token * context tokens read again
         + per_prefill_step * [a chunk of more than one token] + per_mixed_step * [and a one-token one]
         + per_sampled_row * rows sampled + per_random_row * rows on the random path
         + per_filtered_row * rows through top-k / top-p + per_grammar_row * rows under a grammar
@@ -11,8 +12,12 @@ profile (``schedkit/runners/profiles/*.json``, fitted by ``schedkit calibrate``)
         + decode_batch_residual(requests)   (decode-only steps)
 
 ``tokens`` is every token computed in the step; ``context tokens read`` sums, over the
-scheduled requests, the KV positions their attention reads (computed + n); the fifth term
-is the quadratic part of prefill attention. A step that computes a multi-token chunk pays
+scheduled requests, the KV positions their attention reads (computed + n), less those
+*read again*: the positions of a full KV block that another request of the same step
+reads too (requests sharing a cached prefix). A block several requests read in one step
+is fetched from memory once and then found in the CPU's (or GPU's) cache, so its
+further reads cost less; a profile without the coefficient charges them as any read.
+The fifth term is the quadratic part of prefill attention. A step that computes a multi-token chunk pays
 ``per_prefill_step`` (on CUDA it runs eagerly, where decode-only steps replay a captured
 CUDA graph), and a mixed one (chunks and one-token decodes together) ``per_mixed_step``
 besides. A sampled row is one position whose logits are computed and sampled (a request
@@ -55,7 +60,8 @@ from schedkit.runners.machine import describe_machine, same_machine, this_machin
 PROFILE_DIR = Path(__file__).with_name("profiles")
 FEATURES = ("base_s", "per_token_s", "per_request_s", "per_context_token_s", "per_prefill_attention_s",
             "per_prefill_step_s", "per_mixed_step_s", "per_sampled_row_s", "per_random_row_s",
-            "per_filtered_row_s", "per_grammar_row_s", "per_block_store_s", "per_block_load_s")
+            "per_filtered_row_s", "per_grammar_row_s", "per_block_store_s", "per_block_load_s",
+            "per_shared_context_token_s")
 """Coefficient names: the constant, then one per field of :class:`StepFeatures`, in order."""
 REQUIRED_FEATURES = FEATURES[:5]
 """Coefficients every profile has; the others count 0 where a profile leaves them out."""
@@ -79,6 +85,9 @@ class StepFeatures(NamedTuple):
     grammar_rows: float = 0.0
     blocks_stored: float = 0.0
     blocks_loaded: float = 0.0
+    shared_context_tokens: float = 0.0
+    """Context positions read from full KV blocks another request of the step read first
+    (left out of ``context_tokens``)."""
 
     @property
     def kind(self) -> str:
@@ -103,6 +112,7 @@ class CostModel:
     per_grammar_row_s: float = 0.0
     per_block_store_s: float = 0.0
     per_block_load_s: float = 0.0
+    per_shared_context_token_s: float = 0.0
     decode_batch_residual_s: tuple[tuple[int, float], ...] = ()
     """(batch size, seconds) pairs, sorted by batch size."""
     name: str = "custom"
@@ -161,7 +171,10 @@ class CostModel:
         if unknown:
             raise ValueError(f"kv_transfer has unknown keys {unknown} (it takes latency_s, per_block_s)")
         latency, per_block = transfer.get("latency_s"), transfer.get("per_block_s")
-        return cls(**{k: float(coef[k]) for k in FEATURES if k in coef},
+        values = {k: float(coef[k]) for k in FEATURES if k in coef}
+        # Fitted before shared reads were told apart: they cost what any read costs.
+        values.setdefault("per_shared_context_token_s", values["per_context_token_s"])
+        return cls(**values,
                    decode_batch_residual_s=table, name=str(data.get("name", default_name)),
                    fitted_async_scheduling=None if is_async is None else bool(is_async),
                    kv_transfer_latency_s=None if latency is None else _seconds("kv_transfer.latency_s", latency),
@@ -194,6 +207,8 @@ class CostModel:
                   + self.per_random_row_s * f[7] + self.per_filtered_row_s * f[8]
                   + self.per_grammar_row_s * f[9] + self.per_block_store_s * f[10]
                   + self.per_block_load_s * f[11])
+            if len(f) > 12:
+                t += self.per_shared_context_token_s * f[12]
         if self.decode_batch_residual_s and not f[4]:
             t += self.decode_residual(f[1])
         return max(t, 0.0)
@@ -302,24 +317,81 @@ class StepShapes:
     The simulator and the calibration's recorder use the same one, so the features fitted
     are the features charged."""
 
+    block_size: int = 16
+    """The engine's KV block size (the unit in which prefixes are shared)."""
     _reqs: dict[str, _Sampling] = field(default_factory=dict)
+    _blocks: dict[str, list[int]] = field(default_factory=dict)
+    """Each request's KV block ids, in order."""
+    _hits: dict[str, int] = field(default_factory=dict)
+    """Requests that started from computed tokens (a prefix-cache hit, a resumption): the
+    number of leading blocks they found computed. Only through such hits do two requests
+    hold the same block."""
+    _last: tuple[frozenset[str], int] = (frozenset(), 0)
+    """The scheduled requests of the last step that had hits, and their shared reads."""
 
     def features(self, so: SchedulerOutput) -> StepFeatures:
         """The step's features; call once per step, in order (it updates the tracking)."""
         reqs = self._reqs
         for rid in so.finished_req_ids:
             reqs.pop(rid, None)
+            self._blocks.pop(rid, None)
+            self._hits.pop(rid, None)
         before: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             p = new.sampling_params
             reqs[new.req_id] = _Sampling(len(new.prompt_token_ids), p.temperature > 0,
                                          p.top_k > 0 or p.top_p < 1)
             before[new.req_id] = new.num_computed_tokens
+            self._blocks[new.req_id] = list(new.block_ids)
+            if new.num_computed_tokens:
+                self._hits[new.req_id] = new.num_computed_tokens // self.block_size
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+                if rid in cached.resumed_req_ids:
+                    self._blocks[rid] = list(ids or ())
+                    self._hits[rid] = before[rid] // self.block_size
+                elif ids:
+                    self._blocks.setdefault(rid, []).extend(ids)
         for rid, tokens in cached.resumed_token_ids.items():
             state = reqs.get(rid)
             if state is not None:
                 state.sample_from = len(tokens)
-        return _scan(so, before, reqs)
+        f = _scan(so, before, reqs)
+        shared = self._shared_reads(so) if self._hits else 0
+        return f._replace(context_tokens=f.context_tokens - shared, shared_context_tokens=float(shared)) \
+            if shared else f
+
+    def _shared_reads(self, so: SchedulerOutput) -> int:
+        """Context positions of the step read from a full block that another request of
+        the step reads too (each such block counts for all its readers but one).
+
+        Two requests hold one block only because one of them found it cached, so the
+        shared blocks are the leading blocks some scheduled request hit, and each other
+        reader holds them as the leading run of its own blocks (past its own hit). While
+        the same requests are scheduled the answer holds (their blocks only grow by new,
+        unshared ones at the end), so it is kept from one step to the next."""
+        scheduled = so.num_scheduled_tokens
+        hits = self._hits
+        if not any(rid in hits for rid in scheduled):
+            return 0
+        key = frozenset(scheduled)
+        if key == self._last[0]:
+            return self._last[1]
+        blocks = self._blocks
+        readers: dict[int, int] = {}
+        for rid in scheduled:
+            n = hits.get(rid, 0)
+            for b in blocks.get(rid, ())[:n]:
+                readers[b] = readers.get(b, 0) + 1
+        again = sum(readers.values()) - len(readers)
+        for rid in scheduled:
+            own = blocks.get(rid, ())
+            for i in range(hits.get(rid, 0), len(own)):
+                if own[i] not in readers:
+                    break
+                again += 1
+        shared = again * self.block_size
+        self._last = (key, shared)
+        return shared

@@ -60,6 +60,10 @@ class SimulatedRunner(FakeRunner):
                         else "leave out host work that async scheduling hid")
         return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id, cost_model=model)
 
+    def initialize(self, num_blocks: int, block_size: int) -> int:
+        self.shapes.block_size = block_size
+        return super().initialize(num_blocks, block_size)
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.last_features = features = self.shapes.features(scheduler_output)
         out = FakeRunner.execute(self, scheduler_output)

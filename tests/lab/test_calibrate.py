@@ -124,13 +124,26 @@ def test_grid_phases_cover_batches_and_prompts_within_the_cache():
         "runner": {"kind": "simulated"}, "cache": {"num_blocks": 1400, "block_size": 16},
         "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 48, "max_model_len": 2048}})
     phases = grid_phases(config, output_len=16)
-    shapes = {(len(ph.requests[0].prompt_token_ids), len(ph.requests)) for ph in phases}
+    distinct = [ph for ph in phases if not ph.shared_prefix]
+    shapes = {(len(ph.requests[0].prompt_token_ids), len(ph.requests)) for ph in distinct}
     # 22400 KV slots: 48 x (1024 + 32) does not fit in 80%, 16 x (1024 + 32) does
     assert shapes == {(p, b) for p in (32, 256, 1024) for b in (1, 4, 16, 48)} - {(1024, 48)}
-    phases += sampling_phases(config)
+    # Prefix caching is on (the default): bursts of prompts sharing a 256- or 1024-token
+    # prefix, the first arriving alone so the others read its cached blocks.
+    shared = [ph for ph in phases if ph.shared_prefix]
+    assert {(ph.shared_prefix, len(ph.requests)) for ph in shared} == {
+        (p, b) for p in (256, 1024) for b in (4, 16, 48)} - {(1024, 48)}
+    for ph in shared:
+        assert ph.is_timed and ph.requests[0].arrival_time < min(r.arrival_time for r in ph.requests[1:])
+        assert len({tuple(r.prompt_token_ids[:ph.shared_prefix]) for r in ph.requests}) == 1
+        assert len({tuple(r.prompt_token_ids[ph.shared_prefix:]) for r in ph.requests}) == len(ph.requests)
+    phases = distinct + sampling_phases(config)
     prompts = [tuple(r.prompt_token_ids[:16]) for ph in phases for r in ph.requests]
-    assert len(set(prompts)) == len(prompts)  # no prefix-cache hits between calibration requests
-    assert len({ph.name for ph in phases}) == len(phases)
+    prompts += [tuple(ph.requests[0].prompt_token_ids[:16]) for ph in shared]
+    assert len(set(prompts)) == len(prompts)  # no prefix-cache hits between bursts
+    assert len({ph.name for ph in phases + shared}) == len(phases) + len(shared)
+    no_cache = config.model_copy(update={"cache": config.cache.model_copy(update={"enable_prefix_caching": False})})
+    assert not any(ph.shared_prefix for ph in grid_phases(no_cache, output_len=16))
 
 
 def test_the_swap_phase_has_a_small_cache_and_the_offload_connector():

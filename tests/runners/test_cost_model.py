@@ -179,3 +179,88 @@ def test_steal_share_is_the_steal_column_over_all_cpu_time():
     now = cpu_times()
     if now is not None:  # Linux: the real counters parse
         assert len(now) >= 8 and all(x >= 0 for x in now)
+
+
+def _shared_prefix_steps(enable_prefix_caching: bool) -> list:
+    """Scheduler outputs of one request computing a 256-token prefix, then three more
+    with the same prefix and their own 16 tokens, all decoding together."""
+    sched = make_scheduler(max_num_batched_tokens=512, enable_prefix_caching=enable_prefix_caching)
+    runner = SimulatedRunner(cost_model=CostModel(**BASE))
+    prefix = list(range(1000, 1256))
+    outs = []
+
+    def step() -> None:
+        so = sched.schedule()
+        outs.append(so)
+        sched.update_from_output(so, runner.execute(so))
+
+    sched.add_request(Request("a", prefix + list(range(16)), SamplingParams(max_tokens=8), arrival_time=0.0))
+    step()
+    for i, rid in enumerate("bcd"):
+        tail = list(range(100 * (i + 1), 100 * (i + 1) + 16))
+        sched.add_request(Request(rid, prefix + tail, SamplingParams(max_tokens=8), arrival_time=0.0))
+    for _ in range(3):
+        step()
+    return outs
+
+
+def test_reads_of_a_block_another_request_of_the_step_reads_are_told_apart():
+    shapes = StepShapes()
+    features = [shapes.features(so) for so in _shared_prefix_steps(True)]
+    last = features[-1]  # a, b, c, d decoding: b, c and d read a's 16 prefix blocks again
+    assert last.kind == "decode" and last.requests == 4
+    assert last.shared_context_tokens == 3 * 256
+    assert last.context_tokens + last.shared_context_tokens == 4 * (256 + 16) + 3 + 2 * 3
+    assert features[0].shared_context_tokens == 0  # a alone
+    # Without prefix caching every request has blocks of its own: nothing is read again.
+    alone = StepShapes()
+    assert all(alone.features(so).shared_context_tokens == 0 for so in _shared_prefix_steps(False))
+
+
+def test_a_profile_without_the_shared_read_term_charges_them_as_any_read(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"name": "old", "coefficients": BASE}))
+    old = CostModel.load(str(path))
+    assert old.per_shared_context_token_s == old.per_context_token_s
+    shapes = StepShapes()
+    last = [shapes.features(so) for so in _shared_prefix_steps(True)][-1]
+    merged = last._replace(context_tokens=last.context_tokens + last.shared_context_tokens, shared_context_tokens=0)
+    assert old.step_time(last) == pytest.approx(old.step_time(merged))
+    cheaper = CostModel(**BASE, per_shared_context_token_s=BASE["per_context_token_s"] / 4)
+    assert cheaper.step_time(last) < old.step_time(last)
+
+
+def test_shared_reads_equal_a_count_over_every_block_each_request_reads():
+    """A stream of requests on three shared prefixes, joining and finishing while others
+    run (prefix hits, growing contexts, preemption by a small cache): every step's shared
+    reads equal a plain count over the blocks each scheduled request reads."""
+    import random
+
+    rng = random.Random(7)
+    sched = make_scheduler(max_num_batched_tokens=256, max_num_seqs=12, num_blocks=40,
+                           enable_prefix_caching=True)
+    runner = SimulatedRunner(cost_model=CostModel(**BASE))
+    shapes = StepShapes()
+    prefixes = [list(range(1000 * k, 1000 * k + 16 * rng.randint(2, 8))) for k in range(1, 4)]
+    pending = [Request(f"r{i}", rng.choice(prefixes) + [7000 + 50 * i + j for j in range(rng.randint(1, 40))],
+                       SamplingParams(max_tokens=rng.randint(2, 120)), arrival_time=0.0) for i in range(60)]
+    checked = preempted = 0
+    while pending or sched.has_requests():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                sched.add_request(pending.pop(0))
+        so = sched.schedule()
+        features = shapes.features(so)
+        before = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        before.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens,
+                          strict=True))
+        readers: dict[int, int] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            for b in shapes._blocks[rid][:(before[rid] + n) // 16]:
+                readers[b] = readers.get(b, 0) + 1
+        assert features.shared_context_tokens == 16 * sum(c - 1 for c in readers.values()), so.step
+        checked += features.shared_context_tokens > 0
+        preempted += len(so.preempted_req_ids)
+        sched.update_from_output(so, runner.execute(so))
+    assert checked > 10  # the stream did share blocks
+    assert preempted > 0  # and resumed requests found their blocks again

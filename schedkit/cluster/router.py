@@ -187,14 +187,7 @@ class Router:
         """A disaggregated request's prefill ended on its prefill replica, its KV on its
         way to the decode replica (``failed``: the prefill failed, and so does the
         request). Unknown ids are ignored."""
-        placed = self._prefilling.pop(request_id, None)
-        if placed is None:
-            return
-        request, index = placed
-        replica = self.replicas[index]
-        replica.num_outstanding -= 1
-        self._emit(RouteEvent(RouteEventKind.FAILED if failed else RouteEventKind.FINISHED, request,
-                              replica, stage=RouteStage.PREFILL))
+        self._end(self._prefilling, request_id, failed, RouteStage.PREFILL)
 
     def replica_of(self, request_id: str) -> int | None:
         """The replica an outstanding request is on (None once it finished)."""
@@ -204,14 +197,21 @@ class Router:
     def finished(self, request_id: str, *, failed: bool = False) -> None:
         """The request ended on its replica (``failed``: with an error). Unknown ids
         (finished already, never routed) are ignored."""
-        placed = self._placed.pop(request_id, None)
+        self._end(self._placed, request_id, failed)
+
+    def _end(self, table: dict[str, tuple[RouteRequest, int]], request_id: str, failed: bool,
+             stage: RouteStage | None = None) -> None:
+        """Take a placement out of ``table``: its replica has one request fewer
+        outstanding, and observers hear it finished (or failed) at ``stage`` (default the
+        request's own)."""
+        placed = table.pop(request_id, None)
         if placed is None:
             return
         request, index = placed
         replica = self.replicas[index]
         replica.num_outstanding -= 1
         self._emit(RouteEvent(RouteEventKind.FAILED if failed else RouteEventKind.FINISHED, request, replica,
-                              stage=request.stage))
+                              stage=request.stage if stage is None else stage))
 
     def replica_died(self, index: int) -> list[RouteRequest]:
         """Take replica ``index`` out of rotation; returns its outstanding requests (still

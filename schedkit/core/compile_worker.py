@@ -1,6 +1,6 @@
 """Grammar compile worker processes, forked from a zygote.
 
-``python -m schedkit.core.compile_worker MODULE...`` is the zygote: it imports the
+The zygote (:func:`main`, started as ``python -c`` :data:`_ZYGOTE_MAIN` ``MODULE...``) imports the
 modules once (a backend's: xgrammar with torch takes seconds), then forks
 one worker for each Unix-socket path it reads on stdin. A worker connects to that path,
 sends its pid, receives its compiler factory (pickled), calls it, then compiles each
@@ -64,6 +64,10 @@ def _worker(path: str) -> None:
     except (EOFError, OSError):
         return
     serve(conn, factory)
+
+
+_ZYGOTE_MAIN = "import sys; from schedkit.core.compile_worker import main; main(sys.argv[1:])"
+"""The zygote's program (its arguments: the modules to preload)."""
 
 
 def main(modules: list[str]) -> None:
@@ -133,7 +137,8 @@ class Zygote:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "schedkit.core.compile_worker", *self.preload],
+        # Not ``-m``: the package imports this module first, and runpy warns about that.
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_MAIN, *self.preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         return self.proc
 

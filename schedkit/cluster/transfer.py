@@ -50,15 +50,7 @@ def transfer_connector(connector: KVConnectorBase, index: int) -> TransferConnec
 def num_blocks_held(kv: KVCacheManager, block_hashes: Sequence[bytes]) -> int:
     """Leading blocks of a prompt (by their hashes) that ``kv``'s prefix cache holds: the
     blocks a receiver need not be sent (0 without prefix caching)."""
-    if not kv.enable_caching:
-        return 0
-    get = kv.block_pool.cached_block_map.get
-    n = 0
-    for h in block_hashes:
-        if get(h) is None:
-            break
-        n += 1
-    return n
+    return len(kv.cached_prefix(block_hashes))
 
 
 @dataclass(slots=True, frozen=True)

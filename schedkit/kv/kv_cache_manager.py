@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from schedkit.errors import ConfigError
 from schedkit.kv.block_pool import BlockPool
 from schedkit.kv.events import KVCacheEvent
+from schedkit.kv.hashing import BlockHash
 from schedkit.kv.interfaces import KVRequest
 from schedkit.kv.metrics import PrefixCacheStats
 
@@ -185,14 +186,22 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
             return [], 0
+        hits = self.cached_prefix(request.block_hashes[:max_blocks])
+        return hits, len(hits) * self.block_size
+
+    def cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest run of ``block_hashes`` from the first one
+        (none when caching is off). Changes no state."""
+        if not self.enable_caching:
+            return []
         get = self.block_pool.cached_block_map.get
         hits: list[int] = []
-        for h in request.block_hashes[:max_blocks]:
+        for h in block_hashes:
             b = get(h)
             if b is None:
                 break
             hits.append(b)
-        return hits, len(hits) * self.block_size
+        return hits
 
     # Allocation ---------------------------------------------------------------------
 

@@ -355,7 +355,8 @@ def schedkit_create_kv_connector(role: KVConnectorRole, config: Any) -> KVConnec
 
     Built-in:
         None (the no-op connector is the fallback). Bundled, switched on under
-        ``plugins``: ``kv-storage`` and ``cpu-offload``.
+        ``plugins``: ``kv-storage`` and ``cpu-offload``; ``kv-transfer`` (prefill/decode
+        disaggregation), which a cluster with ``replicas.roles`` switches on itself.
 
     .. versionadded:: 0.1
     """

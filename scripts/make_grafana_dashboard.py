@@ -1,7 +1,8 @@
 """Writes docs/grafana/schedkit-dashboard.json: a Grafana dashboard for every metric of
 ``schedkit serve``, with a "Replicas and router" row for a server with ``replicas.count`` > 1
-(tests/server/test_dashboard.py checks, against a single-engine and a replicated server,
-that each panel's series exist and that every exposed series has a panel).
+and a "Disaggregation" row for one with ``replicas.roles`` (tests/server/test_dashboard.py
+checks, against a single-engine, a replicated and a disaggregated server, that each panel's
+series exist and that every exposed series has a panel).
 
     python scripts/make_grafana_dashboard.py
 """
@@ -343,6 +344,39 @@ panels.append(timeseries(
             (f"sum(rate(schedkit:structured_output_step_budget_failures_total{{{M}}}{RI}))",
              "over step budget")), unit="ops"))
 
+# --- disaggregation (y 119..128): only with replicas.roles ---------------------------------
+panels.append(row("Disaggregation", 119))
+panels.append(timeseries(
+    "KV hand-offs", "rate(schedkit:kv_transfer_handoffs_total): prefills whose KV reached their "
+    "decode replica; rate(schedkit:kv_transfer_fallbacks_total) by reason: split requests whose "
+    "decode replica computed the prompt itself (prefill died, failed or stalled, transfer refused).",
+    gp(0, 120, 6, 8),
+    targets((f"sum(rate(schedkit:kv_transfer_handoffs_total{{{M}}}{RI}))", "hand-offs"),
+            (f"sum by (reason) (rate(schedkit:kv_transfer_fallbacks_total{{{M}}}{RI}))",
+             "fallback: {{reason}}")), unit="ops"))
+panels.append(timeseries(
+    "KV transferred", "rate(schedkit:kv_transfer_bytes_total): bytes per second from prefill to "
+    "decode replicas.", gp(6, 120, 6, 8),
+    targets((f"sum(rate(schedkit:kv_transfer_bytes_total{{{M}}}{RI}))", "bytes/s")), unit="Bps"))
+panels.append(timeseries(
+    "Blocks sent and held", "rate(schedkit:kv_transfer_blocks_total): KV blocks sent; "
+    "rate(schedkit:kv_transfer_blocks_held_total): prompt blocks the decode replica held already "
+    "(not sent); rate(schedkit:kv_transfer_room_waits_total): times a decode replica had no room "
+    "yet, the prefill replica keeping its blocks (backpressure).", gp(12, 120, 6, 8),
+    targets((f"sum(rate(schedkit:kv_transfer_blocks_total{{{M}}}{RI}))", "sent"),
+            (f"sum(rate(schedkit:kv_transfer_blocks_held_total{{{M}}}{RI}))", "held already"),
+            (f"sum(rate(schedkit:kv_transfer_room_waits_total{{{M}}}{RI}))", "waits for room")),
+    unit="ops"))
+panels.append(timeseries(
+    "Hand-off time and queues per role", "rate(schedkit:kv_transfer_seconds_total) / "
+    "rate(schedkit:kv_transfer_handoffs_total): mean seconds from a prefill's end to its decode "
+    "replica holding the KV; schedkit:role_num_requests_waiting and _running: the live replicas' "
+    "queues by role.", gp(18, 120, 6, 8),
+    targets((f"sum(rate(schedkit:kv_transfer_seconds_total{{{M}}}{RI})) / "
+             f"sum(rate(schedkit:kv_transfer_handoffs_total{{{M}}}{RI}))", "mean hand-off (s)"),
+            (f"sum by (role) (schedkit:role_num_requests_waiting{{{M}}})", "waiting: {{role}}"),
+            (f"sum by (role) (schedkit:role_num_requests_running{{{M}}})", "running: {{role}}"))))
+
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "
                   "that scrapes schedkit serve's /metrics", "type": "datasource",
@@ -358,8 +392,8 @@ dashboard = {
                               "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
                               "name": "Annotations & Alerts", "type": "dashboard"}]},
     "description": "schedkit serve: vLLM-style serving metrics, the scheduling policy's view "
-                   "(policy, plugins, admission rejections, hook errors, tenants) and, with "
-                   "replicas, each replica and the router.",
+                   "(policy, plugins, admission rejections, hook errors, tenants), with "
+                   "replicas each replica and the router, and with roles the KV hand-offs.",
     "editable": True,
     "fiscalYearStartMonth": 0,
     "graphTooltip": 1,

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from schedkit.cluster.handoff import Cleanups, HandoffStats, hand_off
 from schedkit.cluster.replicas import ReplicaSet, spawn_replicas
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import Config
@@ -47,7 +48,7 @@ from schedkit.engine.messages import (
     kv_events_from_wire,
     wire_max_tokens,
 )
-from schedkit.errors import ConfigError, EngineDeadError, RequestError
+from schedkit.errors import EngineDeadError, RequestError
 
 log = logging.getLogger("schedkit.cluster")
 
@@ -104,6 +105,9 @@ class ClusterClient:
         self.num_lost_load_reports = 0
         self._last_stats: dict[int, dict[str, Any]] = {}
         """Each replica's last stats answer (a dead one's counters stay in the totals)."""
+        self.handoffs = HandoffStats()
+        """The KV hand-offs of disaggregated requests (:mod:`schedkit.cluster.handoff`)."""
+        self._cleanups = Cleanups()
 
     @classmethod
     async def start(cls, config: Config) -> ClusterClient:
@@ -115,10 +119,6 @@ class ClusterClient:
                 it); nothing is left running.
             EngineDeadError: A replica failed to start.
         """
-        if config.replicas.roles is not None:
-            raise ConfigError("replicas.roles: real replicas do not move KV between engines yet, so "
-                              "prefill/decode disaggregation runs only in the cluster simulation "
-                              "(schedkit.lab.cluster_sim); leave roles out to serve")
         router = Router(config)
         rcfg = replica_config(config)
         if config.replicas.backend == "ray":  # connecting to Ray blocks for seconds
@@ -202,15 +202,18 @@ class ClusterClient:
         dead = self.dead
         if dead is not None:
             raise dead
-        replica = router.route(router.make_request(
+        placement = router.place(router.make_request(
             rid, request.prompt_token_ids, tenant=request.tenant, priority=request.priority,
             max_tokens=wire_max_tokens(request), session_id=session_id, cache_salt=request.cache_salt))
+        replica = placement.replica
         if request.final_only:
             request = msgspec.structs.replace(request, final_only=False)
         self._active.add(rid)
         produced = 0
         ended = False
         try:
+            if placement.prefill is not None:
+                await self._prefill(request, placement.prefill.index, replica.index)
             while True:
                 index = replica.index
                 try:
@@ -246,6 +249,43 @@ class ClusterClient:
             self._active.discard(rid)
             if not ended:  # the caller left early: aborted on its replica
                 router.finished(rid)
+                if placement.prefill is not None:
+                    router.prefill_done(rid)
+                    decode = self.conns[replica.index]
+                    if decode.dead is None:  # what reached it for the request is not needed
+                        self._cleanups.spawn(decode.call_utility("kv_cancel", rid), f"request {rid!r}: kv_cancel")
+
+    async def _prefill(self, request: WireRequest, prefill: int, decode: int) -> None:
+        """A disaggregated request's prefill on replica ``prefill`` and the hand-off of
+        its KV to replica ``decode`` (:mod:`schedkit.cluster.handoff`). Whatever goes
+        wrong, the request then goes on to its decode replica, which computes what did
+        not arrive."""
+        rid = request.request_id
+        copy = WireRequest(rid, request.prompt_token_ids, {"max_tokens": 1}, priority=request.priority,
+                           tenant=request.tenant, cache_salt=request.cache_salt, kv_send=True)
+        last = None
+        try:
+            async with contextlib.aclosing(self.conns[prefill].stream(copy)) as outputs:
+                async for item in outputs:
+                    last = item
+        except EngineDeadError:
+            self.router.replica_died(prefill)
+            self.router.prefill_done(rid)
+            self.handoffs.fallbacks["prefill_died"] += 1
+            log.info("request %r: its prefill replica %d died; replica %d computes its prompt",
+                     rid, prefill, decode)
+            return
+        ok = last is not None and last.finish_reason in ("length", "stop") and last.kv_transfer_params
+        self.router.prefill_done(rid, failed=not ok)
+        if not ok:
+            self.handoffs.fallbacks["prefill_failed"] += 1
+            log.info("request %r: its prefill on replica %d ended with %s; replica %d computes its prompt",
+                     rid, prefill, last.error or last.finish_reason if last else "nothing", decode)
+            return
+        assert last is not None and last.kv_transfer_params is not None
+        await hand_off(self.conns[prefill], self.conns[decode], rid, last.kv_transfer_params,
+                       len(request.prompt_token_ids), self.config.replicas.transfer_timeout_s,
+                       self.handoffs, self._cleanups)
 
     async def stream_many(self, requests: Sequence[WireRequest]) -> AsyncGenerator[WireOutput, None]:
         """:meth:`stream` of every request at once, their outputs merged as they come.
@@ -361,6 +401,8 @@ class ClusterClient:
                 out[key] = _add(out[key], value)
         out["replicas"] = per
         out["router"] = self.router.stats() | {"num_lost_load_reports": self.num_lost_load_reports}
+        if self.router.has_roles:
+            out["kv_transfer"] = self.handoffs.as_dict()
         return out
 
     async def close(self) -> None:
@@ -369,6 +411,7 @@ class ClusterClient:
         if self._closed:
             return
         self._closed = True
+        await self._cleanups.wait()
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
         await asyncio.gather(*self._shutdowns, return_exceptions=True)
         await asyncio.to_thread(self.replicas.shutdown)

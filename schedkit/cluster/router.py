@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from schedkit.config import Config
+from schedkit.config import Config, PluginConfig
 from schedkit.core.routing import (
     Placement,
     ReplicaRole,
@@ -57,12 +57,20 @@ def _describe(answer: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+TRANSFER_PLUGIN = "kv-transfer"
+"""The engine plugin every replica of a disaggregated cluster runs."""
+
+
 def replica_config(config: Config) -> Config:
     """The config each replica's engine runs: the same, with KV cache events on (the
-    router's view of each prefix cache is built from them)."""
-    if config.cache.enable_kv_events:
-        return config
-    return config.model_copy(update={"cache": config.cache.model_copy(update={"enable_kv_events": True})})
+    router's view of each prefix cache is built from them) and, with ``replicas.roles``,
+    the ``kv-transfer`` connector switched on (disaggregated requests' KV moves with it)."""
+    update: dict[str, Any] = {}
+    if not config.cache.enable_kv_events:
+        update["cache"] = config.cache.model_copy(update={"enable_kv_events": True})
+    if config.replicas.roles is not None and all(p.name != TRANSFER_PLUGIN for p in config.plugins):
+        update["plugins"] = [*config.plugins, PluginConfig(name=TRANSFER_PLUGIN)]
+    return config.model_copy(update=update) if update else config
 
 
 class Router:

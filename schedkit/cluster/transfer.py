@@ -1,36 +1,26 @@
 """Handing a disaggregated request's KV from its prefill replica to its decode replica.
 
 The pieces a transfer needs whatever carries the bytes: the engine plugin that gives
-each engine the ``transfer`` KV connector (:class:`KVTransferPlugin`), what the
-receiver already holds (:func:`num_blocks_held`), and the record of one hand-off
-(:class:`Handoff`). The cluster simulation (:mod:`schedkit.lab.cluster_sim`) uses them
-with the cost model's transfer time; real replicas do not move KV yet.
+each engine the ``transfer`` KV connector (:class:`KVTransfer`, ``kv-transfer`` by
+name), what the receiver already holds (:func:`num_blocks_held`), and the record of one
+hand-off (:class:`Handoff`). The cluster simulation (:mod:`schedkit.lab.cluster_sim`)
+uses them with the cost model's transfer time; real replicas move the bytes through
+their front end (:mod:`schedkit.cluster.handoff`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from schedkit.errors import ConfigError
-from schedkit.hookspecs import hookimpl
-from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
+from schedkit.kv.connector import KVConnectorBase
 from schedkit.kv.connectors.transfer import KVReceipt, TransferConnector
 from schedkit.kv.kv_cache_manager import KVCacheManager
+from schedkit.runners.paged.kv_transfer import KVTransfer
 
-__all__ = ["Handoff", "KVReceipt", "KVTransferPlugin", "TransferConnector", "num_blocks_held",
+__all__ = ["Handoff", "KVReceipt", "KVTransfer", "TransferConnector", "num_blocks_held",
            "transfer_connector"]
-
-
-class KVTransferPlugin:
-    """Engine plugin: the ``transfer`` KV connector for the scheduler side. ``trylast``,
-    so a connector plugin the config switches on wins; :func:`transfer_connector` then
-    refuses the engine rather than run it without the transfer."""
-
-    @hookimpl(trylast=True)
-    def schedkit_create_kv_connector(self, role: KVConnectorRole, config: Any) -> KVConnectorBase | None:
-        return TransferConnector(role, config) if role is KVConnectorRole.SCHEDULER else None
 
 
 def transfer_connector(connector: KVConnectorBase, index: int) -> TransferConnector:

@@ -63,8 +63,12 @@ class ReplicasConfig(StrictModel):
     that network; one on the front end's node still binds loopback."""
     roles: RolesConfig | None = None
     """Prefill/decode disaggregation, e.g. ``{prefill: 4, decode: 12}``; None (the
-    default): every replica serves whole requests. The cluster simulation runs it; real
-    replicas do not move KV between engines yet and refuse it."""
+    default): every replica serves whole requests. Real replicas move a disaggregated
+    request's KV through the front end (each runs the ``kv-transfer`` connector); the
+    cluster simulation charges the profile's transfer time."""
+    transfer_timeout_s: float = Field(default=30.0, gt=0)
+    """With ``roles``: the longest one step of a KV hand-off (a replica's answer) may
+    take before the decode replica computes the prompt itself instead."""
 
     def role_of(self, index: int) -> str:
         """Replica ``index``'s role: ``prefill``, ``decode`` or ``both`` (every replica

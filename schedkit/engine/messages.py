@@ -112,6 +112,8 @@ def check_request(w: WireRequest) -> SamplingParams:
     check_ttft_slo(rid, w.ttft_slo_s)
     if type(w.final_only) is not bool:
         raise _bad(rid, "final_only", w.final_only, "a bool")
+    if type(w.kv_send) is not bool:
+        raise _bad(rid, "kv_send", w.kv_send, "a bool")
     return sampling_from_wire(w.sampling_params, rid)
 
 
@@ -131,6 +133,10 @@ class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     like vLLM's FINAL_ONLY output kind); False streams a delta every step."""
     ttft_slo_s: float | None = None
     """The client's TTFT target in seconds (``Request.ttft_slo_s``; None: the policy's)."""
+    kv_send: bool = False
+    """A disaggregated request's prefill: the engine keeps its prompt's KV blocks when it
+    finishes, for the front end to send to its decode replica
+    (:mod:`schedkit.engine.kv_handoff`); needs the ``kv-transfer`` connector."""
 
 
 _DEFAULT_MAX_TOKENS = SamplingParams().max_tokens

@@ -60,6 +60,7 @@ from schedkit.core.request import Request
 from schedkit.engine.auth import EngineGuard, EngineKeys
 from schedkit.engine.core import EngineCore, refusal_stop_reason
 from schedkit.engine.gc_heap import freeze_startup_heap
+from schedkit.engine.kv_handoff import KV_METHODS, KVHandoffs
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
     AbortRequests,
@@ -95,7 +96,7 @@ PARENT_CHECK_S = 0.25
 LOAD_REPORT_INTERVAL_S = 0.05
 """Load reports go out at most this often (each carries every KV event since the last)."""
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugins", "shutdown",
-                   "num_unfinished")
+                   "num_unfinished", *KV_METHODS)
 
 
 def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
@@ -121,6 +122,7 @@ class EngineCoreProc:
     def __init__(self, config: Config, input_addr: str, output_addr: str, keys: EngineKeys, *,
                  runner: Any = None) -> None:
         self.engine = EngineCore(config, runner=runner)
+        self.handoffs = KVHandoffs(self.engine)
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[int, OutputBatch | LoadReport]] = queue.Queue()
         self.ctx = zmq.Context()
@@ -326,6 +328,8 @@ class EngineCoreProc:
                 req = request_from_wire(w, client, engine.now())
                 if w.request_id in self._live:
                     raise SchedkitError(f"duplicate request id {w.request_id!r}")
+                if w.kv_send:
+                    self.handoffs.send_when_finished(w.request_id)
                 engine.add_request(req, w.arrival_offset)
             except (SchedkitError, ValueError) as e:
                 errors.append(WireOutput(w.request_id, finish_reason="error", stop_reason=refusal_stop_reason(e),
@@ -343,7 +347,8 @@ class EngineCoreProc:
             if method == "stats":
                 result: Any = self.engine.stats() | {"num_malformed_messages": self.num_malformed,
                                                      "num_refused_connections": self.guard.num_refused,
-                                                     "num_gc_frozen_objects": gc.get_freeze_count()}
+                                                     "num_gc_frozen_objects": gc.get_freeze_count()
+                                                     } | self.handoffs.stats()
             elif method == "reset_prefix_cache":
                 if len(call.args) > 1 or not all(isinstance(x, bool) for x in call.args):
                     return UtilityResult(call.call_id, error="reset_prefix_cache takes one optional "
@@ -358,6 +363,8 @@ class EngineCoreProc:
                 result = self.engine.list_plugins()
             elif method == "num_unfinished":
                 result = len(self._live)
+            elif method in KV_METHODS:
+                result = self.handoffs.call(method, call.args)
             elif method == "shutdown":
                 self._stop.set()
                 result = True

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from schedkit.cluster.router import Router, replica_config
-from schedkit.cluster.transfer import KVTransferPlugin
+from schedkit.cluster.transfer import KVTransfer
 from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutput
 from schedkit.core.request import Request, SamplingParams
@@ -181,7 +181,7 @@ class _ClusterRun:
         n = config.replicas.count
         rconfig = replica_config(config)
         has_roles = config.replicas.roles is not None
-        engine_plugins = [KVTransferPlugin()] if has_roles else []
+        engine_plugins = [KVTransfer()] if has_roles else []
         self.engines = [EngineCore(rconfig, extra_plugins=engine_plugins) for _ in range(n)]
         if not all(e.is_virtual for e in self.engines):
             raise ConfigError("the cluster simulation needs a virtual clock: runner.kind fake or "

@@ -66,6 +66,7 @@ BUNDLED_PLUGINS: Mapping[str, str] = {
     **BUNDLED_POLICIES,
     "kv-storage": "schedkit.runners.paged.kv_storage:KVStorage",
     "cpu-offload": "schedkit.runners.paged.kv_offload:CPUOffload",
+    "kv-transfer": "schedkit.runners.paged.kv_transfer:KVTransfer",
 }
 """schedkit's own research policies and its KV storage connector: declared as entry points in pyproject.toml, and
 known here too so that a source tree that was never pip-installed (a GPU box running

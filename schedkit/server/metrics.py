@@ -163,6 +163,8 @@ class EngineStatsCollector(Collector):
             yield from self._replica_series(st["replicas"])
         if "router" in st:
             yield from self._router_series(st["router"])
+        if "kv_transfer" in st:
+            yield from self._transfer_series(st["kv_transfer"], st.get("router", {}), st.get("replicas", []))
 
     def _replica_series(self, replicas: list[dict[str, Any]]) -> Iterable[Metric]:
         m = self.model_name
@@ -220,6 +222,52 @@ class EngineStatsCollector(Collector):
         for (p, h), n in sorted(errors.items()):
             err.add_metric([m, p, h], n)
         yield err
+
+
+    def _transfer_series(self, kv: dict[str, Any], router: dict[str, Any],
+                         replicas: list[dict[str, Any]]) -> Iterable[Metric]:
+        """With ``replicas.roles``: the KV hand-offs, and queue depths per role."""
+        m = self.model_name
+        for name, key, doc in _TRANSFER_SERIES:
+            metric = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            metric.add_metric([m], kv.get(key, 0))
+            yield metric
+        fallbacks = CounterMetricFamily(PREFIX + "kv_transfer_fallbacks", "Disaggregated requests "
+                                        "whose decode replica computed the prompt itself, by why.",
+                                        labels=["model_name", "reason"])
+        for reason in FALLBACK_REASONS:
+            fallbacks.add_metric([m, reason], kv.get("fallbacks", {}).get(reason, 0))
+        yield fallbacks
+        roles = {r["index"]: r.get("role", "both") for r in router.get("replicas", [])}
+        depth = {role: [0, 0] for role in ("prefill", "decode", "both")}
+        for rep in replicas:
+            if rep.get("healthy"):
+                d = depth[roles.get(rep["index"], "both")]
+                d[0] += rep.get("num_waiting", 0)
+                d[1] += rep.get("num_running", 0)
+        waiting = GaugeMetricFamily(PREFIX + "role_num_requests_waiting", "Requests waiting on the "
+                                    "live replicas of each role.", labels=["model_name", "role"])
+        running = GaugeMetricFamily(PREFIX + "role_num_requests_running", "Requests running on the "
+                                    "live replicas of each role.", labels=["model_name", "role"])
+        for role, (w, r) in depth.items():
+            waiting.add_metric([m, role], w)
+            running.add_metric([m, role], r)
+        yield from (waiting, running)
+
+
+_TRANSFER_SERIES = (
+    ("kv_transfer_handoffs", "num_handoffs", "KV hand-offs from a prefill to a decode replica."),
+    ("kv_transfer_blocks", "num_blocks", "KV blocks sent from prefill to decode replicas."),
+    ("kv_transfer_blocks_held", "num_blocks_held", "Prompt blocks a decode replica held already "
+     "(not sent)."),
+    ("kv_transfer_bytes", "num_bytes", "KV bytes sent from prefill to decode replicas."),
+    ("kv_transfer_seconds", "seconds", "Seconds from prefills' ends to their decode replicas "
+     "holding the KV, summed."),
+    ("kv_transfer_room_waits", "num_room_waits", "Times a decode replica had no room for a "
+     "hand-off yet (the prefill replica kept its blocks)."),
+)
+"""``(name, kv_transfer stats key, help)`` of the hand-off counters."""
+FALLBACK_REASONS = ("prefill_died", "prefill_failed", "timeout", "transfer_error")
 
 
 class ServerMetrics:

@@ -3,12 +3,9 @@ each stage placed through the filters, scorers and picker."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from schedkit import ConfigError, PluginError, hookimpl
-from schedkit.cluster.front import ClusterClient
 from schedkit.cluster.router import Router
 from schedkit.config import config_from_dict, load_config
 from schedkit.core.routing import ReplicaRole, RouteEventKind, RouteStage
@@ -110,12 +107,6 @@ def test_selective_pd_needs_roles_and_checks_its_threshold():
         make_router(n=3, threshold=10)
     with pytest.raises(PluginError, match="'selective-pd'.*threshold must be >= 0"):
         make_router(roles={"prefill": 1}, threshold=-1)
-
-
-def test_real_replicas_refuse_roles():
-    cfg = config_from_dict({"replicas": {"count": 2, "roles": {"prefill": 1}}})
-    with pytest.raises(ConfigError, match="prefill/decode disaggregation runs only in the cluster simulation"):
-        asyncio.run(ClusterClient.start(cfg))
 
 
 # ------------------------------------------------------------------ the decision

@@ -215,6 +215,31 @@ def test_paged_model_kill_mid_run_through_ray(ray):
     assert_cleaned_up(ray, run.handles)
 
 
+def test_disaggregated_through_ray_equals_one_colocated_engine(ray):
+    """One prefill and one decode replica as Ray actors: the KV travels through the front
+    end as between local processes, and greedy tokens equal one engine's."""
+    from tests.cluster.test_disagg_replicas import (
+        ALWAYS,
+        ROLES,
+        colocated,
+        paged_base,
+        random_prompts,
+    )
+
+    base = paged_base(num_speculative_tokens=2)
+    prompts = random_prompts(8, seed=21)
+    sps = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * len(prompts)
+    want = colocated(base, prompts, sps)
+    cfg = config_from_dict({**base, "replicas": {"count": 2, "backend": "ray", "roles": ROLES}, "router": ALWAYS})
+    with LLM(cfg) as llm:
+        got = [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        stats = llm.call_utility("stats")
+    assert got == want
+    kv = stats["kv_transfer"]
+    assert kv["num_handoffs"] == len(prompts) and kv["num_bytes"] > 0 and kv["fallbacks"] == {}
+    assert all(r["kv_transfer_held_blocks"] == 0 and r["kv_cache_usage"] == 0.0 for r in stats["replicas"])
+
+
 def test_ray_backend_without_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
     cfg = config_from_dict({"replicas": {"count": 2, "backend": "ray"}})

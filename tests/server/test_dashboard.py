@@ -31,6 +31,9 @@ NO_SAMPLES_ON_DEFAULT_SERVER = {"schedkit:admission_rejections_total", "schedkit
 REPLICA_ROW = "Replicas and router"
 # The families only a server with replicas exposes: per replica, and the router's.
 REPLICA_ONLY = ("schedkit:replica_", "schedkit:router_")
+DISAGG_ROW = "Disaggregation"
+# The families only a server with replicas.roles exposes: KV hand-offs, queues per role.
+DISAGG_ONLY = ("schedkit:kv_transfer_", "schedkit:role_")
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +57,18 @@ def row_of(dashboard: dict[str, Any]) -> dict[int, str | None]:
     return out
 
 
-def referenced_by_row(dashboard: dict[str, Any]) -> tuple[set[str], set[str]]:
-    """``(series the replica row's panels read, series read anywhere else)``, the template
-    variables' queries counted as elsewhere."""
+def referenced_by_row(dashboard: dict[str, Any], row: str = REPLICA_ROW) -> tuple[set[str], set[str]]:
+    """``(series the panels of ``row`` read, series read anywhere else but on the
+    disaggregation row)``, the template variables' queries counted as elsewhere."""
     rows = row_of(dashboard)
     inside: set[str] = set()
     outside = {m for e in variable_queries(dashboard) for m in _METRIC.findall(e)}
     for p in dashboard["panels"]:
         for t in p.get("targets", []):
-            (inside if rows.get(p["id"]) == REPLICA_ROW else outside).update(_METRIC.findall(t["expr"]))
+            if rows.get(p["id"]) == row:
+                inside.update(_METRIC.findall(t["expr"]))
+            elif rows.get(p["id"]) != DISAGG_ROW:
+                outside.update(_METRIC.findall(t["expr"]))
     return inside, outside
 
 
@@ -136,6 +142,20 @@ def replicated(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str
         stop_server(s)
 
 
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str], set[str]]]:
+    """``scrape`` of a server with one prefill and one decode replica (fake runner), every
+    request split, after ``traffic``."""
+    s = start_server(tmp_path_factory.mktemp("disaggregated"),
+                     server_config(word_tokenizer, replicas={"count": 2, "roles": {"prefill": 1, "decode": 1}},
+                                   router={"plugins": [{"name": "selective-pd", "settings": {"threshold": 0}}]}))
+    try:
+        traffic(s)
+        yield scrape(s)
+    finally:
+        stop_server(s)
+
+
 def check_kinds(names: set[str], families: dict[str, str]) -> None:
     for name in names:
         kind = families[series_family(name, families)]
@@ -193,7 +213,7 @@ def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
     assert model["type"] == "query" and model["datasource"]["uid"] == "${datasource}"
     assert model["query"]["query"] == model["definition"] == "label_values(schedkit:num_requests_running, model_name)"
     rows = row_of(dashboard)
-    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW, "Structured outputs"]
+    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW, "Structured outputs", DISAGG_ROW]
     assert sum(r == REPLICA_ROW for r in rows.values()) >= 10
     # the row's panels come after it in the list, the others before it
     at = next(i for i, p in enumerate(panels) if p["type"] == "row")
@@ -275,3 +295,25 @@ def test_policy_panels_see_an_admission_plugin(serve, word_tokenizer, dashboard:
     exprs = panel_exprs(dashboard)
     assert any("sum by (plugin) (rate(schedkit:admission_rejections_total{" in e for e in exprs)
     assert any("sum by (status) (rate(schedkit:http_request_errors_total{" in e for e in exprs)
+
+
+def test_disaggregated_server_series_are_on_the_disaggregation_row(replicated, disaggregated,
+                                                                    dashboard: dict[str, Any]) -> None:
+    """With roles: every series the disaggregation row reads exists and has samples, and the
+    families a replicated server lacks are exactly the hand-off and per-role ones, each shown
+    on that row."""
+    replicated_families, _ = replicated
+    families, samples = disaggregated
+    on_row, _ = referenced_by_row(dashboard, DISAGG_ROW)
+    assert on_row
+    unknown = sorted(n for n in on_row if series_family(n, families) is None)
+    assert not unknown, f"the disaggregation row reads series the server does not expose: {unknown}"
+    check_kinds(on_row, families)
+    empty = {n for n in on_row if n not in samples}
+    assert not empty, f"no samples after traffic: {sorted(empty)}"
+    assert set(replicated_families) <= set(families)
+    disagg_only = set(families) - set(replicated_families)
+    assert disagg_only == {f for f in families if f.startswith(DISAGG_ONLY)}, sorted(disagg_only)
+    assert not [f for f in replicated_families if f.startswith(DISAGG_ONLY)]
+    missing = not_shown({f: families[f] for f in disagg_only}, on_row)
+    assert not missing, f"exposed with roles but on no panel of the disaggregation row: {missing}"

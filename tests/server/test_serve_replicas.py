@@ -4,7 +4,9 @@ while the server keeps answering."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -119,3 +121,45 @@ def test_a_dead_replica_leaves_rotation_and_the_server_keeps_serving(serve, word
     assert metric(st, "schedkit:router_requests_outstanding", replica=alive) == 0
     assert metric(st, "schedkit:engine_healthy") == 1
     assert metric(st, "schedkit:request_success_total") == 7
+
+
+def test_disaggregated_server_answers_as_a_colocated_one(serve, tmp_path):
+    """``replicas.roles`` behind ``schedkit serve``: regex-constrained and plain requests,
+    whole and streamed, with n-gram speculation on, answer as one engine does (seeded, so
+    the fake runner's tokens do not depend on the request id), and /metrics counts the
+    hand-offs and the queues per role."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("transformers")
+    from schedkit.structured.testing import byte_level_tokenizer
+
+    byte_level_tokenizer().save_pretrained(tmp_path / "bpe")
+    common = {"runner": {"vocab_size": 320, "eos_token_id": 0}, "structured_outputs": {"backend": "xgrammar"},
+              "scheduler": {"num_speculative_tokens": 2}}
+    prompt = '{"items": [1, 2, 3], "ok": true, "ratio": 0.5} yes no maybe 0123456789 abc def ' * 2
+    bodies = [{"prompt": prompt + str(i), "max_tokens": 40, "seed": i,
+               **({"structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}} if i % 2 else {})} for i in range(6)]
+
+    def answers(s) -> list[str]:
+        out = []
+        with s.client() as c:
+            for body in bodies:
+                r = c.post("/v1/completions", json={"model": "word-model", **body})
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0]["text"])
+                with c.stream("POST", "/v1/completions", json={"model": "word-model", **body, "stream": True}) as r:
+                    chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                out.append("".join(ch["choices"][0]["text"] for ch in chunks))
+        return out
+
+    want = answers(serve(server_config(tmp_path / "bpe", **common)))
+    s = serve(server_config(tmp_path / "bpe", **common, replicas={"count": 2, "roles": {"prefill": 1, "decode": 1}},
+                            router={"plugins": [{"name": "selective-pd", "settings": {"threshold": 0}}]}))
+    got = answers(s)
+    assert got == want
+    assert all(re.fullmatch("[a-c]{3}-[0-9]{2}", t) for t in got[2::4])
+    st = s.stats()
+    assert metric(st, "schedkit:kv_transfer_handoffs_total") >= len(bodies)  # a cached repeat may go whole
+    assert metric(st, "schedkit:kv_transfer_blocks_total") > 0
+    assert metric(st, "schedkit:kv_transfer_fallbacks_total") == 0
+    assert metric(st, "schedkit:role_num_requests_waiting", role="decode") == 0
+    assert metric(st, "schedkit:request_success_total") == 2 * len(bodies)

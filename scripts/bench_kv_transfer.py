@@ -10,7 +10,10 @@ counters (blocks and bytes sent over the seconds from each prefill's end to the 
 replica holding its KV); and the share of the split TTFT that the hand-off takes.
 
     python scripts/bench_kv_transfer.py --model tiny-llama
-    python scripts/bench_kv_transfer.py --model smollm2-135m-instruct --prompt-len 512
+    python scripts/bench_kv_transfer.py --model smollm2-135m-instruct --prompt-len 128,512 --vocab 49152
+
+With several prompt lengths it also fits a profile's ``kv_transfer`` terms (the seconds
+of a hand-off against the blocks it sends: ``latency_s`` and ``per_block_s``).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ async def run(model: str, split: bool, prompts: list[list[int]], max_tokens: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompt-len", default="512", help="prompt tokens; several, comma-separated, "
+                    "also fit the profile's kv_transfer terms")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=4)
@@ -80,24 +84,34 @@ def main() -> None:
     ap.add_argument("-o", "--output", help="write the result as JSON here")
     args = ap.parse_args()
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    colocated = asyncio.run(run(args.model, False, prompts, args.max_tokens, args.warmup, args.num_blocks))
-    split = asyncio.run(run(args.model, True, prompts, args.max_tokens, args.warmup, args.num_blocks))
-    added = split["ttft_p50_s"] - colocated["ttft_p50_s"]
-    result = {"model": args.model, "prompt_len": args.prompt_len, "requests": args.requests - args.warmup,
-              "machine": f"{platform.processor() or platform.machine()}, {platform.node()}",
-              "colocated": colocated, "disaggregated": split, "added_ttft_p50_s": added,
-              "handoff_share_of_split_ttft": split["handoff_mean_s"] / split["ttft_mean_s"]}
-    print(f"{args.model}, {args.prompt_len}-token prompts, {result['requests']} requests one at a time")
-    print(f"  TTFT p50: colocated {colocated['ttft_p50_s'] * 1e3:.1f} ms, disaggregated "
-          f"{split['ttft_p50_s'] * 1e3:.1f} ms (+{added * 1e3:.1f} ms)")
-    print(f"  hand-off: {split['blocks_per_s']:.0f} blocks/s, {split['mb_per_s']:.0f} MB/s, "
-          f"{split['bytes_per_block'] / 1024:.0f} KiB per block, {split['handoff_mean_s'] * 1e3:.1f} ms "
-          f"per request ({result['handoff_share_of_split_ttft']:.0%} of the split TTFT); "
-          f"fallbacks {split['fallbacks'] or 'none'}")
+    results = []
+    for n in (int(x) for x in args.prompt_len.split(",")):
+        prompts = [[rng.randrange(1, args.vocab) for _ in range(n)] for _ in range(args.requests)]
+        colocated = asyncio.run(run(args.model, False, prompts, args.max_tokens, args.warmup, args.num_blocks))
+        split = asyncio.run(run(args.model, True, prompts, args.max_tokens, args.warmup, args.num_blocks))
+        added = split["ttft_p50_s"] - colocated["ttft_p50_s"]
+        result = {"prompt_len": n, "colocated": colocated, "disaggregated": split, "added_ttft_p50_s": added,
+                  "handoff_share_of_split_ttft": split["handoff_mean_s"] / split["ttft_mean_s"]}
+        results.append(result)
+        print(f"{args.model}, {n}-token prompts, {args.requests - args.warmup} requests one at a time")
+        print(f"  TTFT p50: colocated {colocated['ttft_p50_s'] * 1e3:.1f} ms, disaggregated "
+              f"{split['ttft_p50_s'] * 1e3:.1f} ms (+{added * 1e3:.1f} ms)")
+        print(f"  hand-off: {split['blocks_per_s']:.0f} blocks/s, {split['mb_per_s']:.0f} MB/s, "
+              f"{split['bytes_per_block'] / 1024:.0f} KiB per block, {split['handoff_mean_s'] * 1e3:.1f} ms "
+              f"per request ({result['handoff_share_of_split_ttft']:.0%} of the split TTFT); "
+              f"fallbacks {split['fallbacks'] or 'none'}")
+    out: dict[str, Any] = {"model": args.model, "requests": args.requests - args.warmup,
+                           "machine": platform.processor() or platform.machine(), "results": results}
+    if len(results) >= 2:  # seconds per hand-off = latency + blocks x per block, least squares
+        xs = [r["disaggregated"]["blocks"] / r["disaggregated"]["handoffs"] for r in results]
+        ys = [r["disaggregated"]["handoff_mean_s"] for r in results]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        out["kv_transfer"] = {"latency_s": max(my - slope * mx, 0.0), "per_block_s": slope}
+        print(f"profile terms: kv_transfer: {json.dumps(out['kv_transfer'])}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

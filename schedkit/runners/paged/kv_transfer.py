@@ -29,16 +29,25 @@ PAYLOAD_KEYS = ("num_blocks", "shape", "dtype", "data")
 
 def pack_blocks(kv_caches: Any, block_ids: list[int]) -> dict[str, Any]:
     """The payload of ``block_ids``: ``num_blocks``, and (with a cache) the tensor's
-    ``shape``, ``dtype`` name and raw ``data``."""
+    ``shape``, ``dtype`` name and raw ``data`` (a memoryview of a new host tensor; it
+    arrives as bytes)."""
     if not kv_caches or not block_ids:
         return {"num_blocks": len(block_ids)}
     import torch
 
-    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    blocks = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in kv_caches])
-    blocks = blocks.to("cpu").contiguous()
+    k0 = kv_caches[0][0]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    blocks = torch.empty((len(kv_caches), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype)
+    for layer, kv in enumerate(kv_caches):
+        for i, cache in enumerate(kv):
+            if cache.device.type == "cpu":  # gathered straight into the payload
+                torch.index_select(cache, 0, idx, out=blocks[layer, i])
+            else:
+                blocks[layer, i].copy_(cache.index_select(0, idx))
+    # a view of the tensor's bytes: the socket's encoder copies them once, nothing before
+    data = memoryview(blocks.view(-1).view(torch.uint8).numpy())
     return {"num_blocks": len(block_ids), "shape": list(blocks.shape), "dtype": str(blocks.dtype).removeprefix("torch."),
-            "data": blocks.view(torch.uint8).numpy().tobytes()}
+            "data": data}
 
 
 def unpack_blocks(payload: dict[str, Any], kv_caches: Any, request_id: str) -> Any:
@@ -60,9 +69,10 @@ def unpack_blocks(payload: dict[str, Any], kv_caches: Any, request_id: str) -> A
     numel = 1
     for d in want:
         numel *= d
-    if not isinstance(data, bytes) or len(data) != numel * k0.element_size():
+    size = memoryview(data).nbytes if isinstance(data, bytes | bytearray | memoryview) else None
+    if size != numel * k0.element_size():
         raise RequestError(f"request {request_id!r}: received KV has "
-                           f"{len(data) if isinstance(data, bytes) else type(data).__name__} bytes, "
+                           f"{type(data).__name__ if size is None else size} bytes, "
                            f"expected {numel * k0.element_size()}", request_id=request_id)
     with warnings.catch_warnings():  # read-only bytes: the tensor is only copied from
         warnings.simplefilter("ignore", UserWarning)

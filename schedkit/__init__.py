@@ -28,7 +28,7 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.queues import BaseRequestQueue, FCFSQueue, KeyedQueue, RequestQueue
 from schedkit.core.request import EventType, FinishReason, Request, RequestStatus, SamplingParams
-from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.core.routing import Migration, ReplicaState, RouteEvent, RouteEventKind, RouteRequest
 from schedkit.core.structured_output import GrammarBitmask, StructuredOutputBackend
 from schedkit.errors import (
     ConfigError,
@@ -57,6 +57,7 @@ __all__ = [
     "ReplicaState",
     "RouteEvent",
     "RouteEventKind",
+    "Migration",
     # requests
     "Request",
     "RequestStatus",

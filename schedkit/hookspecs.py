@@ -15,7 +15,7 @@ module by ``scripts/gen_hooks_reference.py``: edit here, then regenerate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
-    from schedkit.core.routing import ReplicaState, RouteEvent, RouteRequest
+    from schedkit.core.routing import Migration, ReplicaState, RouteEvent, RouteRequest
     from schedkit.core.structured_output import StructuredOutputBackend
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
     from schedkit.kv.kv_cache_manager import KVCacheManager
@@ -551,6 +551,55 @@ def schedkit_router_disaggregate(request: RouteRequest, prefill_replicas: Sequen
     """
 
 
+@hookspec(firstresult=True)
+def schedkit_router_migrate(replicas: Sequence[ReplicaState],
+                            requests: Mapping[int, Sequence[RouteRequest]]) -> Sequence[Migration] | None:
+    """Move running requests between replicas: rebalance KV pressure, empty a replica for
+    shutdown, bring a high-priority request to a quiet replica (Llumnix's live
+    migration).
+
+    Called:
+        In the router's process, every ``router.migration_interval_s`` while requests
+        are outstanding, on real replicas (``LLM``, ``AsyncLLM``, ``schedkit serve``)
+        with at least one plugin implementing it. Each move happens at the source
+        replica's next step boundary: the request stops there with the full blocks of
+        its computed tokens kept, those its target does not hold go over like a
+        disaggregated prefill's (and under the same backpressure), and it goes on at the
+        target with its outputs so far (its grammar and n-gram drafts follow from them;
+        seeded sampling draws by position). Its stream goes on without a lost or
+        repeated token.
+
+    Args:
+        replicas: Every replica (healthy or not: ``healthy``, ``draining``, ``role``,
+            ``num_running``, ``num_waiting``, ``kv_cache_usage`` as last reported), in
+            index order. Do not mutate.
+        requests: The outstanding requests of each healthy replica, by index: served
+            whole there or decoded there, not at a prefill stage and not already being
+            moved. Do not mutate.
+
+    Returns:
+        The moves to make now (``schedkit.Migration(request_id, target, reason)``), an
+        empty sequence for none, or None to leave it to the next plugin.
+
+    Errors:
+        An exception or an answer that is not a sequence of ``Migration`` is ignored
+        whole: counted in the router's ``num_hook_errors``, logged (at most a line per
+        10 s), and the next plugin is asked. A single move naming a request that is not
+        in ``requests``, a target that is unhealthy, draining, a prefill-only replica or
+        the request's own, or a request named twice is dropped and counted the same way;
+        the others go ahead. A move whose request finished or whose target died in the
+        meantime is dropped quietly.
+
+    Built-in:
+        None. Bundled router plugins: ``rebalance`` (Llumnix's: from the replica with the
+        least free KV to the one with the most, when their usage differs by more than
+        ``min_gap``) and ``drain`` (every request off a draining replica:
+        ``ClusterClient.drain(index)``).
+
+    .. versionadded:: 0.3
+    """
+
+
 @hookspec
 def schedkit_router_filter(request: RouteRequest,
                            replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState] | None:
@@ -688,8 +737,8 @@ def schedkit_on_route_event(event: RouteEvent) -> None:
 
 
 ROUTER_HOOK_NAMES: tuple[str, ...] = (
-    "schedkit_router_disaggregate", "schedkit_router_filter", "schedkit_router_score", "schedkit_router_pick",
-    "schedkit_on_route_event")
+    "schedkit_router_disaggregate", "schedkit_router_migrate", "schedkit_router_filter", "schedkit_router_score",
+    "schedkit_router_pick", "schedkit_on_route_event")
 """The hooks a router plugin implements (they run in the router's process)."""
 HOOK_NAMES: tuple[str, ...] = tuple(
     name for name in list(globals()) if name.startswith("schedkit_") and name not in ROUTER_HOOK_NAMES)

@@ -295,13 +295,16 @@ panels.append(timeseries(
     "the router knows each replica holds, from the replica's KV cache events.", gp(16, 93, 8, 8),
     targets((f"sum by (replica) (schedkit:router_cached_blocks{{{M}}})", "replica {{replica}}"))))
 panels.append(timeseries(
-    "Re-routed and failed by replica death", "rate(schedkit:router_rerouted_total): requests sent "
+    "Re-routed, failed and migrated", "rate(schedkit:router_rerouted_total): requests sent "
     "again to another replica because theirs died before their first token (the client sees "
     "nothing); rate(schedkit:router_failed_by_replica_death_total): requests that had produced "
-    "tokens and failed with their replica.", gp(0, 101, 12, 8),
+    "tokens and failed with their replica; rate(schedkit:router_migrations_total): running "
+    "requests moved to another replica by a migration plugin.", gp(0, 101, 12, 8),
     targets((f"sum(rate(schedkit:router_rerouted_total{{{M}}}{RI}))", "re-routed"),
             (f"sum(rate(schedkit:router_failed_by_replica_death_total{{{M}}}{RI}))",
-             "failed by replica death")), unit="reqps"))
+             "failed by replica death"),
+            (f"sum(rate(schedkit:router_migrations_total{{{M}}}{RI}))", "migrated (moved running)")),
+    unit="reqps"))
 panels.append(timeseries(
     "Router hook errors by plugin and hook", "rate(schedkit:router_hook_errors_total) by plugin and "
     "hook: router-hook calls that raised or answered something impossible (the answer is dropped "

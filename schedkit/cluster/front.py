@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 
 from schedkit.cluster.handoff import Cleanups, HandoffStats, hand_off
+from schedkit.cluster.migration import Migrator
 from schedkit.cluster.replicas import ReplicaSet, spawn_replicas
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import Config
@@ -108,6 +109,8 @@ class ClusterClient:
         self.handoffs = HandoffStats()
         """The KV hand-offs of disaggregated requests (:mod:`schedkit.cluster.handoff`)."""
         self._cleanups = Cleanups()
+        self.migrator = Migrator(config, router, self.conns, self._cleanups)
+        """Moves running requests between replicas (:mod:`schedkit.cluster.migration`)."""
 
     @classmethod
     async def start(cls, config: Config) -> ClusterClient:
@@ -120,7 +123,7 @@ class ClusterClient:
             EngineDeadError: A replica failed to start.
         """
         router = Router(config)
-        rcfg = replica_config(config)
+        rcfg = replica_config(config, transfer=router.has_roles or router.migrates)
         if config.replicas.backend == "ray":  # connecting to Ray blocks for seconds
             spawn = asyncio.ensure_future(asyncio.to_thread(spawn_replicas, rcfg))
             try:
@@ -145,6 +148,8 @@ class ClusterClient:
             await asyncio.gather(*connects, return_exceptions=True)
             await client.close()
             raise
+        if router.migrates:
+            client.migrator.start()
         return client
 
     # -- what the replicas report --------------------------------------------------------
@@ -211,20 +216,30 @@ class ClusterClient:
         self._active.add(rid)
         produced = 0
         ended = False
+        received = placement.prefill is not None
+        """KV may have reached its replica for it (a hand-off)."""
         try:
             if placement.prefill is not None:
                 await self._prefill(request, placement.prefill.index, replica.index)
             while True:
                 index = replica.index
                 try:
+                    moved = None
                     async with contextlib.aclosing(self.conns[index].stream(request)) as outputs:
                         async for item in outputs:
+                            if item.finish_reason == "migrated":  # stopped there to move
+                                moved = item
+                                break
                             produced += len(item.new_token_ids)
                             if item.finish_reason is not None:
                                 ended = True
                                 router.finished(rid, failed=item.finish_reason == "error")
+                                self.migrator.whole_metrics(item)
                             yield item
-                    return
+                    if moved is None:
+                        return
+                    request, replica = await self.migrator.move(request, index, moved, produced)
+                    received = True
                 except EngineDeadError as e:
                     if self._closed:
                         ended = True
@@ -247,13 +262,31 @@ class ClusterClient:
                              "to replica %d", rid, index, replica.index)
         finally:
             self._active.discard(rid)
+            self.migrator.forget(rid)
             if not ended:  # the caller left early: aborted on its replica
                 router.finished(rid)
                 if placement.prefill is not None:
                     router.prefill_done(rid)
-                    decode = self.conns[replica.index]
-                    if decode.dead is None:  # what reached it for the request is not needed
-                        self._cleanups.spawn(decode.call_utility("kv_cancel", rid), f"request {rid!r}: kv_cancel")
+                conn = self.conns[replica.index]
+                if received and conn.dead is None:  # what reached it for the request is not needed
+                    self._cleanups.spawn(conn.call_utility("kv_cancel", rid), f"request {rid!r}: kv_cancel")
+
+    async def drain(self, index: int, timeout: float | None = None) -> None:
+        """Empty replica ``index``: no new request goes there, and a migration plugin
+        (``drain``) moves its requests away (without one they finish there); returns
+        once nothing is outstanding on it.
+
+        Raises:
+            TimeoutError: Requests were still there after ``timeout`` seconds.
+        """
+        self.router.drain(index)
+        replica = self.router.replicas[index]
+
+        async def emptied() -> None:
+            while replica.num_outstanding and replica.healthy:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(emptied(), timeout)
 
     async def _prefill(self, request: WireRequest, prefill: int, decode: int) -> None:
         """A disaggregated request's prefill on replica ``prefill`` and the hand-off of
@@ -403,6 +436,8 @@ class ClusterClient:
         out["router"] = self.router.stats() | {"num_lost_load_reports": self.num_lost_load_reports}
         if self.router.has_roles:
             out["kv_transfer"] = self.handoffs.as_dict()
+        if self.router.migrates:
+            out["migration"] = self.migrator.stats.as_dict() | {"num_migrated": self.router.num_migrated}
         return out
 
     async def close(self) -> None:
@@ -411,6 +446,7 @@ class ClusterClient:
         if self._closed:
             return
         self._closed = True
+        await self.migrator.stop()
         await self._cleanups.wait()
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
         await asyncio.gather(*self._shutdowns, return_exceptions=True)

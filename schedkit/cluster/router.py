@@ -26,6 +26,7 @@ from typing import Any
 
 from schedkit.config import Config, PluginConfig
 from schedkit.core.routing import (
+    Migration,
     Placement,
     ReplicaRole,
     ReplicaState,
@@ -61,14 +62,17 @@ TRANSFER_PLUGIN = "kv-transfer"
 """The engine plugin every replica of a disaggregated cluster runs."""
 
 
-def replica_config(config: Config) -> Config:
+def replica_config(config: Config, *, transfer: bool | None = None) -> Config:
     """The config each replica's engine runs: the same, with KV cache events on (the
-    router's view of each prefix cache is built from them) and, with ``replicas.roles``,
-    the ``kv-transfer`` connector switched on (disaggregated requests' KV moves with it)."""
+    router's view of each prefix cache is built from them) and, when KV moves between
+    engines (``transfer``; default: with ``replicas.roles``), the ``kv-transfer``
+    connector switched on."""
     update: dict[str, Any] = {}
     if not config.cache.enable_kv_events:
         update["cache"] = config.cache.model_copy(update={"enable_kv_events": True})
-    if config.replicas.roles is not None and all(p.name != TRANSFER_PLUGIN for p in config.plugins):
+    if transfer is None:
+        transfer = config.replicas.roles is not None
+    if transfer and all(p.name != TRANSFER_PLUGIN for p in config.plugins):
         update["plugins"] = [*config.plugins, PluginConfig(name=TRANSFER_PLUGIN)]
     return config.model_copy(update=update) if update else config
 
@@ -96,6 +100,8 @@ class Router:
         for name in ROUTER_HOOK_NAMES:
             impls = getattr(self.plugin_manager.hook, name).get_hookimpls()
             self._impls[name] = tuple((i.function, tuple(i.argnames), i.plugin_name) for i in reversed(impls))
+        self.migrates = bool(self._impls["schedkit_router_migrate"])
+        """A plugin may move running requests (``schedkit_router_migrate``)."""
         scorers = {plugin for _, _, plugin in self._impls["schedkit_router_score"]}
         idle = sorted(set(self.weights) - scorers)
         if idle:
@@ -112,6 +118,8 @@ class Router:
         self.num_failed_by_death = 0
         self.num_disaggregated = 0
         """Requests placed on a prefill and a decode replica."""
+        self.num_migrated = 0
+        """Requests moved, running, to another replica."""
 
     # -- requests ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
@@ -144,7 +152,7 @@ class Router:
             EngineDeadError: No replica is healthy.
         """
         assert request.request_id not in self._placed, f"{request.request_id} is already routed"
-        candidates = [r for r in self.replicas if r.healthy]
+        candidates = self._open() or [r for r in self.replicas if r.healthy]
         if not candidates:
             raise EngineDeadError(f"no replica left to take request {request.request_id!r}: "
                                   f"all {len(self.replicas)} died")
@@ -165,7 +173,7 @@ class Router:
         """
         if not self.has_roles:
             return Placement(self.route(request))
-        healthy = [r for r in self.replicas if r.healthy]
+        healthy = self._open()
         decode = [r for r in healthy if r.role.can_decode]
         # the one replica left to decode (a ``both`` one) cannot also be the prefill one
         prefill = [r for r in healthy if r.role.can_prefill and not (len(decode) == 1 and r is decode[0])]
@@ -175,6 +183,10 @@ class Router:
         first = self._decide(request, RouteStage.PREFILL, prefill)
         self.num_disaggregated += 1
         return Placement(self._decide(request, RouteStage.DECODE, [r for r in decode if r is not first]), first)
+
+    def _open(self) -> list[ReplicaState]:
+        """The replicas that take new requests: healthy and not draining."""
+        return [r for r in self.replicas if r.healthy and not r.draining]
 
     def _decide(self, request: RouteRequest, stage: RouteStage, candidates: list[ReplicaState]) -> ReplicaState:
         """One routing decision over ``candidates`` (filters, scorers, picker), counted
@@ -245,6 +257,80 @@ class Router:
         request.attempt += 1
         self.num_rerouted += 1
         return self.route(request)
+
+    # -- migration -----------------------------------------------------------------------
+    def plan_migrations(self, moving: Iterable[str] = ()) -> list[tuple[RouteRequest, int, int, str]]:
+        """Ask ``schedkit_router_migrate`` which outstanding requests to move now:
+        ``(request, source, target, reason)`` for each valid move (``moving``: requests
+        already on their way, not offered)."""
+        hook = "schedkit_router_migrate"
+        impls = self._impls[hook]
+        if not impls:
+            return []
+        busy = set(moving)
+        requests: dict[int, list[RouteRequest]] = {r.index: [] for r in self.replicas if r.healthy}
+        for rid, (req, index) in self._placed.items():
+            if index in requests and rid not in busy and rid not in self._prefilling:
+                requests[index].append(req)
+        kwargs = {"replicas": self.replicas, "requests": requests}
+        for fn, argnames, plugin in impls:
+            ok, answer = self._call(fn, argnames, plugin, hook, kwargs)
+            if not ok or answer is None:
+                continue
+            try:  # a generator runs plugin code here
+                moves = list(answer)
+            except Exception as e:
+                self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of Migration "
+                                        f"({type(e).__name__}: {e})")
+                continue
+            if not all(isinstance(m, Migration) for m in moves):
+                self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of Migration")
+                continue
+            return self._valid_moves(plugin, hook, moves, requests)
+        return []
+
+    def _valid_moves(self, plugin: str, hook: str, moves: list[Migration],
+                     requests: dict[int, list[RouteRequest]]) -> list[tuple[RouteRequest, int, int, str]]:
+        offered = {req.request_id: index for index, reqs in requests.items() for req in reqs}
+        out: list[tuple[RouteRequest, int, int, str]] = []
+        seen: set[str] = set()
+        for m in moves:
+            source = offered.get(m.request_id)
+            target = m.target
+            if source is None or m.request_id in seen:
+                why = "named twice" if m.request_id in seen else "not an outstanding request it was offered"
+                self._bad(plugin, hook, f"moves {m.request_id!r}: {why}")
+                continue
+            if not (type(target) is int and 0 <= target < len(self.replicas)) or target == source:
+                self._bad(plugin, hook, f"moves {m.request_id!r} to {target!r}: not another replica's index")
+                continue
+            r = self.replicas[target]
+            if not (r.healthy and not r.draining and r.role.can_decode):
+                self._bad(plugin, hook, f"moves {m.request_id!r} to {r.name}, which is "
+                                        f"{'draining' if r.draining else 'unhealthy' if not r.healthy else r.role.value}")
+                continue
+            seen.add(m.request_id)
+            out.append((self._placed[m.request_id][0], source, target, str(m.reason)))
+        return out
+
+    def migrated(self, request_id: str, target: int) -> None:
+        """The request now runs on replica ``target`` (a MIGRATED event for its old one).
+        Unknown ids are ignored."""
+        placed = self._placed.get(request_id)
+        if placed is None:
+            return
+        request, source = placed
+        old, new = self.replicas[source], self.replicas[target]
+        old.num_outstanding -= 1
+        new.num_outstanding += 1
+        self._placed[request_id] = (request, target)
+        self.num_migrated += 1
+        self._emit(RouteEvent(RouteEventKind.MIGRATED, request, old, target=new))
+
+    def drain(self, index: int) -> None:
+        """Take replica ``index`` out of rotation for new requests (its own go on, or move
+        away through ``schedkit_router_migrate``: the ``drain`` plugin)."""
+        self.replicas[index].draining = True
 
     # -- what replicas report ------------------------------------------------------------
     def update_load(self, index: int, *, num_waiting: int, num_running: int, kv_cache_usage: float) -> None:
@@ -364,7 +450,7 @@ class Router:
             "policy": self.config.router.policy,
             "plugins": [name for name, _ in plugins],
             "plugin_hooks": [[name, hooks] for name, hooks in plugins],
-            "replicas": [{"index": r.index, "role": r.role.value, "healthy": r.healthy,
+            "replicas": [{"index": r.index, "role": r.role.value, "healthy": r.healthy, "draining": r.draining,
                           "num_outstanding": r.num_outstanding,
                           "num_routed": r.num_routed, "num_waiting": r.num_waiting,
                           "num_running": r.num_running, "kv_cache_usage": r.kv_cache_usage,
@@ -372,5 +458,6 @@ class Router:
             "num_rerouted": self.num_rerouted,
             "num_failed_by_death": self.num_failed_by_death,
             "num_disaggregated": self.num_disaggregated,
+            "num_migrated": self.num_migrated,
             "num_hook_errors": [[p, h, n] for (p, h), n in self.errors.items()],
         }

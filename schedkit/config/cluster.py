@@ -126,6 +126,9 @@ class RouterConfig(StrictModel):
     entry naming the policy gives the policy its settings."""
     weights: dict[str, float] = Field(default_factory=dict)
     """Weight of each scoring plugin's score, by plugin name (default 1)."""
+    migration_interval_s: float = Field(default=0.5, gt=0)
+    """How often a migration plugin (``schedkit_router_migrate``: ``rebalance``,
+    ``drain``) is asked which running requests to move."""
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:

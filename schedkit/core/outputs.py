@@ -24,6 +24,9 @@ class NewRequestData:
     """The request's whole block table."""
     num_computed_tokens: int
     """Tokens already in the KV cache at admission (prefix hits)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Outputs it has already (a request moved here from another engine mid-stream):
+    they follow the prompt in its tokens; empty for every other new request."""
 
 
 @dataclass(slots=True)

@@ -120,6 +120,8 @@ class ReplicaState:
         num_routed: Decisions that placed a request (or a stage of one) here so far.
         role: What it does (``replicas.roles``); the router offers a replica only for
             the stages its role takes.
+        draining: Being emptied for shutdown: offered to no new request, and the
+            migration hook is asked to move its requests away.
     """
 
     index: int
@@ -132,6 +134,7 @@ class ReplicaState:
     cached_blocks: CachedPrefixIndex = field(default_factory=CachedPrefixIndex)
     num_routed: int = 0
     role: ReplicaRole = ReplicaRole.BOTH
+    draining: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -149,6 +152,9 @@ class RouteEventKind(enum.Enum):
     REROUTED = "rerouted"
     """Its replica died before it produced a token; it is routed again (a ROUTED event
     follows, with the new replica)."""
+    MIGRATED = "migrated"
+    """It moved, running, from ``replica`` to another (``schedkit_router_migrate``); the
+    event's ``target`` is where it runs now."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,6 +175,25 @@ class RouteEvent:
     replica: ReplicaState
     scores: dict[int, float] = field(default_factory=dict)
     stage: RouteStage = RouteStage.WHOLE
+    target: ReplicaState | None = None
+    """With MIGRATED: the replica it moved to."""
+
+
+@dataclass(slots=True, frozen=True)
+class Migration:
+    """A move a migration plugin asks for (``schedkit_router_migrate``): the outstanding
+    request ``request_id`` goes, at its replica's next step boundary, to replica
+    ``target`` with its KV and its state, its stream going on from there.
+
+    Attributes:
+        request_id: An outstanding request (served whole, or at its decode stage).
+        target: The index of a healthy replica that decodes, other than its own.
+        reason: Why, for the log and the stats (``stats()["router"]["migrations"]``).
+    """
+
+    request_id: str
+    target: int
+    reason: str = ""
 
 
 @dataclass(slots=True, frozen=True)

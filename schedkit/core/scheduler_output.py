@@ -21,7 +21,8 @@ def build_scheduler_output(st: StepState, kv: KVCacheManager, running: Sequence[
     """
     new_reqs = [
         NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
-                       list(kv.get_block_ids(req.request_id)), req.num_computed_tokens)
+                       list(kv.get_block_ids(req.request_id)), req.num_computed_tokens,
+                       list(req.output_token_ids))
         for req in st.new_reqs
     ]
     cached = CachedRequestData()

@@ -326,6 +326,9 @@ class StructuredOutputManager:
                 grammar = self.backend.new_grammar(so.compiled.result(), self.max_rollback_tokens)
                 if self._allows_nothing(grammar):
                     err = "no output satisfies it (no token can start it)"
+                elif request.output_token_ids and not grammar.accept_tokens(request.request_id,
+                                                                             request.output_token_ids):
+                    err = "the outputs it brought from another engine do not satisfy it"
                 else:
                     so.grammar = grammar
                     so.budget = StepBudget(self.step_budget_ms / 1e3)

@@ -243,9 +243,10 @@ class EngineCore:
 
     def _check_token_ids(self, request: Request) -> None:
         vocab = self._vocab_size
-        if vocab is not None and max(request.prompt_token_ids) >= vocab:
-            bad = next(t for t in request.prompt_token_ids if t >= vocab)
-            raise RequestError(f"request {request.request_id!r}: prompt token id {bad} is outside "
+        if vocab is not None and max(request.all_token_ids) >= vocab:
+            bad = next(t for t in request.all_token_ids if t >= vocab)
+            what = "prompt" if bad in request.prompt_token_ids else "resumed output"
+            raise RequestError(f"request {request.request_id!r}: {what} token id {bad} is outside "
                                f"the model's vocabulary of {vocab} tokens", request_id=request.request_id)
 
     @property

@@ -26,7 +26,7 @@ from schedkit.kv.connector import KVConnectorRole
 from schedkit.kv.connectors.transfer import KVReceipt, TransferConnector
 
 KV_METHODS = ("kv_reserve", "kv_export", "kv_import", "kv_release", "kv_cancel")
-"""The utility methods of a hand-off."""
+"""The utility methods of a hand-off (``migrate_out`` starts one for a running request)."""
 
 
 class KVHandoffs:
@@ -56,6 +56,30 @@ class KVHandoffs:
     def send_when_finished(self, request_id: str) -> None:
         """Keep the request's prompt blocks when it finishes (a ``kv_send`` request)."""
         self._connector().send_when_finished(request_id)
+
+    def migrate_out(self, args: Sequence[Any]) -> tuple[Any, dict[str, Any]] | None:
+        """``migrate_out(request id)``: stop the request here at this step boundary, keep
+        the full blocks of its computed tokens, and return it with its state for its new
+        engine (``block_ids``, ``block_hashes``, ``output_token_ids``); None while a step
+        is in flight (ask again).
+
+        Raises:
+            RequestError: No unfinished request of that id runs or waits here.
+            ConfigError: This engine does not run the transfer connector.
+        """
+        conn = self._connector()
+        (rid,) = _arity("migrate_out", args, 1)
+        engine = self.engine
+        req = engine.scheduler.requests.get(rid) if isinstance(rid, str) else None
+        if req is None or req.is_finished:
+            raise RequestError(f"migrate_out: no unfinished request {rid!r} runs or waits here")
+        if engine.num_steps_in_flight:
+            return None
+        conn.send_when_finished(rid)
+        engine.abort_requests(rid)
+        blocks = conn.held_blocks(rid) or []
+        return req, {"block_ids": list(blocks), "block_hashes": list(req.block_hashes[:len(blocks)]),
+                     "output_token_ids": list(req.output_token_ids)}
 
     def call(self, method: str, args: Sequence[Any]) -> Any:
         """Run ``kv_*`` utility ``method``.

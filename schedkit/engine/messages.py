@@ -74,10 +74,10 @@ def sampling_from_wire(fields: dict[str, Any], request_id: str) -> SamplingParam
         raise RequestError(f"request {request_id!r}: {e}", request_id=request_id) from None
 
 
-def _check_token_ids(ids: Any, request_id: str) -> None:
+def _check_token_ids(ids: Any, request_id: str, name: str = "prompt_token_ids") -> None:
     if not isinstance(ids, list):
-        raise _bad(request_id, "prompt_token_ids", ids, "a list of token ids")
-    if not ids:
+        raise _bad(request_id, name, ids, "a list of token ids")
+    if not ids and name == "prompt_token_ids":
         raise RequestError(f"request {request_id!r}: the prompt is empty (no token ids)",
                            request_id=request_id)
     try:  # fast path: exact ints, and array("q") checks the 64-bit range at C speed
@@ -87,7 +87,7 @@ def _check_token_ids(ids: Any, request_id: str) -> None:
         pass
     for i, t in enumerate(ids):
         if not (_is_int64(t) and t >= 0):
-            raise _bad(request_id, f"prompt_token_ids[{i}]", t, "a non-negative 64-bit integer")
+            raise _bad(request_id, f"{name}[{i}]", t, "a non-negative 64-bit integer")
 
 
 def check_request(w: WireRequest) -> SamplingParams:
@@ -112,6 +112,8 @@ def check_request(w: WireRequest) -> SamplingParams:
     check_ttft_slo(rid, w.ttft_slo_s)
     if type(w.final_only) is not bool:
         raise _bad(rid, "final_only", w.final_only, "a bool")
+    if w.resume_token_ids != []:
+        _check_token_ids(w.resume_token_ids, rid, "resume_token_ids")
     if type(w.kv_send) is not bool:
         raise _bad(rid, "kv_send", w.kv_send, "a bool")
     return sampling_from_wire(w.sampling_params, rid)
@@ -133,6 +135,10 @@ class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     like vLLM's FINAL_ONLY output kind); False streams a delta every step."""
     ttft_slo_s: float | None = None
     """The client's TTFT target in seconds (``Request.ttft_slo_s``; None: the policy's)."""
+    resume_token_ids: list[int] = []
+    """Outputs the request has already produced on another engine (a request moved
+    mid-stream, :mod:`schedkit.cluster.migration`): they follow its prompt, count
+    toward ``max_tokens``, advance its grammar, and are not sent again."""
     kv_send: bool = False
     """A disaggregated request's prefill: the engine keeps its prompt's KV blocks when it
     finishes, for the front end to send to its decode replica

@@ -82,7 +82,7 @@ from schedkit.engine.messages import (
     hello_decoder,
     kv_events_to_wire,
 )
-from schedkit.errors import ConfigError, EngineDeadError, PluginError, SchedkitError
+from schedkit.errors import ConfigError, EngineDeadError, PluginError, RequestError, SchedkitError
 
 log = logging.getLogger("schedkit.engine")
 
@@ -96,15 +96,23 @@ PARENT_CHECK_S = 0.25
 LOAD_REPORT_INTERVAL_S = 0.05
 """Load reports go out at most this often (each carries every KV event since the last)."""
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "set_pause_state", "list_plugins", "shutdown",
-                   "num_unfinished", *KV_METHODS)
+                   "num_unfinished", "migrate_out", *KV_METHODS)
 
 
 def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     """Build a Request (validating it) from its wire form."""
     params = check_request(w)
-    return Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
-                   priority=w.priority, client_index=client_index, tenant=w.tenant,
-                   cache_salt=w.cache_salt, ttft_slo_s=w.ttft_slo_s)
+    req = Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
+                  priority=w.priority, client_index=client_index, tenant=w.tenant,
+                  cache_salt=w.cache_salt, ttft_slo_s=w.ttft_slo_s)
+    if w.resume_token_ids:
+        if len(w.resume_token_ids) >= req.max_tokens:
+            raise RequestError(f"request {w.request_id!r}: resume_token_ids has {len(w.resume_token_ids)} "
+                               f"tokens, not fewer than max_tokens ({req.max_tokens}): nothing is left to "
+                               "generate", request_id=w.request_id)
+        for t in w.resume_token_ids:
+            req.append_output_token_ids(t)
+    return req
 
 
 def metrics_of(req: Request) -> WireMetrics:
@@ -365,6 +373,8 @@ class EngineCoreProc:
                 result = len(self._live)
             elif method in KV_METHODS:
                 result = self.handoffs.call(method, call.args)
+            elif method == "migrate_out":
+                result = self._migrate_out(call.args)
             elif method == "shutdown":
                 self._stop.set()
                 result = True
@@ -378,6 +388,21 @@ class EngineCoreProc:
             log.exception("utility %s failed", method)
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
         return UtilityResult(call.call_id, result=result)
+
+    def _migrate_out(self, args: list[Any]) -> bool:
+        """Stop a request for its move to another engine: its stream here ends with
+        finish_reason "migrated" and its state in ``kv_transfer_params`` (queued before
+        the utility's answer, after every delta it had). False: a step is in flight."""
+        moved = self.handoffs.migrate_out(args)
+        if moved is None:
+            return False
+        req, state = moved
+        rid = req.request_id
+        self._live.pop(rid, None)
+        self._final_only.discard(rid)
+        self.output_queue.put((req.client_index, OutputBatch(outputs=[
+            WireOutput(rid, finish_reason="migrated", kv_transfer_params=state, metrics=metrics_of(req))])))
+        return True
 
     def _dispatch(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         live, final_only = self._live, self._final_only

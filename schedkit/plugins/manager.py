@@ -282,6 +282,8 @@ BUILTIN_ROUTERS: Mapping[str, str] = {
     "session-affinity": "schedkit.policies.routers:SessionAffinity",
     "weighted": "schedkit.policies.routers:Weighted",
     "selective-pd": "schedkit.policies.routers:SelectivePD",
+    "rebalance": "schedkit.policies.routers:Rebalance",
+    "drain": "schedkit.policies.routers:Drain",
 }
 """The built-in router plugins, by the name ``router.policy`` / ``router.plugins`` use."""
 ROUTER_DEFAULT = ("best-score", "schedkit.policies.routers:BestScore")

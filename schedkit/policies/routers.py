@@ -10,6 +10,9 @@ The load a router sees at once is ``ReplicaState.num_outstanding`` (requests rou
 replica and not finished; the router's own count), so the load-aware scorers use it
 rather than the queue lengths a replica reports now and then.
 
+``Rebalance`` and ``Drain`` move running requests between replicas (live migration,
+``schedkit_router_migrate``).
+
 With ``replicas.roles``, ``SelectivePD`` decides which requests are disaggregated, and
 the rotations (``BestScore``'s ties, ``RoundRobin``, ``SessionAffinity``'s homes) keep
 prefill stages apart from the rest: prefill replicas and decode replicas each take
@@ -21,12 +24,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from schedkit.core.routing import ReplicaState, RouteEvent, RouteEventKind, RouteRequest, RouteStage
+from schedkit.core.routing import (
+    Migration,
+    ReplicaState,
+    RouteEvent,
+    RouteEventKind,
+    RouteRequest,
+    RouteStage,
+)
 from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import check_int, check_number
 
-__all__ = ["BestScore", "KVUsage", "LeastOutstanding", "PrefixAffinity", "RoundRobin", "SelectivePD",
-           "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "num_uncached_tokens",
+__all__ = ["BestScore", "Drain", "KVUsage", "LeastOutstanding", "PrefixAffinity", "Rebalance", "RoundRobin",
+           "SelectivePD", "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "num_uncached_tokens",
            "prefix_scores"]
 
 
@@ -263,3 +273,71 @@ class SelectivePD:
     @hookimpl(trylast=True)
     def schedkit_router_disaggregate(self, request: RouteRequest, decode_replicas: Sequence[ReplicaState]) -> bool:
         return num_uncached_tokens(request, decode_replicas) > self.threshold
+
+
+def _decode_targets(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The replicas a running request may move to: healthy, not draining, decoding."""
+    return [r for r in replicas if r.healthy and not r.draining and r.role.can_decode]
+
+
+class Rebalance:
+    """Live migration for load balance, as Llumnix's: when the replica with the least
+    free KV cache and the one with the most differ in usage by more than ``min_gap``,
+    move up to ``max_moves`` of the busier one's requests there, the shortest prompts
+    first (the least KV to send). Usage is what the replicas last reported, so a move
+    is seen in it a report later: ``router.migration_interval_s`` paces it.
+
+    Settings:
+        min_gap: KV usage difference (0..1) above which requests move (default 0.2).
+        max_moves: Requests moved per round (default 1).
+    """
+
+    def __init__(self, min_gap: float = 0.2, max_moves: int = 1) -> None:
+        self.min_gap = check_number("min_gap", min_gap)
+        self.max_moves = check_int("max_moves", max_moves, minimum=1)
+
+    @hookimpl
+    def schedkit_router_migrate(self, replicas: Sequence[ReplicaState],
+                                requests: dict[int, Sequence[RouteRequest]]) -> list[Migration]:
+        targets = _decode_targets(replicas)
+        sources = [r for r in targets if requests.get(r.index)]
+        if not sources or len(targets) < 2:
+            return []
+        source = max(sources, key=lambda r: (r.kv_cache_usage, r.num_outstanding))
+        target = min((r for r in targets if r is not source), key=lambda r: (r.kv_cache_usage, r.num_outstanding))
+        if source.kv_cache_usage - target.kv_cache_usage <= self.min_gap:
+            return []
+        movable = sorted(requests[source.index], key=lambda q: q.num_prompt_tokens)[:self.max_moves]
+        gap = f"KV usage {source.kv_cache_usage:.2f} vs {target.kv_cache_usage:.2f}"
+        return [Migration(q.request_id, target.index, f"rebalance: {gap}") for q in movable]
+
+
+class Drain:
+    """Live migration off draining replicas (``ClusterClient.drain(index)``, e.g. before
+    a shutdown): each of their requests moves to the open replica with the fewest
+    outstanding requests, counting the moves already planned.
+
+    Settings:
+        max_moves: Requests moved per round, all draining replicas together (default 64).
+    """
+
+    def __init__(self, max_moves: int = 64) -> None:
+        self.max_moves = check_int("max_moves", max_moves, minimum=1)
+
+    @hookimpl
+    def schedkit_router_migrate(self, replicas: Sequence[ReplicaState],
+                                requests: dict[int, Sequence[RouteRequest]]) -> list[Migration] | None:
+        draining = [r for r in replicas if r.draining and requests.get(r.index)]
+        targets = _decode_targets(replicas)
+        if not draining or not targets:
+            return None  # nothing to drain: another plugin may move something
+        load = {r.index: r.num_outstanding for r in targets}
+        moves: list[Migration] = []
+        for r in draining:
+            for q in requests[r.index]:
+                if len(moves) == self.max_moves:
+                    return moves
+                target = min(load, key=lambda i: (load[i], i))
+                load[target] += 1
+                moves.append(Migration(q.request_id, target, f"drain {r.name}"))
+        return moves

@@ -89,7 +89,8 @@ class FakeRunner:
             eos_at = self.output_len(new.req_id) if self.output_len is not None else None
             states[new.req_id] = _ReqState(request_seed(new.req_id, new.sampling_params.seed),
                                            len(new.prompt_token_ids),
-                                           list(new.prompt_token_ids), new.num_computed_tokens, eos_at)
+                                           new.prompt_token_ids + new.output_token_ids,
+                                           new.num_computed_tokens, eos_at)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, tokens in cached.resumed_token_ids.items():
             num_prompt, seed = self._parked.pop(rid)

@@ -209,6 +209,10 @@ class EngineStatsCollector(Collector):
                                        labels=["model_name"])
         rerouted.add_metric([m], router.get("num_rerouted", 0))
         yield rerouted
+        migrated = CounterMetricFamily(PREFIX + "router_migrations", "Running requests moved to "
+                                       "another replica (schedkit_router_migrate).", labels=["model_name"])
+        migrated.add_metric([m], router.get("num_migrated", 0))
+        yield migrated
         lost = CounterMetricFamily(PREFIX + "router_failed_by_replica_death", "Requests failed "
                                    "because their replica died after they produced tokens.",
                                    labels=["model_name"])

@@ -56,7 +56,11 @@ def colocated(base: dict[str, Any], prompts: list[list[int]], sps: list[Sampling
 
 
 async def stream_all(llm: AsyncLLM, prompts: list[list[int]], sps: list[SamplingParams],
+                     first_seen: dict[str, float] | None = None,
                      ) -> tuple[dict[str, list[int]], Counter[str], dict[str, Any]]:
+    """Stream every request at once: each one's tokens, how many times it ended, its
+    last output (``first_seen``: filled with when each one's first token arrived,
+    ``time.monotonic()``)."""
     tokens: dict[str, list[int]] = {}
     ends: Counter[str] = Counter()
     finals: dict[str, Any] = {}
@@ -66,6 +70,8 @@ async def stream_all(llm: AsyncLLM, prompts: list[list[int]], sps: list[Sampling
         tokens[rid] = []
         async for o in llm.generate(prompts[i], sps[i], request_id=rid):
             assert not ends[rid], f"{rid}: a delta after its end"
+            if first_seen is not None and o.output_token_ids and not tokens[rid]:
+                first_seen[rid] = time.monotonic()
             tokens[rid] += o.output_token_ids
             if o.finished:
                 ends[rid] += 1
@@ -258,11 +264,19 @@ async def kill_one_side(victim: int, n: int) -> dict[str, Any]:
                     out["ends"][rid] += 1
                     out["finals"][rid] = d
 
-        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        async def arrive() -> None:  # a steady stream: prefills are under way until the last one
+            for i in range(n):
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.004)
+
+        tasks: list[asyncio.Task[None]] = []
+        arrivals = asyncio.create_task(arrive())
         prefill = core.router.replicas[PREFILL]
+        deadline = time.monotonic() + 60
         while not (core.handoffs.num_handoffs >= 50 and prefill.num_outstanding
                    and any(t and not out["ends"][r] for r, t in out["tokens"].items())):
             assert not any(t.done() and t.exception() for t in tasks)
+            assert time.monotonic() < deadline and not arrivals.done(), "the kill found no prefill under way"
             await asyncio.sleep(0.005)
         handle = core.replicas.handles[victim]
         sigstop(handle.pid)
@@ -275,6 +289,7 @@ async def kill_one_side(victim: int, n: int) -> dict[str, Any]:
         out["at_kill"] = {r: len(t) for r, t in out["tokens"].items() if not out["ends"][r]}
         out["prefilling"] = prefill.num_outstanding
         sigkill(handle.pid)
+        await arrivals
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
         after: list[int] = []
         async for d in llm.generate(prompt(n), SamplingParams(max_tokens=4, ignore_eos=True), request_id="after"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from schedkit import ConfigError, PluginError, hookimpl
+from schedkit import ConfigError, Migration, PluginError, hookimpl
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
@@ -330,6 +330,10 @@ class RaisingEverywhere:
         raise RuntimeError("disaggregation bug")
 
     @hookimpl
+    def schedkit_router_migrate(self, replicas):
+        raise RuntimeError("migration bug")
+
+    @hookimpl
     def schedkit_router_filter(self, replicas):
         raise RuntimeError("filter bug")
 
@@ -355,6 +359,10 @@ class Nonsense:
         return "maybe"
 
     @hookimpl
+    def schedkit_router_migrate(self, requests):
+        return [Migration("no-such-request", 1), "a move"]
+
+    @hookimpl
     def schedkit_router_filter(self, replicas):
         return []
 
@@ -371,6 +379,10 @@ class WrongLength:
     @hookimpl
     def schedkit_router_score(self, replicas):
         return [1.0]
+
+    @hookimpl
+    def schedkit_router_migrate(self, requests):
+        return [Migration(q.request_id, 99) for reqs in requests.values() for q in reqs]  # no such replica
 
     @hookimpl
     def schedkit_router_filter(self, replicas):
@@ -391,6 +403,10 @@ class LazyBugs:
     @hookimpl(tryfirst=True)
     def schedkit_router_disaggregate(self, request):
         return BadRepr()
+
+    @hookimpl
+    def schedkit_router_migrate(self, requests):
+        return (1 / 0 for _ in requests)
 
     @hookimpl
     def schedkit_router_filter(self, replicas):
@@ -414,6 +430,7 @@ def test_a_misbehaving_router_plugin_never_loses_a_request(make_plugin, caplog):
     picks = [route(r, f"a{i}") for i in range(6)]
     assert picks == [0, 1, 2, 0, 1, 2]  # the built-ins decided
     assert sum(x.num_outstanding for x in r.replicas) == 6
+    assert r.plan_migrations() == []  # no move made of a bad answer
     assert r.errors and all(p == type(plugin).__name__ + "-0" for p, _ in r.errors)
     assert any("router plugin" in m for m in caplog.messages)
     assert r.stats()["num_hook_errors"]

@@ -81,8 +81,9 @@ class TransferConnector(KVConnectorBase):
 
     # -- sending (the prefill engine) --------------------------------------------------------
     def send_when_finished(self, request_id: str) -> None:
-        """Keep the request's prompt blocks when it finishes, for :meth:`sent` to release.
-        Engine-core process; call before the request finishes."""
+        """Keep the full blocks of the request's computed tokens (a finished prefill: its
+        prompt's) when it finishes, for :meth:`sent` to release. Engine-core process;
+        call before the request finishes."""
         self._to_send.add(request_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -92,7 +93,7 @@ class TransferConnector(KVConnectorBase):
             return False, None
         self._to_send.discard(rid)
         self.sent(rid)  # a release still on its way for an earlier request of this id
-        num_full = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
+        num_full = request.num_computed_tokens // self.block_size
         blocks = list(block_ids[:num_full])
         self.kv_cache_manager.block_pool.touch(blocks)
         self._held[rid] = blocks

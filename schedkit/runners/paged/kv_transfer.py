@@ -45,7 +45,7 @@ def pack_blocks(kv_caches: Any, block_ids: list[int]) -> dict[str, Any]:
             else:
                 blocks[layer, i].copy_(cache.index_select(0, idx))
     # a view of the tensor's bytes: the socket's encoder copies them once, nothing before
-    data = memoryview(blocks.view(-1).view(torch.uint8).numpy())
+    data = blocks.view(-1).view(torch.uint8).numpy().data
     return {"num_blocks": len(block_ids), "shape": list(blocks.shape), "dtype": str(blocks.dtype).removeprefix("torch."),
             "data": data}
 

@@ -453,8 +453,8 @@ class PagedModelRunner:
             if st is not None:
                 self._parked[rid] = _Parked(st.num_prompt_tokens, st.sampling_params)
         for new in so.scheduled_new_reqs:
-            ib.add(new.req_id, new.prompt_token_ids, len(new.prompt_token_ids), new.block_ids,
-                   new.num_computed_tokens, new.sampling_params)
+            ib.add(new.req_id, new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                   new.block_ids, new.num_computed_tokens, new.sampling_params)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]

@@ -14,6 +14,7 @@ replica, which computes the rest of the prompt and produces every output token.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 
 from schedkit.cluster.transfer import (
@@ -55,7 +56,10 @@ class Handoffs:
         self.due: list[tuple[float, int, str]] = []
         """Hand-offs in flight, a heap of (end, order started, request id)."""
         self.done: list[Handoff] = []
-        """Every hand-off started, in order."""
+        """Every prefill hand-off started, in order."""
+        self.moves: list[Handoff] = []
+        """Every hand-off of a running request moved to another replica, in order."""
+        self._order = itertools.count()
         self.prefill_of: dict[str, int] = {}
         """Request id -> its prefill replica."""
         self.cached_tokens: dict[str, int] = {}
@@ -101,13 +105,28 @@ class Handoffs:
         self.done.append(handoff)
         self.in_flight[rid] = (req, handoff)
         self.cached_tokens[rid] = o.num_cached_tokens
-        heapq.heappush(self.due, (handoff.end, len(self.done), rid))
+        heapq.heappush(self.due, (handoff.end, next(self._order), rid))
         return None
 
+    def start_move(self, req: Request, source: int, target: int, now: float) -> Handoff:
+        """A running request stopped on replica ``source`` (its connector keeps the full
+        blocks of its computed tokens) moves to ``target``, as ``req`` (it resumed with
+        its outputs): the blocks the target does not hold go over from ``now``."""
+        rid = req.request_id
+        blocks = self.connectors[source].held_blocks(rid) or []
+        kv = self.engines[target].scheduler.kv_cache_manager
+        held = min(num_blocks_held(kv, req.block_hashes[:len(blocks)]), len(blocks))
+        handoff = Handoff(rid, source, target, len(blocks) - held, held, kv.block_size, now,
+                          self.transfer_time(len(blocks) - held))
+        self.moves.append(handoff)
+        self.in_flight[rid] = (req, handoff)
+        heapq.heappush(self.due, (handoff.end, next(self._order), rid))
+        return handoff
+
     def deliver(self) -> tuple[Request, Handoff]:
-        """End the first hand-off in flight: the prefill replica frees its blocks, the
-        decode replica's connector learns what arrived. Returns the request, for the
-        caller to add to the decode replica."""
+        """End the first hand-off in flight (a prefill's or a move's): the sending replica
+        frees its blocks, the receiving replica's connector learns what arrived. Returns
+        the request, for the caller to add to the receiving replica."""
         _, _, rid = heapq.heappop(self.due)
         req, handoff = self.in_flight.pop(rid)
         self.connectors[handoff.prefill].sent(rid)

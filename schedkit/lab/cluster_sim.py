@@ -35,6 +35,13 @@ The event loop (a discrete-event simulation; every time is on the one shared clo
   frees the blocks it kept, and the request, its arrival time unchanged, is added to the
   decode replica, whose ``transfer`` connector hands it the KV that arrived.
 
+* With a migration plugin (``schedkit_router_migrate``) the router is asked every
+  ``router.migration_interval_s`` which running requests to move: each stops on its
+  replica after the step in progress, keeping the blocks of its computed tokens, and
+  goes to its target as a request resuming with its outputs (its arrival time and
+  events kept, so its metrics span both) once the blocks the target lacks have taken
+  the transfer time: the same hand-off event as a disaggregated prefill's.
+
 Token times and metrics are recorded as :func:`~schedkit.lab.simulate.run_workload`
 records them, so :func:`~schedkit.lab.metrics.summarize` works on the union, and with one
 replica the result equals ``run_workload``'s request for request. Everything is
@@ -59,7 +66,7 @@ from schedkit.cluster.router import Router, replica_config
 from schedkit.cluster.transfer import KVTransfer
 from schedkit.config import Config
 from schedkit.core.outputs import EngineCoreOutput
-from schedkit.core.request import Request, SamplingParams
+from schedkit.core.request import EventType, Request, SamplingParams
 from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.errors import ConfigError, SchedkitError
@@ -180,13 +187,14 @@ class _ClusterRun:
         self.wall0 = time.perf_counter()
         n = config.replicas.count
         rconfig = replica_config(config)
+        self.router = Router(config, n, extra_plugins=router_extra_plugins)
         has_roles = config.replicas.roles is not None
-        engine_plugins = [KVTransfer()] if has_roles else []
+        moves = self.router.migrates
+        engine_plugins = [KVTransfer()] if has_roles or moves else []
         self.engines = [EngineCore(rconfig, extra_plugins=engine_plugins) for _ in range(n)]
         if not all(e.is_virtual for e in self.engines):
             raise ConfigError("the cluster simulation needs a virtual clock: runner.kind fake or "
                               "simulated, with runner.clock virtual")
-        self.router = Router(config, n, extra_plugins=router_extra_plugins)
         self.replicas = [_Replica(i, e) for i, e in enumerate(self.engines)]
         self.start = self.engines[0].start_time
         assert all(e.start_time == self.start for e in self.engines)
@@ -195,8 +203,11 @@ class _ClusterRun:
         self.hasher = BlockHasher(cache.block_size, cache.hash_algo) if cache.enable_prefix_caching else None
         cost_model = getattr(self.engines[0].runner, "cost_model", None)
         self.handoffs = Handoffs(self.engines, cost_model.kv_transfer_time if cost_model is not None
-                                 else lambda num_blocks: 0.0, self.hasher) if has_roles else None
-        """Disaggregated requests (None without ``replicas.roles``)."""
+                                 else lambda num_blocks: 0.0, self.hasher) if has_roles or moves else None
+        """Disaggregated and moved requests (None without ``replicas.roles`` or migration)."""
+        self.interval = config.router.migration_interval_s
+        self.next_round = self.start + self.interval if moves else _INF
+        """When the router is next asked which running requests to move (inf: never)."""
         self.eos = config.runner.eos_token_id
         self.slo = config.workload.slo
         self.workload = workload
@@ -225,8 +236,11 @@ class _ClusterRun:
             rep = self._replica_due()
             if rep is not None:
                 self._step(rep)
-            elif handoffs is not None and handoffs.due and handoffs.next_end() < self._next_arrival_time():
+            elif (handoffs is not None and handoffs.due and handoffs.next_end() < self._next_arrival_time()
+                  and handoffs.next_end() <= self.next_round):
                 self._deliver(handoffs)
+            elif self.next_round < self._next_arrival_time():
+                self._migration_round()
             elif self.next_arrival < self.num_arrivals:
                 self._route_next_arrival()
             else:
@@ -238,9 +252,53 @@ class _ClusterRun:
         return self.arrivals[self.next_arrival] if self.next_arrival < self.num_arrivals else _INF
 
     def _next_event_time(self) -> float:
-        """When the next arrival or KV hand-off end comes (inf: none is left)."""
-        t = self._next_arrival_time()
+        """When the next arrival, KV hand-off end or migration round comes (inf: none is
+        left)."""
+        t = min(self._next_arrival_time(), self.next_round)
         return t if self.handoffs is None else min(t, self.handoffs.next_end())
+
+    def _migration_round(self) -> None:
+        """Ask the router which running requests to move (on what the replicas had
+        reported by now) and stop each on its replica; the next round is due an
+        interval later while anything is left to run."""
+        t = self.next_round
+        self._apply_reports(t)
+        assert self.handoffs is not None
+        for route_req, source, target, _ in self.router.plan_migrations(self.handoffs.in_flight):
+            self._move(route_req.request_id, source, target, t)
+        busy = self.live or self.next_arrival < self.num_arrivals or self.handoffs.due
+        self.next_round = t + self.interval if busy else _INF
+
+    def _move(self, rid: str, source: int, target: int, t: float) -> None:
+        """Stop request ``rid`` on replica ``source`` at its step boundary (its step in
+        progress, if one is, ends first), keeping its computed blocks, and start their
+        hand-off to ``target``, where it resumes with its outputs, its events and its
+        arrival time (so its metrics span both)."""
+        assert self.handoffs is not None
+        e = self.engines[source]
+        old = e.scheduler.requests.get(rid)
+        if old is None or old.is_finished or e.num_steps_in_flight:
+            return
+        self.handoffs.connectors[source].send_when_finished(rid)
+        e.abort_requests(rid)
+        new = Request(rid, old.prompt_token_ids, old.sampling_params, arrival_time=old.arrival_time,
+                      priority=old.priority, tenant=old.tenant, ttft_slo_s=old.ttft_slo_s)
+        for token in old.output_token_ids:
+            new.append_output_token_ids(token)
+        new.events.extend(ev for ev in old.events if ev[0] is not EventType.FINISHED)  # it goes on
+        new.num_preemptions = old.num_preemptions
+        new.num_cached_tokens = old.num_cached_tokens
+        new.num_recomputed_tokens = old.num_recomputed_tokens
+        if self.hasher is not None:
+            new.block_hashes.extend(old.block_hashes)
+            new.set_block_hasher(self.hasher.extend, self.block_size)
+        self.live[rid] = new
+        self.handoffs.start_move(new, source, target, max(t, e.now()))
+        self.router.migrated(rid, target)
+        self.replica_of[rid] = target
+        rep = self.replicas[source]
+        rep.added = True  # its freed blocks may let a waiting request in
+        self._schedule(rep)
 
     def _replica_due(self) -> _Replica | None:
         """The replica whose step starts first, if it starts before the next arrival
@@ -402,7 +460,7 @@ class _ClusterRun:
             self.router.finished(rid, failed=True)
             return
         self.live[rid] = req
-        self.token_times[rid] = []
+        self.token_times.setdefault(rid, [])  # a moved request keeps its token times
         rep.added = True
         self._schedule(rep)
 
@@ -469,4 +527,5 @@ class _ClusterRun:
             replica_roles=[r.role.value for r in self.router.replicas],
             replica_queue_depth=[r.waiting_s / r.busy_s if r.busy_s else 0.0 for r in self.replicas],
             prefill_of=dict(self.handoffs.prefill_of) if self.handoffs is not None else {},
-            handoffs=list(self.handoffs.done) if self.handoffs is not None else [])
+            handoffs=list(self.handoffs.done) if self.handoffs is not None else [],
+            moves=list(self.handoffs.moves) if self.handoffs is not None else [])

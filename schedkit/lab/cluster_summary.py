@@ -44,6 +44,8 @@ class ClusterRunResult(RunResult):
     prefill_of: dict[str, int] = field(default_factory=dict)
     """request_id -> its prefill replica, for the disaggregated requests."""
     handoffs: list[Handoff] = field(default_factory=list)
+    moves: list[Handoff] = field(default_factory=list)
+    """The KV hand-off of every running request moved to another replica, in order."""
     """Every KV hand-off from a prefill replica to a decode replica, in the order the
     prefills ended."""
 
@@ -140,6 +142,10 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
     replica held already, not sent), ``transfer_s_total``, ``transfer_s_mean`` and
     ``roles`` (per role: replicas, requests, prefills, steps, busy_s, busy_s_mean,
     queue_depth_mean); ``router`` has ``num_disaggregated``.
+
+    With moves of running requests (``schedkit_router_migrate``), ``migration`` has
+    ``num_migrated``, ``num_blocks_transferred``, ``num_blocks_held`` and
+    ``transfer_s_total``; a moved request counts in the entry of the replica it ended on.
     """
     wl = config.workload
     overall = summarize(run.metrics, wl.slo, fairness=wl.fairness, shares=wl.tenant_shares)
@@ -177,4 +183,12 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
     if has_roles:
         summary["router"]["num_disaggregated"] = stats.get("num_disaggregated", 0)
         summary["disaggregation"] = _disaggregation_summary(run, replicas)
+    if run.moves:
+        moves = run.moves
+        summary["migration"] = {
+            "num_migrated": len(moves),
+            "num_blocks_transferred": sum(h.num_blocks for h in moves),
+            "num_blocks_held": sum(h.num_blocks_held for h in moves),
+            "transfer_s_total": sum(h.seconds for h in moves),
+        }
     return summary

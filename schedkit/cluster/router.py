@@ -277,11 +277,8 @@ class Router:
             ok, answer = self._call(fn, argnames, plugin, hook, kwargs)
             if not ok or answer is None:
                 continue
-            try:  # a generator runs plugin code here
-                moves = list(answer)
-            except Exception as e:
-                self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of Migration "
-                                        f"({type(e).__name__}: {e})")
+            moves = self._listed(plugin, hook, answer, "Migration")
+            if moves is None:
                 continue
             if not all(isinstance(m, Migration) for m in moves):
                 self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of Migration")
@@ -359,6 +356,16 @@ class Router:
             self._bad(plugin, hook, f"raised {type(e).__name__}: {e}")
             return False, None
 
+    def _listed(self, plugin: str, hook: str, answer: Any, what: str) -> list[Any] | None:
+        """A plugin's answer as a list (a generator runs plugin code here: its raise is
+        the plugin's bad answer, counted, and None)."""
+        try:
+            return list(answer)
+        except Exception as e:
+            self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of {what} "
+                                    f"({type(e).__name__}: {e})")
+            return None
+
     def _disaggregate(self, request: RouteRequest, prefill: list[ReplicaState],
                       decode: list[ReplicaState]) -> bool:
         """The first bool a ``schedkit_router_disaggregate`` plugin answers (False when
@@ -380,11 +387,8 @@ class Router:
             ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
             if not ok or answer is None:
                 continue
-            try:  # a generator runs plugin code here
-                kept = list(answer)
-            except Exception as e:
-                self._bad(plugin, hook, f"answered {_describe(answer)}, not a list of replicas "
-                          f"({type(e).__name__}: {e})")
+            kept = self._listed(plugin, hook, answer, "replicas")
+            if kept is None:
                 continue
             allowed = {id(r) for r in candidates}
             if any(id(r) not in allowed for r in kept):

@@ -55,6 +55,16 @@ def colocated(base: dict[str, Any], prompts: list[list[int]], sps: list[Sampling
         return [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
 
 
+def split_run(base: dict[str, Any], prompts: list[list[int]], sps: list[SamplingParams],
+              ) -> tuple[list[list[int]], list[list[int]], dict[str, Any]]:
+    """(one colocated engine's tokens, the disaggregated cluster's tokens through
+    ``LLM.generate``, the cluster's stats)."""
+    want = colocated(base, prompts, sps)
+    with LLM(disagg(base)) as llm:
+        got = [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        return want, got, llm.call_utility("stats")
+
+
 async def stream_all(llm: AsyncLLM, prompts: list[list[int]], sps: list[SamplingParams],
                      first_seen: dict[str, float] | None = None,
                      ) -> tuple[dict[str, list[int]], Counter[str], dict[str, Any]]:
@@ -99,10 +109,7 @@ def test_paged_greedy_tokens_equal_one_colocated_engine(speculative):
     prompts = random_prompts(12)
     prompts += [p[:40] + p[:40] + p[:20] for p in prompts[:4]]  # repeats: n-gram drafts hit
     sps = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)] * len(prompts)
-    want = colocated(base, prompts, sps)
-    with LLM(disagg(base)) as llm:
-        got = [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
-        stats = llm.call_utility("stats")
+    want, got, stats = split_run(base, prompts, sps)
     assert got == want
     kv = stats["kv_transfer"]
     assert kv["num_handoffs"] == len(prompts) and kv["fallbacks"] == {}
@@ -149,10 +156,7 @@ def test_structured_outputs_disaggregated_match_colocated(install_plugin):
     sps = [SamplingParams(max_tokens=30, eos_token_id=0, temperature=0.0,
                           structured_outputs={"regex": patterns[i % 3]}) if i % 2 == 0 else
            SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0) for i in range(len(prompts))]
-    want = colocated(base, prompts, sps)
-    with LLM(disagg(base)) as llm:
-        got = [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
-        stats = llm.call_utility("stats")
+    want, got, stats = split_run(base, prompts, sps)
     assert got == want
     import re
     for i in range(0, len(prompts), 2):
@@ -233,10 +237,7 @@ def test_decode_without_room_holds_the_prefill_blocks_until_it_has_some():
     base["cache"] = {"num_blocks": 40}  # 39 usable blocks: room for about three prompts at once
     prompts = random_prompts(12, seed=13, lo=150, hi=190)
     sps = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)] * len(prompts)
-    want = colocated(base, prompts, sps)
-    with LLM(disagg(base)) as llm:
-        got = [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
-        stats = llm.call_utility("stats")
+    want, got, stats = split_run(base, prompts, sps)
     assert got == want
     kv = stats["kv_transfer"]
     assert kv["num_room_waits"] > 0 and kv["num_handoffs"] == len(prompts) and kv["fallbacks"] == {}

@@ -240,6 +240,27 @@ def test_disaggregated_through_ray_equals_one_colocated_engine(ray):
     assert all(r["kv_transfer_held_blocks"] == 0 and r["kv_cache_usage"] == 0.0 for r in stats["replicas"])
 
 
+def test_requests_moved_between_ray_replicas_equal_one_engine(ray, install_plugin):
+    """Live migration between two Ray actors' engines: the tiny paged model, moved at
+    random steps, greedy tokens equal one engine's."""
+    from tests.cluster.test_disagg_replicas import colocated, paged_base, random_prompts
+    from tests.cluster.test_migration_replicas import RANDOM_MOVES
+
+    install_plugin("random_moves", RANDOM_MOVES, {"random-moves": "random_moves:RandomMoves"})
+    base = paged_base()
+    prompts = random_prompts(8, seed=22)
+    sps = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)] * len(prompts)
+    want = colocated(base, prompts, sps)
+    cfg = config_from_dict({**base, "replicas": {"count": 2, "backend": "ray"}, "router": {
+        "policy": "round-robin", "migration_interval_s": 0.02,
+        "plugins": [{"name": "random-moves", "settings": {"seed": 5, "share": 0.5}}]}})
+    with LLM(cfg) as llm:
+        got = [o.output_token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        stats = llm.call_utility("stats")
+    assert got == want
+    assert stats["migration"]["num_migrated"] >= 2 and stats["migration"]["fallbacks"] == {}
+
+
 def test_ray_backend_without_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
     cfg = config_from_dict({"replicas": {"count": 2, "backend": "ray"}})

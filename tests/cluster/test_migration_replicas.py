@@ -186,3 +186,57 @@ def test_drain_moves_every_request_off_a_replica_and_it_takes_no_new_one():
     assert router["replicas"][0]["num_routed"] == 101  # the late request too
     assert stats["migration"]["num_migrated"] >= before and stats["migration"]["fallbacks"] == {}
     assert_all_free(stats)
+
+
+def test_a_replica_killed_while_requests_move_every_request_ends_once(random_moves):
+    """Three fake replicas moving requests at random, one SIGKILLed mid-run: requests it
+    held with tokens fail naming it; every other request, moved or not, ends once with all
+    its tokens; the survivors hold no block."""
+    from tests.cluster.replica_runs import DEATH, sigkill
+
+    cfg = moving(fake_base(num_blocks=2048), n=3, share=0.1, interval=0.01)
+    n = 600
+
+    async def run() -> tuple[Any, ...]:
+        async with await AsyncLLM.create(cfg) as llm:
+            core = llm.core
+            tokens: dict[str, list[int]] = {}
+            finals: dict[str, Any] = {}
+            ends: Counter[str] = Counter()
+
+            async def one(i: int) -> None:
+                rid = f"k{i}"
+                tokens[rid] = []
+                async for o in llm.generate([7, 8, i], SamplingParams(max_tokens=30 + i % 40, ignore_eos=True),
+                                            request_id=rid):
+                    tokens[rid] += o.output_token_ids
+                    if o.finished:
+                        ends[rid] += 1
+                        finals[rid] = o
+
+            tasks = [asyncio.create_task(one(i)) for i in range(n)]
+            deadline = time.monotonic() + 60
+            while core.router.num_migrated < 20:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            sigkill(core.replicas.handles[1].pid)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            return tokens, finals, ends, await llm.call_utility("stats")
+
+    tokens, finals, ends, stats = asyncio.run(run())
+    assert len(ends) == n and set(ends.values()) == {1}
+    failed = 0
+    for i in range(n):
+        rid, final = f"k{i}", finals[f"k{i}"]
+        want = fake_tokens(rid, 30 + i % 40)
+        if final.finish_reason == "error":
+            failed += 1
+            assert DEATH.fullmatch(final.error or "") and int(DEATH.fullmatch(final.error)[1]) == 1, final.error
+            assert tokens[rid] == want[:len(tokens[rid])]
+        else:
+            assert final.finish_reason == "length" and tokens[rid] == want, rid
+    assert failed and stats["router"]["num_failed_by_death"] == failed
+    for i in (0, 2):
+        rep = stats["replicas"][i]
+        assert rep["kv_cache_usage"] == 0.0 and rep["num_running"] == rep["num_waiting"] == 0
+        assert rep["kv_transfer_held_blocks"] == 0 and rep["kv_transfer_reserved_blocks"] == 0

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,10 +99,6 @@ class Cleanups:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _within(call: Awaitable[Any], timeout_s: float) -> Any:
-    return await asyncio.wait_for(call, timeout_s)
-
-
 async def hand_off(prefill: AsyncEngineClient, decode: AsyncEngineClient, request_id: str,
                    params: dict[str, Any], num_prompt_tokens: int, timeout_s: float,
                    stats: HandoffStats, cleanups: Cleanups) -> str | None:
@@ -117,8 +113,8 @@ async def hand_off(prefill: AsyncEngineClient, decode: AsyncEngineClient, reques
     try:
         delay = ROOM_POLL_S
         while True:
-            held = await _within(decode.call_utility("kv_reserve", request_id, hashes, num_prompt_tokens),
-                                 timeout_s)
+            held = await asyncio.wait_for(decode.call_utility("kv_reserve", request_id, hashes, num_prompt_tokens),
+                                          timeout_s)
             if held is not None:
                 break
             stats.num_room_waits += 1
@@ -128,8 +124,8 @@ async def hand_off(prefill: AsyncEngineClient, decode: AsyncEngineClient, reques
             delay = min(2 * delay, ROOM_POLL_MAX_S)
         reserved = True
         first = min(held, num_blocks)
-        payload = await _within(prefill.call_utility("kv_export", request_id, first), timeout_s)
-        await _within(decode.call_utility("kv_import", request_id, first, payload), timeout_s)
+        payload = await asyncio.wait_for(prefill.call_utility("kv_export", request_id, first), timeout_s)
+        await asyncio.wait_for(decode.call_utility("kv_import", request_id, first, payload), timeout_s)
         done = True
         stats.num_handoffs += 1
         stats.num_blocks += num_blocks - first

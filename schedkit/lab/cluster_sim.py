@@ -69,7 +69,8 @@ from schedkit.core.outputs import EngineCoreOutput
 from schedkit.core.request import EventType, Request, SamplingParams
 from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
-from schedkit.errors import ConfigError, SchedkitError
+from schedkit.engine.kv_handoff import KVHandoffs
+from schedkit.errors import ConfigError, RequestError, SchedkitError
 from schedkit.kv.hashing import BlockHasher
 from schedkit.lab.cluster_handoffs import Handoffs
 from schedkit.lab.cluster_summary import ClusterRunResult, summarize_cluster
@@ -276,11 +277,13 @@ class _ClusterRun:
         arrival time (so its metrics span both)."""
         assert self.handoffs is not None
         e = self.engines[source]
-        old = e.scheduler.requests.get(rid)
-        if old is None or old.is_finished or e.num_steps_in_flight:
+        try:  # as the engine process does it (migrate_out)
+            moved = KVHandoffs(e).migrate_out([rid])
+        except RequestError:  # it finished since the replica last reported
             return
-        self.handoffs.connectors[source].send_when_finished(rid)
-        e.abort_requests(rid)
+        if moved is None:  # a step in flight: the next round may ask again
+            return
+        old, _ = moved
         new = Request(rid, old.prompt_token_ids, old.sampling_params, arrival_time=old.arrival_time,
                       priority=old.priority, tenant=old.tenant, ttft_slo_s=old.ttft_slo_s)
         for token in old.output_token_ids:

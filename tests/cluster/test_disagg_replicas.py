@@ -273,11 +273,10 @@ async def kill_one_side(victim: int, n: int) -> dict[str, Any]:
         tasks: list[asyncio.Task[None]] = []
         arrivals = asyncio.create_task(arrive())
         prefill = core.router.replicas[PREFILL]
-        deadline = time.monotonic() + 60
         while not (core.handoffs.num_handoffs >= 50 and prefill.num_outstanding
                    and any(t and not out["ends"][r] for r, t in out["tokens"].items())):
             assert not any(t.done() and t.exception() for t in tasks)
-            assert time.monotonic() < deadline and not arrivals.done(), "the kill found no prefill under way"
+            assert not arrivals.done(), "the kill found no prefill under way"
             await asyncio.sleep(0.005)
         handle = core.replicas.handles[victim]
         sigstop(handle.pid)

@@ -215,9 +215,8 @@ def test_a_replica_killed_while_requests_move_every_request_ends_once(random_mov
                         finals[rid] = o
 
             tasks = [asyncio.create_task(one(i)) for i in range(n)]
-            deadline = time.monotonic() + 60
             while core.router.num_migrated < 20:
-                assert time.monotonic() < deadline
+                assert not all(t.done() for t in tasks), "every request ended before 20 moves"
                 await asyncio.sleep(0.01)
             sigkill(core.replicas.handles[1].pid)
             await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -137,7 +137,7 @@ class TransferConnector(KVConnectorBase):
         kv = self.kv_cache_manager
         held = len(kv.cached_prefix(block_hashes))
         need = -(-(num_prompt_tokens + 1) // self.block_size) - held
-        room = kv.num_free_blocks - sum(self._reserved.values())
+        room = kv.num_free_blocks - self.num_reserved_blocks
         if need > room and (busy or self._reserved) and need < kv.block_pool.num_blocks:
             return None
         self._reserved[request_id] = max(need, 0)

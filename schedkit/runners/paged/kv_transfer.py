@@ -24,8 +24,6 @@ from schedkit.hookspecs import hookimpl
 from schedkit.kv.connector import KVConnectorRole
 from schedkit.kv.connectors.transfer import TransferConnector, TransferMetadata
 
-PAYLOAD_KEYS = ("num_blocks", "shape", "dtype", "data")
-
 
 def pack_blocks(kv_caches: Any, block_ids: list[int]) -> dict[str, Any]:
     """The payload of ``block_ids``: ``num_blocks``, and (with a cache) the tensor's

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -299,13 +300,17 @@ def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
     return (concordant - discordant) / denom if denom else math.nan
 
 
-def rankings(results: Mapping[str, Mapping[str, Any]], metric: str = "e2e_mean_s") -> dict[str, dict[str, Any]]:
+def rankings(results: Mapping[str, Mapping[str, Any]], metric: str = "e2e_mean_s",
+             key: str = "compare") -> dict[str, dict[str, Any]]:
     """Per (workload, load, shape) cell with at least two policies: each side's order of
-    the policies by ``metric`` (best first) and Kendall's tau between them."""
+    the policies by ``metric`` (best first) and Kendall's tau between them (the
+    simulated side from ``key``: ``compare``, ``compare_anchored``, ...)."""
     cells: dict[str, list[tuple[str, float, float]]] = {}
-    for key, r in results.items():
-        w, ld, s, p = key.split("/")
-        cmp = r["compare"][metric]
+    for name, r in results.items():
+        if key not in r:
+            continue
+        w, ld, s, p = name.split("/")
+        cmp = r[key][metric]
         cells.setdefault(f"{w}/{ld}/{s}", []).append((p, cmp["real"], cmp["sim"]))
     out = {}
     for cell, rows in sorted(cells.items()):
@@ -334,30 +339,44 @@ def _values(results: Mapping[str, Mapping[str, Any]], key: str) -> list[float]:
 
 def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Mean absolute percentage error of each metric over the experiments (also of the
-    simulator at the real runs' own speed, where recorded), the experiments outside
-    their bound (15% or twice the real spread, whichever is larger) on E2E mean and TTFT
-    p50, the mean Kendall's tau of the rankings, and the real runs' speed ratios and
-    steal shares (min, mean, max)."""
-    outside = []
-    for key, r in results.items():
-        for name in ("e2e_mean_s", "ttft_p50_s"):
-            c = r["compare"][name]
-            bound = max(0.15, 2 * c["spread"]) if math.isfinite(c["spread"]) else 0.15
-            if not c["error"] <= bound:
-                outside.append(f"{key} {name}")
-    taus = [c["tau"] for c in rankings(results).values() if math.isfinite(c["tau"])]
+    simulator re-anchored by the speed probe and at the real runs' own speed, where
+    recorded), the experiments outside their bound (15% or twice the real spread,
+    whichever is larger) on E2E mean and TTFT p50, the mean Kendall's tau of the rankings, and the real runs' speed and probe
+    ratios and steal shares (min, mean, max)."""
+    def mean_tau(key: str) -> float:
+        taus = [c["tau"] for c in rankings(results, key=key).values() if math.isfinite(c["tau"])]
+        return statistics.fmean(taus) if taus else math.nan
+
     sim_s = sum(r["sim_wall_s"] for r in results.values())
     real_s = sum(statistics.fmean(r["real_wall_s"]) for r in results.values())
     spans = {}
-    for name in ("real_speed_ratio", "real_steal"):
+    for name in ("real_speed_ratio", "real_probe_ratio", "real_steal"):
         values = _values(results, name)
         spans[name] = ({"min": min(values), "mean": statistics.fmean(values), "max": max(values)}
                        if values else None)
-    return {"experiments": len(results), "mape": _mape(results), "outside_bound": outside,
+    return {"experiments": len(results), "mape": _mape(results), "outside_bound": _outside(results),
+            "mape_anchored": _mape(results, "compare_anchored"),
+            "outside_bound_anchored": _outside(results, "compare_anchored"),
             "mape_at_run_speed": _mape(results, "compare_at_run_speed"),
-            "kendall_tau_mean": statistics.fmean(taus) if taus else math.nan,
+            "kendall_tau_mean": mean_tau("compare"), "kendall_tau_mean_anchored": mean_tau("compare_anchored"),
             "speedup": real_s / sim_s if sim_s else math.nan,
-            "speed_ratio": spans["real_speed_ratio"], "steal": spans["real_steal"]}
+            "speed_ratio": spans["real_speed_ratio"], "probe_ratio": spans["real_probe_ratio"],
+            "steal": spans["real_steal"]}
+
+
+def _outside(results: Mapping[str, Mapping[str, Any]], key: str = "compare") -> list[str]:
+    """The experiments whose E2E mean or TTFT p50 error under ``key`` exceeds their
+    bound: 15% or twice the real runs' spread, whichever is larger."""
+    outside = []
+    for name_key, r in results.items():
+        if key not in r:
+            continue
+        for name in ("e2e_mean_s", "ttft_p50_s"):
+            c = r[key][name]
+            bound = max(0.15, 2 * c["spread"]) if math.isfinite(c["spread"]) else 0.15
+            if not c["error"] <= bound:
+                outside.append(f"{name_key} {name}")
+    return outside
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -417,6 +436,31 @@ def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel |
     return out
 
 
+PROBE_PROMPT_LENS = (32, 64, 96, 128, 160, 192, 224, 256)
+PROBE_MAX_TOKENS = 24
+
+
+def probe_workload(vocab_size: int, seed: int = 0) -> list[WorkloadRequest]:
+    """The speed probe's requests: eight prompts of 32-256 seeded random tokens, all at
+    time 0, 24 output tokens each (about 40 steps: chunked prefills, mixed steps, decode
+    batches of 1 to 8)."""
+    rng = random.Random(seed)
+    return [WorkloadRequest(f"probe-{i}", 0.0, [rng.randrange(1, vocab_size) for _ in range(n)],
+                            PROBE_MAX_TOKENS) for i, n in enumerate(PROBE_PROMPT_LENS)]
+
+
+def probe_speed(grid: Grid, model: CostModel) -> float:
+    """Run the speed probe (:func:`probe_workload`) on the real runner, first shape,
+    fcfs, and return its speed ratio: measured over ``model``'s predicted step time.
+
+    The probe is the same few seconds of work whatever the experiment, so its ratio
+    follows the machine's speed (a VM's drift over an hour) and nothing of the
+    experiment's own steps: a profile scaled by it is re-anchored to the machine as it
+    runs now, without borrowing any measurement from the run it predicts."""
+    shape = next(iter(grid.config.shapes))
+    return run_once(grid.shape_config(shape), probe_workload(grid.base.runner.vocab_size), model).speed_ratio
+
+
 def capacity(grid: Grid, workload: Sequence[WorkloadRequest], shape: str) -> float:
     """Requests per second the simulator serves when the whole workload arrives at
     once (fcfs, the shape's scheduler): the rate loads are fractions of."""
@@ -437,7 +481,7 @@ def grid_workload(grid: Grid, name: str) -> list[WorkloadRequest]:
 def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
              done: Mapping[str, Mapping[str, Any]] | None = None,
              save: Callable[[dict[str, Any]], None] | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[str], None] | None = None, probe: bool = True) -> dict[str, Any]:
     """Run ``experiments``: first every simulated side (and the capacities), then the
     real runs in passes (each pass over every experiment, so slow drift of the machine
     spreads over all of them instead of landing on one). ``done`` holds results of an
@@ -449,7 +493,14 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     around it. Finally every experiment is simulated once more with the profile scaled
     by its real runs' mean speed ratio (``sim_at_run_speed``): what the error would be
     had the machine run at the speed the profile was fitted at, which separates the
-    machine's drift from the model's error."""
+    machine's drift from the model's error.
+
+    With ``probe``, the speed probe (:func:`probe_speed`) runs before the first real run
+    and after every one; each run's *probe ratio* is the mean of the probes around it,
+    and every experiment is simulated with the profile scaled by its runs' mean probe
+    ratio too (``sim_anchored``): the profile re-anchored to the machine's current speed
+    by a measurement independent of the experiment, the figure a user gets by probing
+    before simulating."""
     say = progress or (lambda _msg: None)
     model = CostModel.load(grid.profile)
     results: dict[str, Any] = {k: dict(v) for k, v in (done or {}).items()}
@@ -473,33 +524,45 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
         out = run_once(grid.shape_config(e.shape, e.policy, simulated=True), reqs)
         r["sim"], r["sim_wall_s"] = run_metrics(out.metrics), out.wall_s
     repeats = grid.config.repeats
+    last_probe: float | None = None
     for rep in range(repeats):
         for i, e in enumerate(experiments):
             r = results[e.key]
             if len(r["real_runs"]) > rep:
                 continue
+            if probe and last_probe is None:
+                last_probe = probe_speed(grid, model)
             out = run_once(grid.shape_config(e.shape, e.policy), requests[e.key], model)
             r["real_runs"].append(run_metrics(out.metrics))
             r["real_wall_s"].append(out.wall_s)
             r["real_speed_ratio"].append(out.speed_ratio)
             r["real_steal"].append(out.steal)
+            note = ""
+            if probe and last_probe is not None:
+                after = probe_speed(grid, model)
+                r.setdefault("real_probe_ratio", []).append(statistics.fmean((last_probe, after)))
+                note, last_probe = f", probe {r['real_probe_ratio'][-1]:.2f}x", after
             steal = "" if out.steal is None else f", steal {100 * out.steal:.1f}%"
             say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {out.wall_s:.1f} s, "
-                f"steps {out.speed_ratio:.2f}x the profile's{steal}")
+                f"steps {out.speed_ratio:.2f}x the profile's{note}{steal}")
             if save is not None:
                 save(results)
     for e in experiments:
         r = results[e.key]
         r["compare"] = compare_runs(r["real_runs"], r["sim"])
-        ratios = [x for x in r["real_speed_ratio"] if x is not None and math.isfinite(x)]
-        if ratios:
-            runner = SimulatedRunner(vocab_size=grid.base.runner.vocab_size,
-                                     eos_token_id=grid.base.runner.eos_token_id,
-                                     cost_model=model.scaled(statistics.fmean(ratios)))
-            out = run_once(grid.shape_config(e.shape, e.policy, simulated=True), requests[e.key], runner=runner)
-            r["sim_at_run_speed"] = run_metrics(out.metrics)
-            r["compare_at_run_speed"] = compare_runs(r["real_runs"], r["sim_at_run_speed"])
+        for ratios_key, name in (("real_probe_ratio", "anchored"), ("real_speed_ratio", "at_run_speed")):
+            ratios = [x for x in r.get(ratios_key, ()) if x is not None and math.isfinite(x)]
+            if ratios:
+                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, statistics.fmean(ratios))
+                r[f"compare_{name}"] = compare_runs(r["real_runs"], r[f"sim_{name}"])
     return results
+
+
+def _simulate_scaled(grid: Grid, e: Experiment, requests: list[WorkloadRequest], model: CostModel,
+                     factor: float) -> dict[str, float]:
+    runner = SimulatedRunner(vocab_size=grid.base.runner.vocab_size, eos_token_id=grid.base.runner.eos_token_id,
+                             cost_model=model.scaled(factor))
+    return run_metrics(run_once(grid.shape_config(e.shape, e.policy, simulated=True), requests, runner=runner).metrics)
 
 
 def summary_rows(results: Mapping[str, Mapping[str, Any]]) -> Iterable[list[str]]:

@@ -136,9 +136,14 @@ def test_a_simulator_equal_to_the_real_side_has_no_error_and_ranks_alike(tmp_pat
         # simulator at the runs' own speed is the simulator.
         assert r["real_speed_ratio"] == [pytest.approx(1.0), pytest.approx(1.0)]
         assert r["sim_at_run_speed"] == pytest.approx(r["sim"])
+        # So does the speed probe's: re-anchoring changes nothing.
+        assert r["real_probe_ratio"] == [pytest.approx(1.0), pytest.approx(1.0)]
+        assert r["sim_anchored"] == pytest.approx(r["sim"])
     o = overall(results)
     assert o["mape"]["e2e_mean_s"] == 0 and o["outside_bound"] == []
     assert o["mape_at_run_speed"]["e2e_mean_s"] == pytest.approx(0, abs=1e-9)
+    assert o["mape_anchored"]["e2e_mean_s"] == pytest.approx(0, abs=1e-9) and o["outside_bound_anchored"] == []
+    assert o["kendall_tau_mean_anchored"] == o["kendall_tau_mean"]
     assert o["speed_ratio"]["min"] == pytest.approx(1.0) == o["speed_ratio"]["max"]
     cells = rankings(results)
     assert set(cells) == {"small/light/wide", "small/overload/wide", "small/overload/narrow"}
@@ -157,6 +162,10 @@ def test_a_different_cost_model_shows_as_error(tmp_path):
     # scaled by that ratio, the H200 model comes far closer (its shape still differs).
     assert o["speed_ratio"]["min"] > 5
     assert o["mape_at_run_speed"]["e2e_mean_s"] < o["mape"]["e2e_mean_s"] / 2
+    # The speed probe sees the same slowdown without looking at the experiments' own
+    # steps, and re-anchored by it the H200 model comes far closer too.
+    assert o["probe_ratio"]["min"] > 5
+    assert o["mape_anchored"]["e2e_mean_s"] < o["mape"]["e2e_mean_s"] / 2
 
 
 def test_resuming_keeps_the_finished_real_runs(tmp_path):

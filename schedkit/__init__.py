@@ -14,6 +14,7 @@ import typing
 
 from schedkit.config import CacheConfig, Config, SchedulerConfig, load_config
 from schedkit.core.grammar import StructuredOutputGrammar, StructuredOutputsParams
+from schedkit.core.hints import RequestHints
 from schedkit.core.hooks import AdmissionDecision, Preemption, Rejection
 from schedkit.core.outputs import (
     CachedRequestData,
@@ -64,6 +65,7 @@ __all__ = [
     "FinishReason",
     "EventType",
     "SamplingParams",
+    "RequestHints",
     "StructuredOutputsParams",
     # waiting queues
     "RequestQueue",

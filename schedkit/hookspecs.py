@@ -613,8 +613,9 @@ def schedkit_router_filter(request: RouteRequest,
 
     Args:
         request: The request to place (``RouteRequest``: id, prompt, tenant, priority,
-            ``max_tokens``, session id, ``block_hashes``, and ``stage``, the part being
-            placed: WHOLE, PREFILL or DECODE). Do not mutate.
+            ``max_tokens``, session id, ``hints`` (SLO class, deadline, expected output
+            length), ``block_hashes``, and ``stage``, the part being placed: WHOLE,
+            PREFILL or DECODE). Do not mutate.
         replicas: The candidates: healthy replicas whose role takes ``request.stage``,
             in index order, less those earlier filters dropped. Do not mutate.
 

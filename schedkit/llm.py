@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from schedkit.cluster.front import ClusterClient
 from schedkit.config import Config, load_config
+from schedkit.core.hints import RequestHints
 from schedkit.core.request import SamplingParams
 from schedkit.engine.client import AsyncEngineClient, EngineHandle, wire_request
 from schedkit.engine.messages import WireMetrics, WireOutput, WireRequest
@@ -163,7 +165,7 @@ class AsyncLLM:
                        *, request_id: str | None = None, priority: int = 0,
                        tenant: str = "default", ttft_slo_s: float | None = None,
                        session_id: str | None = None, cache_salt: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       hints: RequestHints | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs.
 
         Leaving the iteration early aborts the request when the generator closes: at once
@@ -172,6 +174,8 @@ class AsyncLLM:
 
         ``session_id`` (a conversation's id) is for the router's session affinity;
         ``cache_salt`` keeps the request's prefix-cache blocks apart from other salts'.
+        ``hints`` (:class:`~schedkit.core.hints.RequestHints`: SLO class, deadline,
+        expected output length, session) reach every hook as ``request.hints``.
 
         Raises:
             RequestError: Invalid input (naming the field), an id already streaming in
@@ -183,12 +187,18 @@ class AsyncLLM:
         if dead is not None:
             raise EngineDeadError(str(dead))
         rid = f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}" if request_id is None else request_id
+        if session_id is not None and hints is not None and hints.session_id not in (None, session_id):
+            raise RequestError(f"request {rid!r}: session_id {session_id!r} and hints.session_id "
+                               f"{hints.session_id!r} differ", request_id=rid)
+        if session_id is not None and hints is not None and hints.session_id is None:
+            hints = dataclasses.replace(hints, session_id=session_id)
         req = wire_request(rid, _prompt_ids(prompt, self), sampling_params or SamplingParams(),
                            priority=priority, tenant=tenant, ttft_slo_s=ttft_slo_s,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, hints=hints)
         ids = req.prompt_token_ids
         produced = False
-        async with contextlib.aclosing(self.core.stream(req, session_id=session_id)) as outputs:
+        session = session_id if session_id is not None else hints.session_id if hints is not None else None
+        async with contextlib.aclosing(self.core.stream(req, session_id=session)) as outputs:
             async for item in outputs:
                 if (item.error is not None and not item.new_token_ids and item.metrics is None
                         and not produced):
@@ -261,6 +271,7 @@ class LLM:
                  priorities: Sequence[int] | None = None,
                  arrival_offsets: Sequence[float] | None = None,
                  tenants: Sequence[str] | None = None,
+                 hints: Sequence[RequestHints | None] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
@@ -279,7 +290,7 @@ class LLM:
                 offset...), naming the prompt and the field; nothing is sent.
             EngineDeadError: The engine died (with replicas: no replica is left).
         """
-        requests = self._wire_requests(prompts, sampling_params, priorities, arrival_offsets, tenants)
+        requests = self._wire_requests(prompts, sampling_params, priorities, arrival_offsets, tenants, hints)
         results = {w.request_id: RequestOutput(w.request_id, w.prompt_token_ids) for w in requests}
         self._run(self._collect(requests, results, use_tqdm))
         return list(results.values())
@@ -287,7 +298,8 @@ class LLM:
     def _wire_requests(self, prompts: Sequence[str | Sequence[int]],
                        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                        priorities: Sequence[int] | None, arrival_offsets: Sequence[float] | None,
-                       tenants: Sequence[str] | None) -> list[WireRequest]:
+                       tenants: Sequence[str] | None,
+                       hints: Sequence[RequestHints | None] | None = None) -> list[WireRequest]:
         """One validated, final-only request per prompt (the errors name the prompt)."""
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -297,7 +309,7 @@ class LLM:
         else:
             params = list(sampling_params)
         for name, values in (("sampling params", params), ("priorities", priorities),
-                             ("arrival offsets", arrival_offsets), ("tenants", tenants)):
+                             ("arrival offsets", arrival_offsets), ("tenants", tenants), ("hints", hints)):
             if values is not None and len(values) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(values)} {name}")
         requests = []
@@ -307,7 +319,8 @@ class LLM:
                 requests.append(wire_request(
                     rid, _prompt_ids(prompt, self), sp, priority=priorities[i] if priorities else 0,
                     tenant=tenants[i] if tenants else "default",
-                    arrival_offset=arrival_offsets[i] if arrival_offsets else None, final_only=True))
+                    arrival_offset=arrival_offsets[i] if arrival_offsets else None, final_only=True,
+                    hints=hints[i] if hints else None))
             except RequestError as e:
                 raise RequestError(f"prompts[{i}]: {e}", request_id=rid) from None
         return requests

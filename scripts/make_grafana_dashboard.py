@@ -380,6 +380,52 @@ panels.append(timeseries(
             (f"sum by (role) (schedkit:role_num_requests_waiting{{{M}}})", "waiting: {{role}}"),
             (f"sum by (role) (schedkit:role_num_requests_running{{{M}}})", "running: {{role}}"))))
 
+# --- live migration (y 128..137): only with a schedkit_router_migrate plugin ------------------
+panels.append(row("Live migration", 128))
+panels.append(timeseries(
+    "KV moved with requests", "rate(schedkit:migration_kv_handoffs_total): moved requests whose KV "
+    "reached their target replica; rate(schedkit:migration_kv_fallbacks_total) by reason: moved "
+    "requests whose target computed the KV itself (the source died, a call stalled or was refused).",
+    gp(0, 129, 6, 8),
+    targets((f"sum(rate(schedkit:migration_kv_handoffs_total{{{M}}}{RI}))", "moved with KV"),
+            (f"sum by (reason) (rate(schedkit:migration_kv_fallbacks_total{{{M}}}{RI}))",
+             "fallback: {{reason}}")), unit="ops"))
+panels.append(timeseries(
+    "Migration bytes", "rate(schedkit:migration_kv_bytes_total): KV bytes per second sent with "
+    "moved requests.", gp(6, 129, 6, 8),
+    targets((f"sum(rate(schedkit:migration_kv_bytes_total{{{M}}}{RI}))", "bytes/s")), unit="Bps"))
+panels.append(timeseries(
+    "Migration blocks", "rate(schedkit:migration_kv_blocks_total): KV blocks sent with moved "
+    "requests; rate(schedkit:migration_kv_blocks_held_total): blocks their targets held already "
+    "(not sent); rate(schedkit:migration_kv_room_waits_total): times a target had no room yet.",
+    gp(12, 129, 6, 8),
+    targets((f"sum(rate(schedkit:migration_kv_blocks_total{{{M}}}{RI}))", "sent"),
+            (f"sum(rate(schedkit:migration_kv_blocks_held_total{{{M}}}{RI}))", "held already"),
+            (f"sum(rate(schedkit:migration_kv_room_waits_total{{{M}}}{RI}))", "waits for room")),
+    unit="ops"))
+panels.append(timeseries(
+    "Move time", "rate(schedkit:migration_kv_seconds_total) / rate(schedkit:migration_kv_handoffs_total): "
+    "mean seconds from a moved request's stop on its replica to its target holding the KV.",
+    gp(18, 129, 6, 8),
+    targets((f"sum(rate(schedkit:migration_kv_seconds_total{{{M}}}{RI})) / "
+             f"sum(rate(schedkit:migration_kv_handoffs_total{{{M}}}{RI}))", "mean move (s)")), unit="s"))
+
+# --- SLO classes (y 138..146): only with slo_classes in the config -------------------------
+panels.append(row("SLO classes", 138))
+panels.append(timeseries(
+    "SLO attainment by class", "rate(schedkit:slo_class_slo_met_total) / "
+    "rate(schedkit:slo_class_requests_total) by slo_class: the share of each class's finished "
+    "requests that met every target of the class (TTFT, TPOT, end-to-end; slo_classes in the "
+    "config).", gp(0, 139, 12, 8),
+    targets((f"sum by (slo_class) (rate(schedkit:slo_class_slo_met_total{{{M}}}{RI})) / "
+             f"sum by (slo_class) (rate(schedkit:slo_class_requests_total{{{M}}}{RI}))", "{{slo_class}}")),
+    unit="percentunit", max_=1))
+panels.append(timeseries(
+    "Requests by SLO class", "rate(schedkit:slo_class_requests_total) by slo_class: finished "
+    "requests of each class per second.", gp(12, 139, 12, 8),
+    targets((f"sum by (slo_class) (rate(schedkit:slo_class_requests_total{{{M}}}{RI}))", "{{slo_class}}")),
+    unit="reqps", stack=True))
+
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "
                   "that scrapes schedkit serve's /metrics", "type": "datasource",
@@ -396,7 +442,8 @@ dashboard = {
                               "name": "Annotations & Alerts", "type": "dashboard"}]},
     "description": "schedkit serve: vLLM-style serving metrics, the scheduling policy's view "
                    "(policy, plugins, admission rejections, hook errors, tenants), with "
-                   "replicas each replica and the router, and with roles the KV hand-offs.",
+                   "replicas each replica and the router, with roles the KV hand-offs, "
+                   "with a migration plugin the moved requests' KV.",
     "editable": True,
     "fiscalYearStartMonth": 0,
     "graphTooltip": 1,

@@ -41,6 +41,7 @@ from schedkit.cluster.migration import Migrator
 from schedkit.cluster.replicas import ReplicaSet, spawn_replicas
 from schedkit.cluster.router import Router, replica_config
 from schedkit.config import Config
+from schedkit.core.hints import hints_from_wire
 from schedkit.engine.client import AsyncEngineClient
 from schedkit.engine.messages import (
     LoadReport,
@@ -209,7 +210,8 @@ class ClusterClient:
             raise dead
         placement = router.place(router.make_request(
             rid, request.prompt_token_ids, tenant=request.tenant, priority=request.priority,
-            max_tokens=wire_max_tokens(request), session_id=session_id, cache_salt=request.cache_salt))
+            max_tokens=wire_max_tokens(request), session_id=session_id, cache_salt=request.cache_salt,
+            hints=hints_from_wire(request.hints, rid)))
         replica = placement.replica
         if request.final_only:
             request = msgspec.structs.replace(request, final_only=False)
@@ -295,7 +297,8 @@ class ClusterClient:
         not arrive."""
         rid = request.request_id
         copy = WireRequest(rid, request.prompt_token_ids, {"max_tokens": 1}, priority=request.priority,
-                           tenant=request.tenant, cache_salt=request.cache_salt, kv_send=True)
+                           tenant=request.tenant, cache_salt=request.cache_salt, kv_send=True,
+                           ttft_slo_s=request.ttft_slo_s, hints=request.hints)
         last = None
         try:
             async with contextlib.aclosing(self.conns[prefill].stream(copy)) as outputs:

@@ -101,7 +101,15 @@ class Migrator:
             return
         self.moving[rid] = target
         try:
-            started = await self.conns[source].call_utility("migrate_out", rid)
+            started = await asyncio.wait_for(self.conns[source].call_utility("migrate_out", rid),
+                                             self.config.replicas.transfer_timeout_s)
+        except TimeoutError:
+            # A stalled source: the call may still land and stop the request, so it stays
+            # marked as moving (not asked again; its stream's end forgets it) and the
+            # other replicas' moves go on.
+            log.warning("request %r: replica %d did not answer migrate_out within %.1f s", rid, source,
+                        self.config.replicas.transfer_timeout_s)
+            return
         except (SchedkitError, EngineDeadError) as e:  # it finished meanwhile, or its replica died
             log.debug("request %r: not moved (%s)", rid, e)
             started = False

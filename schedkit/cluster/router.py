@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from schedkit.config import Config, PluginConfig
+from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.core.routing import (
     Migration,
     Placement,
@@ -124,14 +125,15 @@ class Router:
     # -- requests ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
                      priority: int = 0, max_tokens: int | None = None, session_id: str | None = None,
-                     cache_salt: str | None = None, block_hashes: list[bytes] | None = None) -> RouteRequest:
+                     cache_salt: str | None = None, block_hashes: list[bytes] | None = None,
+                     hints: RequestHints = NO_HINTS) -> RouteRequest:
         """A RouteRequest whose block hashes match the replicas' prefix caches
         (``block_hashes``: the prompt's, already computed the same way, e.g. by the
         engine's own Request in the cluster simulation)."""
         hasher = self._hasher
         if hasher is None:
             return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
-                                max_tokens=max_tokens, session_id=session_id)
+                                max_tokens=max_tokens, session_id=session_id, hints=hints)
 
         def hashes(tokens: Sequence[int]) -> list[bytes]:
             if block_hashes is not None:
@@ -142,7 +144,7 @@ class Router:
 
         return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
                             max_tokens=max_tokens, session_id=session_id, hash_fn=hashes,
-                            block_size=hasher.block_size)
+                            block_size=hasher.block_size, hints=hints)
 
     def route(self, request: RouteRequest) -> ReplicaState:
         """Choose a healthy replica for the whole of ``request`` (never disaggregated:

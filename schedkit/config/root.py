@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from schedkit.config.base import LocatedValueError, StrictModel
 from schedkit.config.cache import CacheConfig
@@ -15,7 +15,7 @@ from schedkit.config.runner import FakeRunnerConfig, RunnerConfig
 from schedkit.config.scheduler import SchedulerConfig
 from schedkit.config.server import ServerConfig
 from schedkit.config.structured import StructuredOutputsConfig
-from schedkit.config.workload import WorkloadConfig
+from schedkit.config.workload import SLOTargets, WorkloadConfig, check_slo_class_names
 
 
 class Config(StrictModel):
@@ -41,6 +41,11 @@ class Config(StrictModel):
     """The router in front of the replicas."""
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     """Grammar-constrained decoding: the backend, its compile threads and cache."""
+    slo_classes: dict[str, SLOTargets] = Field(default_factory=dict)
+    """Named service classes a request may ask for (``slo_class``: an OpenAI body field, the
+    ``x-schedkit-slo-class`` header, ``AsyncLLM.generate(hints=...)``), each with its
+    TTFT, TPOT and end-to-end targets; a request of a class gets the class's targets
+    where it set none, and a class not named here is refused."""
 
     _origin: ConfigOrigin | None = PrivateAttr(default=None)
 
@@ -64,6 +69,11 @@ class Config(StrictModel):
             return None
         line = line_of(self._origin.root, loc)
         return self._origin.source if line is None else f"{self._origin.source}:{line}"
+
+    @field_validator("slo_classes")
+    @classmethod
+    def _slo_class_names(cls, value: dict[str, SLOTargets]) -> dict[str, SLOTargets]:
+        return check_slo_class_names(value)
 
     @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:

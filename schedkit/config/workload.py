@@ -3,6 +3,7 @@ engine, their service-level objectives and how fairness is weighed."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -94,6 +95,30 @@ class SLOTargets(StrictModel):
     """Time-per-output-token target (seconds, mean over the request's decode)."""
     e2e_s: float | None = Field(default=None, gt=0)
     """End-to-end latency target (seconds)."""
+
+    def met_by(self, ttft: float | None, tpot: float | None, e2e: float | None) -> bool:
+        """Whether a request with these latencies meets every target set (an unset target,
+        or a latency the request has none of, such as the TPOT of one token, holds)."""
+        checks = ((self.ttft_s, ttft), (self.tpot_s, tpot), (self.e2e_s, e2e))
+        return all(target is None or value is None or value <= target for target, value in checks)
+
+
+SLO_CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+"""An SLO class name: 1-64 letters, digits, ``_ . : -``, starting with a letter or digit
+(it becomes a metric label)."""
+
+
+def check_slo_class_names(classes: dict[str, Any]) -> dict[str, Any]:
+    """``classes`` unchanged when every name is an :data:`SLO_CLASS_NAME`.
+
+    Raises:
+        ValueError: Naming the first bad name.
+    """
+    for name in classes:
+        if not (isinstance(name, str) and SLO_CLASS_NAME.fullmatch(name)):
+            raise ValueError(f"SLO class name {name!r} must be 1-64 letters, digits, '_', '.', ':' or '-', "
+                             "starting with a letter or digit")
+    return classes
 
 
 class SLOConfig(SLOTargets):

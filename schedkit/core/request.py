@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from schedkit.core.grammar import StructuredOutputRequest, StructuredOutputsParams
+from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.errors import RequestError
 
 
@@ -83,12 +84,12 @@ def check_arrival_offset(request_id: str, arrival_offset: object) -> None:
                            request_id=request_id)
 
 
-def check_ttft_slo(request_id: str, ttft_slo_s: object) -> None:
+def check_ttft_slo(request_id: str, ttft_slo_s: object, name: str = "ttft_slo_s") -> None:
     """Raise RequestError unless the SLO is None or a finite number of seconds > 0."""
     if ttft_slo_s is None:
         return
     if not _is_number(ttft_slo_s) or not 0.0 < ttft_slo_s < math.inf:  # type: ignore[operator]
-        raise RequestError(f"request {request_id!r}: ttft_slo_s must be None or a finite number "
+        raise RequestError(f"request {request_id!r}: {name} must be None or a finite number "
                            f"of seconds > 0, got {ttft_slo_s!r}", request_id=request_id)
 
 
@@ -209,6 +210,12 @@ class Request:
     ttft_slo_s: float | None = None
     """The client's time-to-first-token target in seconds (None: the policy's default);
     deadline policies and admission plugins read it (``arrival_time + ttft_slo_s``)."""
+    tpot_slo_s: float | None = None
+    """Its time-per-output-token target in seconds (None: none given); set from its SLO
+    class by the engine."""
+    hints: RequestHints = NO_HINTS
+    """What the client told about it beyond its tokens (:mod:`schedkit.core.hints`): SLO
+    class, deadline, expected output length, session."""
     skip_reading_prefix_cache: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -294,6 +301,12 @@ class Request:
             if not ok:
                 raise RequestError(f"request {rid!r}: {name} must be {what}, got "
                                    f"{getattr(self, name)!r}", request_id=rid)
+        if not isinstance(self.hints, RequestHints):
+            raise RequestError(f"request {rid!r}: hints must be a RequestHints, got {self.hints!r}",
+                               request_id=rid)
+        if self.hints is not NO_HINTS:
+            self.hints.check(rid)
+        check_ttft_slo(rid, self.tpot_slo_s, "tpot_slo_s")
 
     # -- block hashes ------------------------------------------------------------------
     def set_block_hasher(self, hasher: BlockHasherFn, block_size: int) -> None:

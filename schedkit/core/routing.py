@@ -10,6 +10,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.kv.prefix_index import CachedPrefixIndex
 
 
@@ -61,6 +62,8 @@ class RouteRequest:
         session_id: A conversation id when the client gave one
             (``AsyncLLM.generate(session_id=...)``, ``session_id`` in an HTTP body), else
             None (the cluster simulation's traces carry none).
+        hints: The request's hints (:class:`~schedkit.core.hints.RequestHints`: SLO
+            class, deadline, expected output length, session).
         num_prompt_tokens: ``len(prompt_token_ids)``.
         attempt: 0 when first routed; 1, 2... when re-routed after its replica died.
         block_size: Tokens per block of :attr:`block_hashes` (the replicas' KV block
@@ -71,18 +74,19 @@ class RouteRequest:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "max_tokens", "session_id",
-                 "num_prompt_tokens", "attempt", "block_size", "stage", "_hashes", "_hash_fn")
+                 "hints", "num_prompt_tokens", "attempt", "block_size", "stage", "_hashes", "_hash_fn")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
                  priority: int = 0, max_tokens: int | None = None, session_id: str | None = None,
                  hash_fn: Callable[[Sequence[int]], list[bytes]] | None = None,
-                 block_size: int = 0) -> None:
+                 block_size: int = 0, hints: RequestHints = NO_HINTS) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.tenant = tenant
         self.priority = priority
         self.max_tokens = max_tokens
-        self.session_id = session_id
+        self.session_id = session_id if session_id is not None else hints.session_id
+        self.hints = hints
         self.num_prompt_tokens = len(prompt_token_ids)
         self.attempt = 0
         self.block_size = block_size if hash_fn is not None else 0

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from schedkit.core.hints import RequestHints
 from schedkit.core.request import SamplingParams
 from schedkit.engine.auth import EngineKeys
 from schedkit.engine.logs import RateLimitedLog
@@ -107,7 +108,7 @@ def utility_error(method: str, error: str) -> SchedkitError:
 def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str = "default", arrival_offset: float | None = None,
                  cache_salt: str | None = None, final_only: bool = False,
-                 ttft_slo_s: float | None = None) -> WireRequest:
+                 ttft_slo_s: float | None = None, hints: RequestHints | None = None) -> WireRequest:
     """The wire form of one request, validated.
 
     Raises:
@@ -119,9 +120,12 @@ def wire_request(request_id: str, prompt_token_ids: Sequence[int], params: Sampl
     ids: Any = prompt_token_ids
     if isinstance(ids, Sequence) and not isinstance(ids, str | bytes):
         ids = list(ids)  # anything else (an ndarray, an int) fails the check below
+    if hints is not None and not isinstance(hints, RequestHints):
+        raise RequestError(f"request {request_id!r}: hints must be a RequestHints, got {type(hints).__name__}",
+                           request_id=request_id)
     w = WireRequest(request_id, ids, sampling_to_wire(params), priority=priority, tenant=tenant,
                     cache_salt=cache_salt, arrival_offset=arrival_offset, final_only=final_only,
-                    ttft_slo_s=ttft_slo_s)
+                    ttft_slo_s=ttft_slo_s, hints=hints.to_wire() if hints else {})
     check_request(w)
     return w
 

@@ -208,6 +208,7 @@ class EngineCore:
         """
         check_arrival_offset(request.request_id, arrival_offset)
         self._check_token_ids(request)
+        self._apply_slo_class(request)
         if arrival_offset is None or self.start_time + arrival_offset <= self.now():
             # The engine owns the clock (virtual with the fake runner and the simulator):
             # a request arrives when the engine receives it.
@@ -238,6 +239,7 @@ class EngineCore:
             return
         check_arrival_offset(request.request_id, offset)
         self._check_token_ids(request)
+        self._apply_slo_class(request)
         request.arrival_time = arrival_time
         self.scheduler.add_request(request)
 
@@ -248,6 +250,22 @@ class EngineCore:
             what = "prompt" if bad in request.prompt_token_ids else "resumed output"
             raise RequestError(f"request {request.request_id!r}: {what} token id {bad} is outside "
                                f"the model's vocabulary of {vocab} tokens", request_id=request.request_id)
+
+    def _apply_slo_class(self, request: Request) -> None:
+        """A request of an SLO class gets the class's TTFT and TPOT targets where it set
+        none; a class the config does not name is refused."""
+        name = request.hints.slo_class
+        if name is None:
+            return
+        targets = self.config.slo_classes.get(name)
+        if targets is None:
+            known = ", ".join(sorted(self.config.slo_classes)) or "none: the config names no slo_classes"
+            raise RequestError(f"request {request.request_id!r}: slo_class {name!r} is not one of the "
+                               f"config's slo_classes ({known})", request_id=request.request_id)
+        if request.ttft_slo_s is None:
+            request.ttft_slo_s = targets.ttft_s
+        if request.tpot_slo_s is None:
+            request.tpot_slo_s = targets.tpot_s
 
     @property
     def last_step_empty(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from schedkit.core.hints import hints_from_wire
 from schedkit.core.outputs import EngineCoreOutput, RequestMetricsData
 from schedkit.core.request import (
     INT64_MAX,
@@ -116,6 +117,7 @@ def check_request(w: WireRequest) -> SamplingParams:
         _check_token_ids(w.resume_token_ids, rid, "resume_token_ids")
     if type(w.kv_send) is not bool:
         raise _bad(rid, "kv_send", w.kv_send, "a bool")
+    hints_from_wire(w.hints, rid)
     return sampling_from_wire(w.sampling_params, rid)
 
 
@@ -139,6 +141,9 @@ class WireRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Outputs the request has already produced on another engine (a request moved
     mid-stream, :mod:`schedkit.cluster.migration`): they follow its prompt, count
     toward ``max_tokens``, advance its grammar, and are not sent again."""
+    hints: dict[str, Any] = {}
+    """Its hints (:meth:`RequestHints.to_wire <schedkit.core.hints.RequestHints.to_wire>`):
+    SLO class, deadline, expected output length, session."""
     kv_send: bool = False
     """A disaggregated request's prefill: the engine keeps its prompt's KV blocks when it
     finishes, for the front end to send to its decode replica

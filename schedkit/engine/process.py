@@ -55,6 +55,7 @@ import msgspec
 import zmq
 
 from schedkit.config import Config
+from schedkit.core.hints import hints_from_wire
 from schedkit.core.outputs import EngineCoreOutputs
 from schedkit.core.request import Request
 from schedkit.engine.auth import EngineGuard, EngineKeys
@@ -104,7 +105,7 @@ def request_from_wire(w: WireRequest, client_index: int, now: float) -> Request:
     params = check_request(w)
     req = Request(w.request_id, w.prompt_token_ids, params, arrival_time=now,
                   priority=w.priority, client_index=client_index, tenant=w.tenant,
-                  cache_salt=w.cache_salt, ttft_slo_s=w.ttft_slo_s)
+                  cache_salt=w.cache_salt, ttft_slo_s=w.ttft_slo_s, hints=hints_from_wire(w.hints, w.request_id))
     if w.resume_token_ids:
         if len(w.resume_token_ids) >= req.max_tokens:
             raise RequestError(f"request {w.request_id!r}: resume_token_ids has {len(w.resume_token_ids)} "

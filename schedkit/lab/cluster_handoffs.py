@@ -70,7 +70,7 @@ class Handoffs:
         copy = Request(req.request_id, req.prompt_token_ids,
                        SamplingParams(max_tokens=1, eos_token_id=req.sampling_params.eos_token_id),
                        arrival_time=req.arrival_time, priority=req.priority, tenant=req.tenant,
-                       ttft_slo_s=req.ttft_slo_s)
+                       ttft_slo_s=req.ttft_slo_s, tpot_slo_s=req.tpot_slo_s, hints=req.hints)
         if self.hasher is not None:
             copy.block_hashes.extend(req.block_hashes)
             copy.set_block_hasher(self.hasher.extend, self.hasher.block_size)

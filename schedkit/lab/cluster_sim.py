@@ -285,7 +285,8 @@ class _ClusterRun:
             return
         old, _ = moved
         new = Request(rid, old.prompt_token_ids, old.sampling_params, arrival_time=old.arrival_time,
-                      priority=old.priority, tenant=old.tenant, ttft_slo_s=old.ttft_slo_s)
+                      priority=old.priority, tenant=old.tenant, ttft_slo_s=old.ttft_slo_s,
+                      tpot_slo_s=old.tpot_slo_s, hints=old.hints)
         for token in old.output_token_ids:
             new.append_output_token_ids(token)
         new.events.extend(ev for ev in old.events if ev[0] is not EventType.FINISHED)  # it goes on
@@ -505,12 +506,12 @@ class _ClusterRun:
         long-prompt traces hashing is a large share of the run."""
         if self.hasher is None:
             return self.router.make_request(w.request_id, w.prompt_token_ids, tenant=w.tenant,
-                                            priority=w.priority, max_tokens=w.max_tokens)
+                                            priority=w.priority, max_tokens=w.max_tokens, hints=req.hints)
         req.set_block_hasher(self.hasher.extend, self.block_size)
         # The prompt's blocks as they are now (the list grows with output blocks later).
         return self.router.make_request(w.request_id, req.prompt_token_ids, tenant=w.tenant,
                                         priority=w.priority, max_tokens=w.max_tokens,
-                                        block_hashes=req.block_hashes[:])
+                                        block_hashes=req.block_hashes[:], hints=req.hints)
 
     def _result(self) -> ClusterRunResult:
         """The run's metrics (sorted by arrival) and the replicas' and router's figures."""

@@ -129,9 +129,7 @@ class RequestMetrics:
         always holds; a request not served misses)."""
         if not self.served:
             return False
-        t = slo.for_class(self.tenant, self.priority)
-        checks = ((t.ttft_s, self.ttft), (t.tpot_s, self.tpot), (t.e2e_s, self.e2e))
-        return all(target is None or value is None or value <= target for target, value in checks)
+        return slo.for_class(self.tenant, self.priority).met_by(self.ttft, self.tpot, self.e2e)
 
     def to_dict(self) -> dict[str, Any]:
         return {

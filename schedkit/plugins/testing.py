@@ -17,6 +17,7 @@ import pytest
 
 from schedkit.config import CacheConfig, SchedulerConfig
 from schedkit.core.grammar import StructuredOutputsParams
+from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -76,7 +77,8 @@ def make_request(request_id: str, prompt_token_ids: Sequence[int], *, max_tokens
                  eos_token_id: int | None = 50256, stop_token_ids: Sequence[int] = (),
                  min_tokens: int = 0, ignore_eos: bool = False, client_index: int = 0,
                  tenant: str = "default", cache_salt: str | None = None,
-                 structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None) -> Request:
+                 structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
+                 hints: RequestHints | None = None) -> Request:
     """One request; ``arrival_time=None`` takes a strictly increasing clock."""
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens,
                             stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
@@ -85,7 +87,8 @@ def make_request(request_id: str, prompt_token_ids: Sequence[int], *, max_tokens
     return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                    sampling_params=params, priority=priority,
                    arrival_time=_next_arrival_time() if arrival_time is None else arrival_time,
-                   client_index=client_index, tenant=tenant, cache_salt=cache_salt)
+                   client_index=client_index, tenant=tenant, cache_salt=cache_salt,
+                   hints=NO_HINTS if hints is None else hints)
 
 
 def make_requests(n: int, *, num_tokens: int = 10, max_tokens: int = 16,

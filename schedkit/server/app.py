@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ from schedkit.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    apply_hint_headers,
     parse_body,
 )
 from schedkit.server.serving import Generation, Server, request_id_from_header
@@ -302,6 +304,7 @@ class ServerRoutes:
         add("/detokenize", self.detokenize, methods=["POST"])
         add("/health", self.health, methods=["GET", "HEAD"])
         add("/metrics", self.metrics, methods=["GET"])
+        add("/v1/replicas/{index}/drain", self.drain_replica, methods=["POST"])
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -358,7 +361,9 @@ class ServerRoutes:
         s = self._srv()
         is_chat = kind == "chat"
         req: Any = await _request_of(request, ChatCompletionRequest if is_chat else CompletionRequest, s)
+        apply_hint_headers(req, request.headers)
         s.check_model(req.model)
+        s.check_hints(req)
         _refuse_logprobs(req)
         rid = request_id_from_header(request.headers.get("x-request-id"), "chatcmpl" if is_chat else "cmpl")
         prompts, max_tokens, param = await (_chat_prompts(s, req) if is_chat else _completion_prompts(s, req))
@@ -403,6 +408,35 @@ class ServerRoutes:
         if s.draining:
             return JSONResponse(APIError(503, "the server is shutting down").body(), status_code=503)
         return Response(status_code=200)
+
+    async def drain_replica(self, index: str, timeout_s: str = "60") -> Response:
+        """Take replica ``index`` out of rotation and wait up to ``timeout_s`` (query,
+        0-3600) for it to empty: a ``drain`` router plugin moves its requests away,
+        without one they finish there. 200 once nothing is left on it, 202 when some
+        still are (it stays out of rotation; ask again)."""
+        from schedkit.cluster.front import ClusterClient
+
+        s = self._srv()
+        core = s.llm.core
+        if not isinstance(core, ClusterClient):
+            raise APIError(400, "the server runs one engine (replicas.count 1): there is no replica to drain")
+        count = len(core.router.replicas)
+        if not index.isdigit() or int(index) >= count:
+            raise APIError(404, f"no replica {index!r}: the server has replicas 0 to {count - 1}", param="index")
+        try:
+            wait = float(timeout_s)
+        except ValueError:
+            wait = math.nan
+        if not 0 <= wait <= 3600:
+            raise APIError(400, f"timeout_s must be seconds from 0 to 3600, got {timeout_s!r}", param="timeout_s")
+        replica = core.router.replicas[int(index)]
+        try:
+            await core.drain(replica.index, wait)
+        except TimeoutError:
+            pass
+        left = replica.num_outstanding if replica.healthy else 0
+        return JSONResponse({"replica": replica.index, "drained": left == 0, "num_outstanding": left,
+                             "healthy": replica.healthy}, status_code=202 if left else 200)
 
     async def metrics(self) -> Response:
         s = self._srv()

@@ -59,7 +59,7 @@ async def start_server(config: Config) -> Server:
         plugins = await llm.call_utility("list_plugins")
         name = served_model_name(config)
         metrics = ServerMetrics(name, config.scheduler.policy, plugins, config.server.max_tenant_labels,
-                                config.scheduler.max_model_len)
+                                config.scheduler.max_model_len, config.slo_classes)
         llm.tokenizer = tokenizer
         return Server(config, llm, tokenizer, metrics, name, eos_ids)
     except BaseException:

@@ -12,7 +12,7 @@ hook errors by plugin) are read from the engine's ``stats`` when ``/metrics`` is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -24,6 +24,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from schedkit.config.workload import SLOTargets
 
 PREFIX = "schedkit:"
 
@@ -165,6 +167,10 @@ class EngineStatsCollector(Collector):
             yield from self._router_series(st["router"])
         if "kv_transfer" in st:
             yield from self._transfer_series(st["kv_transfer"], st.get("router", {}), st.get("replicas", []))
+        if "migration" in st:
+            yield from self._handoff_counters(st["migration"], "migration_kv", _MIGRATION_SERIES,
+                                              "Moved requests whose target computed their KV itself, by why "
+                                              "(prefill_died: the source died).")
 
     def _replica_series(self, replicas: list[dict[str, Any]]) -> Iterable[Metric]:
         m = self.model_name
@@ -228,20 +234,26 @@ class EngineStatsCollector(Collector):
         yield err
 
 
+    def _handoff_counters(self, kv: dict[str, Any], prefix: str, series: tuple[tuple[str, str, str], ...],
+                          fallback_doc: str) -> Iterable[Metric]:
+        """The counters of a :class:`~schedkit.cluster.handoff.HandoffStats` (its
+        ``as_dict``), named ``prefix_*``."""
+        m = self.model_name
+        for name, key, doc in series:
+            metric = CounterMetricFamily(f"{PREFIX}{prefix}_{name}", doc, labels=["model_name"])
+            metric.add_metric([m], kv.get(key, 0))
+            yield metric
+        fallbacks = CounterMetricFamily(f"{PREFIX}{prefix}_fallbacks", fallback_doc, labels=["model_name", "reason"])
+        for reason in FALLBACK_REASONS:
+            fallbacks.add_metric([m, reason], kv.get("fallbacks", {}).get(reason, 0))
+        yield fallbacks
+
     def _transfer_series(self, kv: dict[str, Any], router: dict[str, Any],
                          replicas: list[dict[str, Any]]) -> Iterable[Metric]:
         """With ``replicas.roles``: the KV hand-offs, and queue depths per role."""
         m = self.model_name
-        for name, key, doc in _TRANSFER_SERIES:
-            metric = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            metric.add_metric([m], kv.get(key, 0))
-            yield metric
-        fallbacks = CounterMetricFamily(PREFIX + "kv_transfer_fallbacks", "Disaggregated requests "
-                                        "whose decode replica computed the prompt itself, by why.",
-                                        labels=["model_name", "reason"])
-        for reason in FALLBACK_REASONS:
-            fallbacks.add_metric([m, reason], kv.get("fallbacks", {}).get(reason, 0))
-        yield fallbacks
+        yield from self._handoff_counters(kv, "kv_transfer", _TRANSFER_SERIES, "Disaggregated requests "
+                                          "whose decode replica computed the prompt itself, by why.")
         roles = {r["index"]: r.get("role", "both") for r in router.get("replicas", [])}
         depth = {role: [0, 0] for role in ("prefill", "decode", "both")}
         for rep in replicas:
@@ -260,17 +272,24 @@ class EngineStatsCollector(Collector):
 
 
 _TRANSFER_SERIES = (
-    ("kv_transfer_handoffs", "num_handoffs", "KV hand-offs from a prefill to a decode replica."),
-    ("kv_transfer_blocks", "num_blocks", "KV blocks sent from prefill to decode replicas."),
-    ("kv_transfer_blocks_held", "num_blocks_held", "Prompt blocks a decode replica held already "
-     "(not sent)."),
-    ("kv_transfer_bytes", "num_bytes", "KV bytes sent from prefill to decode replicas."),
-    ("kv_transfer_seconds", "seconds", "Seconds from prefills' ends to their decode replicas "
-     "holding the KV, summed."),
-    ("kv_transfer_room_waits", "num_room_waits", "Times a decode replica had no room for a "
-     "hand-off yet (the prefill replica kept its blocks)."),
+    ("handoffs", "num_handoffs", "KV hand-offs from a prefill to a decode replica."),
+    ("blocks", "num_blocks", "KV blocks sent from prefill to decode replicas."),
+    ("blocks_held", "num_blocks_held", "Prompt blocks a decode replica held already (not sent)."),
+    ("bytes", "num_bytes", "KV bytes sent from prefill to decode replicas."),
+    ("seconds", "seconds", "Seconds from prefills' ends to their decode replicas holding the KV, summed."),
+    ("room_waits", "num_room_waits", "Times a decode replica had no room for a hand-off yet (the "
+     "prefill replica kept its blocks)."),
 )
-"""``(name, kv_transfer stats key, help)`` of the hand-off counters."""
+"""``(name after kv_transfer_, stats key, help)`` of the hand-off counters."""
+_MIGRATION_SERIES = (
+    ("handoffs", "num_handoffs", "Moved requests whose KV reached their target replica."),
+    ("blocks", "num_blocks", "KV blocks sent with moved requests."),
+    ("blocks_held", "num_blocks_held", "Blocks of moved requests their target held already (not sent)."),
+    ("bytes", "num_bytes", "KV bytes sent with moved requests."),
+    ("seconds", "seconds", "Seconds from moved requests' stop to their target holding the KV, summed."),
+    ("room_waits", "num_room_waits", "Times a migration target had no room yet (the source kept the blocks)."),
+)
+"""``(name after migration_kv_, migration stats key, help)``."""
 FALLBACK_REASONS = ("prefill_died", "prefill_failed", "timeout", "transfer_error")
 
 
@@ -282,10 +301,13 @@ class ServerMetrics:
         policy: ``scheduler.policy``.
         plugins: ``(plugin, hooks)`` switched on.
         max_tenant_labels: Tenants with a label of their own; later ones count as "other".
+        slo_classes: The config's SLO classes: each gets its attainment series (the only
+            ``slo_class`` label values, since the server refuses other names).
     """
 
     def __init__(self, model_name: str, policy: str, plugins: Sequence[tuple[str, Sequence[str]]],
-                 max_tenant_labels: int = 64, max_model_len: int = 2048) -> None:
+                 max_tenant_labels: int = 64, max_model_len: int = 2048,
+                 slo_classes: Mapping[str, SLOTargets] | None = None) -> None:
         disable_created_metrics()  # vLLM's series have no _created twins either
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -337,6 +359,15 @@ class ServerMetrics:
                                       "with an error, by status.", ["model_name", "status"], registry=r)
         self.max_tenant_labels = max_tenant_labels
         self._tenants: set[str] = set()
+        self.slo_classes = dict(slo_classes or {})
+        labels = ["model_name", "slo_class"]
+        self.slo_requests = Counter(PREFIX + "slo_class_requests", "Requests of each SLO class that "
+                                    "finished.", labels, registry=r)
+        self.slo_met = Counter(PREFIX + "slo_class_slo_met", "Requests of each SLO class that met "
+                               "every target of their class (TTFT, TPOT, end-to-end).", labels, registry=r)
+        for name in self.slo_classes:  # every class's series from the start, at 0
+            self.slo_requests.labels(model_name, name)
+            self.slo_met.labels(model_name, name)
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` while fewer than ``max_tenant_labels`` tenants have a label; else "other"."""
@@ -350,7 +381,7 @@ class ServerMetrics:
     def request_finished(self, *, finish_reason: str, tenant: str, num_prompt_tokens: int,
                          num_output_tokens: int, ttft: float | None, e2e: float,
                          queue_time: float | None, max_tokens: int, n: int,
-                         engine: Any = None) -> None:
+                         engine: Any = None, slo_class: str | None = None) -> None:
         """Record one engine request (one choice) that ended; ``engine`` is its
         :class:`~schedkit.core.outputs.RequestMetricsData` (phase times) when it has one."""
         m = self.model_name
@@ -380,6 +411,12 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if queue_time is not None:
             self.queue_time.observe(queue_time)
+        targets = self.slo_classes.get(slo_class) if slo_class is not None else None
+        if targets is not None:
+            self.slo_requests.labels(m, slo_class).inc()
+            tpot = (e2e - ttft) / (num_output_tokens - 1) if ttft is not None and num_output_tokens > 1 else None
+            if targets.met_by(ttft, tpot, e2e):
+                self.slo_met.labels(m, slo_class).inc()
 
     def http_error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()

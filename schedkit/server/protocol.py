@@ -16,6 +16,8 @@ compiles is the engine's to say when it receives the request.
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -29,9 +31,12 @@ from pydantic import (
     StrictStr,
     StringConstraints,
     ValidationError,
+    create_model,
 )
 
+from schedkit.config.workload import SLO_CLASS_NAME
 from schedkit.core.grammar import StructuredOutputsParams
+from schedkit.core.hints import MAX_DEADLINE_S, MAX_EXPECTED_OUTPUT_TOKENS, RequestHints
 from schedkit.errors import RequestError
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -152,6 +157,12 @@ class _Sampling(_Body):
                           AfterValidator(_no_control_characters)] | None = None
     """A conversation id: with replicas, ``session-affinity`` keeps a session on one
     replica (its history stays in that replica's prefix cache)."""
+    slo_class: Annotated[StrictStr, StringConstraints(pattern=f"^{SLO_CLASS_NAME.pattern}$")] | None = None
+    """A service class of the config's ``slo_classes``: the request's TTFT and TPOT targets."""
+    deadline_s: FiniteFloat | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
+    """Seconds after its arrival by which the whole answer should be there."""
+    expected_output_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_EXPECTED_OUTPUT_TOKENS)
+    """The client's prediction of the answer's length (size-aware policies may use it)."""
     # structured outputs
     response_format: ResponseFormat | None = None
     """OpenAI's: ``text`` (no constraint), ``json_object``, or ``json_schema``."""
@@ -182,6 +193,10 @@ class _Sampling(_Body):
     def constraint(self) -> StructuredOutputsParams | None:
         """The constraint :func:`parse_body` built (:meth:`structured_outputs_params`)."""
         return self._constraint
+
+    def hints(self) -> RequestHints:
+        """The request's hints (SLO class, deadline, expected length, session)."""
+        return RequestHints(self.slo_class, self.deadline_s, self.expected_output_tokens, self.session_id)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint on the output, from ``response_format`` or ``structured_outputs``
@@ -355,3 +370,60 @@ def _is_union_tag(x: Any) -> bool:
     return isinstance(x, str) and (x.startswith(("list[", "dict[", "function-")) or x in (
         "str", "int", "float", "bool", "none", "ContentPart", "StreamOptions"))
 
+
+
+HINT_HEADERS = {
+    "x-schedkit-tenant": "user",
+    "x-schedkit-priority": "priority",
+    "x-schedkit-slo-class": "slo_class",
+    "x-schedkit-deadline-s": "deadline_s",
+    "x-schedkit-expected-output-tokens": "expected_output_tokens",
+    "x-schedkit-ttft-slo-s": "ttft_slo_s",
+    "x-schedkit-session-id": "session_id",
+}
+"""Headers that carry a request's scheduling hints (``header -> body field``): for a
+gateway or proxy that tags requests without touching their bodies."""
+_NUMERIC_HINTS = {"priority": int, "deadline_s": float, "expected_output_tokens": int, "ttft_slo_s": float}
+
+
+def apply_hint_headers(req: Any, headers: Any) -> None:
+    """Set ``req``'s hint fields from the :data:`HINT_HEADERS` present, validated as the
+    body fields are.
+
+    Raises:
+        APIError: 400 naming the header: a value the body field would refuse, or a
+            header and a body field that both set a hint to different values.
+    """
+    if not isinstance(req, _Sampling):
+        return
+    fields_set = req.model_fields_set
+    for header, name in HINT_HEADERS.items():
+        raw = headers.get(header)
+        if raw is None:
+            continue
+        value: Any = raw.strip()
+        convert = _NUMERIC_HINTS.get(name)
+        if convert is not None:
+            try:
+                value = convert(value)
+            except ValueError:
+                raise APIError(400, f"header {header}: {value!r} is not {'an integer' if convert is int else 'a number'}",
+                               param=header) from None
+        try:
+            value = getattr(_hint_model().model_validate({name: value}), name)
+        except ValidationError as e:
+            why = e.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+            raise APIError(400, f"header {header}: {why} (got {_describe(value)})", param=header) from None
+        if name in fields_set and getattr(req, name) != value:
+            raise APIError(400, f"header {header} ({_describe(value)}) and body field {name} "
+                           f"({_describe(getattr(req, name))}) differ: send one", param=header)
+        object.__setattr__(req, name, value)
+
+
+@functools.cache
+def _hint_model() -> type[BaseModel]:
+    """A model of the hint fields alone, each validated as in a request body (the full
+    annotations, constraints included, and the same field settings)."""
+    hints = typing.get_type_hints(_Sampling, include_extras=True)
+    fields = {name: (hints[name], _Sampling.model_fields[name]) for name in HINT_HEADERS.values()}
+    return create_model("HintHeaders", **fields)  # type: ignore[call-overload, no-any-return]

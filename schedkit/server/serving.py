@@ -460,6 +460,14 @@ class Server:
                                       constraint_field=req.structured_outputs_field()))
         return choices
 
+    def check_hints(self, req: Any) -> None:
+        """Refuse an SLO class the config does not name (400 naming ``slo_class``)."""
+        name = getattr(req, "slo_class", None)
+        if name is not None and name not in self.config.slo_classes:
+            known = ", ".join(sorted(self.config.slo_classes)) or "none: the config names no slo_classes"
+            raise APIError(400, f"slo_class {name!r} is not one of the server's SLO classes ({known})",
+                           param="slo_class")
+
     def start(self, choices: list[Choice], req: _Sampling, arrival: float | None = None,
               ) -> tuple[asyncio.Queue[Event], list[asyncio.Task[None]]]:
         """Send every choice to the engine; their events arrive on the returned queue.
@@ -498,8 +506,8 @@ class Server:
         told_end = False
         try:
             gen: Any = self.llm.generate(c.prompt_token_ids, c.params, request_id=c.request_id,
-                                    priority=req.priority, tenant=tenant, ttft_slo_s=req.ttft_slo_s,
-                                    session_id=req.session_id)
+                                         priority=req.priority, tenant=tenant, ttft_slo_s=req.ttft_slo_s,
+                                         hints=req.hints())
             async with aclosing(gen):
                 async for out in gen:
                     now = time.perf_counter()
@@ -552,7 +560,8 @@ class Server:
                     num_output_tokens=len(c.text.output_token_ids),
                     ttft=None if first is None else first - start,
                     e2e=time.perf_counter() - start, queue_time=queue_time,
-                    max_tokens=c.params.max_tokens, n=req.n, engine=metrics)
+                    max_tokens=c.params.max_tokens, n=req.n, engine=metrics,
+                    slo_class=getattr(req, "slo_class", None))
 
     def _apply(self, c: Choice, out: RequestOutput) -> Event:
         """Fold one engine delta into the choice; returns the event to send."""

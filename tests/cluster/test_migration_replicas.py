@@ -7,7 +7,9 @@ with a thousand requests); ``drain`` empties a replica; blocks are all free at t
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import time
 from collections import Counter
 from typing import Any
@@ -60,8 +62,8 @@ def random_moves(install_plugin):
     install_plugin("random_moves", RANDOM_MOVES, {"random-moves": "random_moves:RandomMoves"})
 
 
-def moving(base: dict[str, Any], n: int = 2, share: float = 0.5, interval: float = 0.02) -> Any:
-    return config_from_dict({**base, "replicas": {"count": n}, "router": {
+def moving(base: dict[str, Any], n: int = 2, share: float = 0.5, interval: float = 0.02, **replicas: Any) -> Any:
+    return config_from_dict({**base, "replicas": {"count": n, **replicas}, "router": {
         "policy": "round-robin", "migration_interval_s": interval,
         "plugins": [{"name": "random-moves", "settings": {"seed": 1, "share": share}}]}})
 
@@ -239,3 +241,53 @@ def test_a_replica_killed_while_requests_move_every_request_ends_once(random_mov
         rep = stats["replicas"][i]
         assert rep["kv_cache_usage"] == 0.0 and rep["num_running"] == rep["num_waiting"] == 0
         assert rep["kv_transfer_held_blocks"] == 0 and rep["kv_transfer_reserved_blocks"] == 0
+
+
+def test_a_source_stalled_mid_move_past_the_timeout_the_target_computes_the_kv(random_moves):
+    """The first move's source is SIGSTOPped as its KV is asked for: past
+    ``replicas.transfer_timeout_s`` the target computes the request's KV from its prompt
+    and outputs itself, the stalled replica's requests go on once it runs again, every
+    stream equals one engine's, and nothing stays held or reserved."""
+    from tests.cluster.replica_runs import sigstop
+
+    base = paged_base()
+    prompts = random_prompts(6, seed=41)
+    sps = [SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)] * len(prompts)
+    want = colocated(base, prompts, sps)
+
+    async def run() -> tuple[Any, ...]:
+        async with await AsyncLLM.create(moving(base, transfer_timeout_s=0.3)) as llm:
+            core = llm.core
+            stalled: list[int] = []
+
+            def stall_first_export(index: int, real: Any) -> Any:
+                async def call_utility(method: str, *args: Any) -> Any:
+                    if method == "kv_export" and not stalled:
+                        stalled.append(index)
+                        sigstop(core.replicas.handles[index].pid)
+                    return await real(method, *args)
+                return call_utility
+
+            for i, conn in enumerate(core.conns):
+                conn.call_utility = stall_first_export(i, conn.call_utility)
+
+            async def wake_after_the_fallback() -> None:
+                while not core.migrator.stats.fallbacks:
+                    await asyncio.sleep(0.01)
+                os.kill(core.replicas.handles[stalled[0]].pid, signal.SIGCONT)
+
+            waker = asyncio.create_task(wake_after_the_fallback())
+            tokens, ends, _ = await stream_all(llm, prompts, sps)
+            await waker
+            await asyncio.sleep(0.3)  # the late release reaches the stalled replica
+            return stalled, tokens, ends, await llm.call_utility("stats")
+
+    stalled, tokens, ends, stats = asyncio.run(run())
+    assert len(stalled) == 1 and set(ends.values()) == {1}
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == want
+    mig = stats["migration"]
+    # A move toward the stalled replica meanwhile times out the same way.
+    assert set(mig["fallbacks"]) == {"timeout"} and mig["fallbacks"]["timeout"] >= 1
+    assert mig["num_handoffs"] == mig["num_migrated"] - mig["fallbacks"]["timeout"]
+    assert all(r["healthy"] for r in stats["replicas"])
+    assert_all_free(stats)

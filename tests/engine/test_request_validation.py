@@ -104,6 +104,11 @@ def test_engine_fails_only_the_badly_typed_requests_of_a_message(llm):
         "inf-temperature": {**req("inf-temperature"), "sampling_params": {"temperature": float("inf")}},
         "nan-offset": req("nan-offset", arrival_offset=float("nan")),
         "huge-offset": req("huge-offset", arrival_offset=1e300),
+        "list-hints": req("list-hints", hints=[1]),
+        "unknown-hint": req("unknown-hint", hints={"urgency": 9}),
+        "negative-deadline": req("negative-deadline", hints={"deadline_s": -1.0}),
+        "float-expected": req("float-expected", hints={"expected_output_tokens": 2.5}),
+        "unknown-class": req("unknown-class", hints={"slo_class": "gold"}),
     }
     message = {"type": "add", "requests": [req("good-1"), *bad.values(), 17, req("good-2", [4])]}
     malformed_before = llm.call_utility("stats")["num_malformed_messages"]
@@ -125,6 +130,9 @@ def test_engine_fails_only_the_badly_typed_requests_of_a_message(llm):
     assert "max_tokens" in finished["bool-max-tokens"].error
     assert "temperature" in finished["inf-temperature"].error
     assert "arrival_offset" in finished["huge-offset"].error
+    assert "urgency" in finished["unknown-hint"].error and "deadline_s" in finished["negative-deadline"].error
+    assert "expected_output_tokens" in finished["float-expected"].error
+    assert "slo_class 'gold'" in finished["unknown-class"].error  # the config names no classes
     # the request without a readable id (17) has nobody to answer: counted as malformed
     assert llm.call_utility("stats")["num_malformed_messages"] == malformed_before + 1
     assert_engine_idle(llm)

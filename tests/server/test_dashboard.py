@@ -27,13 +27,19 @@ _SUFFIXES = ("_bucket", "_sum", "_count")
 
 # Counters labelled by plugin that have no series until a plugin rejects a request or a hook
 # fails; on the default server (fcfs, no failing plugin) only their # TYPE line is there.
-NO_SAMPLES_ON_DEFAULT_SERVER = {"schedkit:admission_rejections_total", "schedkit:hook_errors_total"}
+NO_SAMPLES_ON_DEFAULT_SERVER = {"schedkit:admission_rejections_total", "schedkit:hook_errors_total",
+                                 # by SLO class: none without slo_classes in the config
+                                 "schedkit:slo_class_requests_total", "schedkit:slo_class_slo_met_total"}
 REPLICA_ROW = "Replicas and router"
 # The families only a server with replicas exposes: per replica, and the router's.
 REPLICA_ONLY = ("schedkit:replica_", "schedkit:router_")
 DISAGG_ROW = "Disaggregation"
 # The families only a server with replicas.roles exposes: KV hand-offs, queues per role.
 DISAGG_ONLY = ("schedkit:kv_transfer_", "schedkit:role_")
+MIGRATION_ROW = "Live migration"
+# The families only a server with a migration plugin exposes: the moved requests' KV.
+MIGRATION_ONLY = ("schedkit:migration_",)
+OPTIONAL_ROWS = (DISAGG_ROW, MIGRATION_ROW)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,8 @@ def row_of(dashboard: dict[str, Any]) -> dict[int, str | None]:
 
 def referenced_by_row(dashboard: dict[str, Any], row: str = REPLICA_ROW) -> tuple[set[str], set[str]]:
     """``(series the panels of ``row`` read, series read anywhere else but on the
-    disaggregation row)``, the template variables' queries counted as elsewhere."""
+    disaggregation and migration rows)``, the template variables' queries counted as
+    elsewhere."""
     rows = row_of(dashboard)
     inside: set[str] = set()
     outside = {m for e in variable_queries(dashboard) for m in _METRIC.findall(e)}
@@ -67,7 +74,7 @@ def referenced_by_row(dashboard: dict[str, Any], row: str = REPLICA_ROW) -> tupl
         for t in p.get("targets", []):
             if rows.get(p["id"]) == row:
                 inside.update(_METRIC.findall(t["expr"]))
-            elif rows.get(p["id"]) != DISAGG_ROW:
+            elif rows.get(p["id"]) not in OPTIONAL_ROWS:
                 outside.update(_METRIC.findall(t["expr"]))
     return inside, outside
 
@@ -156,6 +163,20 @@ def disaggregated(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, 
         stop_server(s)
 
 
+@pytest.fixture(scope="module")
+def migrating(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str], set[str]]]:
+    """``scrape`` of a server with two replicas (fake runner) and the ``rebalance``
+    migration plugin, after ``traffic``."""
+    s = start_server(tmp_path_factory.mktemp("migrating"),
+                     server_config(word_tokenizer, replicas={"count": 2},
+                                   router={"plugins": [{"name": "rebalance"}]}))
+    try:
+        traffic(s)
+        yield scrape(s)
+    finally:
+        stop_server(s)
+
+
 def check_kinds(names: set[str], families: dict[str, str]) -> None:
     for name in names:
         kind = families[series_family(name, families)]
@@ -213,7 +234,8 @@ def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
     assert model["type"] == "query" and model["datasource"]["uid"] == "${datasource}"
     assert model["query"]["query"] == model["definition"] == "label_values(schedkit:num_requests_running, model_name)"
     rows = row_of(dashboard)
-    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW, "Structured outputs", DISAGG_ROW]
+    assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW, "Structured outputs", DISAGG_ROW,
+                                                                   MIGRATION_ROW, "SLO classes"]
     assert sum(r == REPLICA_ROW for r in rows.values()) >= 10
     # the row's panels come after it in the list, the others before it
     at = next(i for i, p in enumerate(panels) if p["type"] == "row")
@@ -297,23 +319,25 @@ def test_policy_panels_see_an_admission_plugin(serve, word_tokenizer, dashboard:
     assert any("sum by (status) (rate(schedkit:http_request_errors_total{" in e for e in exprs)
 
 
-def test_disaggregated_server_series_are_on_the_disaggregation_row(replicated, disaggregated,
-                                                                    dashboard: dict[str, Any]) -> None:
-    """With roles: every series the disaggregation row reads exists and has samples, and the
-    families a replicated server lacks are exactly the hand-off and per-role ones, each shown
-    on that row."""
+@pytest.mark.parametrize(("server", "row", "prefixes"), [("disaggregated", DISAGG_ROW, DISAGG_ONLY),
+                                                         ("migrating", MIGRATION_ROW, MIGRATION_ONLY)])
+def test_optional_rows_show_exactly_what_their_servers_add(request, replicated, server, row, prefixes,
+                                                          dashboard: dict[str, Any]) -> None:
+    """With roles (the disaggregation row) or a migration plugin (the live migration row):
+    every series the row reads exists and has samples, and the families a plain replicated
+    server lacks are exactly the row's, each shown on it."""
     replicated_families, _ = replicated
-    families, samples = disaggregated
-    on_row, _ = referenced_by_row(dashboard, DISAGG_ROW)
+    families, samples = request.getfixturevalue(server)
+    on_row, _ = referenced_by_row(dashboard, row)
     assert on_row
     unknown = sorted(n for n in on_row if series_family(n, families) is None)
-    assert not unknown, f"the disaggregation row reads series the server does not expose: {unknown}"
+    assert not unknown, f"the {row} row reads series the server does not expose: {unknown}"
     check_kinds(on_row, families)
     empty = {n for n in on_row if n not in samples}
     assert not empty, f"no samples after traffic: {sorted(empty)}"
     assert set(replicated_families) <= set(families)
-    disagg_only = set(families) - set(replicated_families)
-    assert disagg_only == {f for f in families if f.startswith(DISAGG_ONLY)}, sorted(disagg_only)
-    assert not [f for f in replicated_families if f.startswith(DISAGG_ONLY)]
-    missing = not_shown({f: families[f] for f in disagg_only}, on_row)
-    assert not missing, f"exposed with roles but on no panel of the disaggregation row: {missing}"
+    added = set(families) - set(replicated_families)
+    assert added and added == {f for f in families if f.startswith(prefixes)}, sorted(added)
+    assert not [f for f in replicated_families if f.startswith(prefixes)]
+    missing = not_shown({f: families[f] for f in added}, on_row)
+    assert not missing, f"exposed by the {server} server but on no panel of the {row} row: {missing}"

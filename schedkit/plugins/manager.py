@@ -58,6 +58,8 @@ BUNDLED_POLICIES: Mapping[str, str] = {
     "vtc": "schedkit.policies.vtc:VirtualTokenCounter",
     "mlfq": "schedkit.policies.mlfq:MultiLevelFeedbackQueue",
     "lpm": "schedkit.policies.lpm:LongestPrefixMatch",
+    "hrrn": "schedkit.policies.hrrn:HighestResponseRatio",
+    "residual-sjf": "schedkit.policies.hrrn:ResidualShortestJobFirst",
     "least-computed": "schedkit.policies.victims:LeastComputedFirst",
     "aging": "schedkit.policies.aging:AgingWrapper",
     "priority-preemptive": "schedkit.policies.priority_preemptive:PreemptivePriority",

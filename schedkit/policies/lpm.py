@@ -2,117 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 
-from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.kv_cache_manager import KVCacheManager
-from schedkit.policies.common import AgeIndex, PolicyClock, check_int, check_number
+from schedkit.policies.common import PolicyClock, check_int, check_number
+from schedkit.policies.ranked import RankedQueue
 
-__all__ = ["LongestPrefixMatch", "LPMQueue"]
-
-
-class LPMQueue(BaseRequestQueue):
-    """Waiting requests as a ranked head followed by a FIFO tail.
-
-    At the first read of each step the queue re-ranks: overdue requests first (oldest
-    wait first, at most ``max_rank``), then the first ``max_rank`` requests of the FIFO sorted by prefix-cache
-    hit tokens (most first, ties in arrival order), then the rest of the FIFO. Between
-    re-ranks the order only changes by the scheduler's own pops and prepends, so ``pop``
-    always returns what ``peek`` returned. Preempted and skipped requests go to the head,
-    as in FCFS, and are re-ranked with the others at the next step.
-    """
-
-    def __init__(self, policy: LongestPrefixMatch, kv_cache_manager: KVCacheManager,
-                 clock: PolicyClock) -> None:
-        self._policy = policy
-        self._kv = kv_cache_manager
-        self._clock = clock
-        self._ages = AgeIndex(clock)
-        self._head: deque[Request] = deque()
-        self._fifo: deque[Request] = deque()
-        self._seq: dict[int, int] = {}
-        self._counter = itertools.count()
-        self._ranked_at = -1
-        self.num_rankings = 0
-        """How many times the queue re-ranked (at most once per step)."""
-
-    # -- ranking ---------------------------------------------------------------------------
-    def _ranked(self) -> tuple[deque[Request], deque[Request]]:
-        """The next (head, fifo), computed without changing the queue."""
-        p = self._policy
-        seq = self._seq.__getitem__
-        fifo = deque(self._fifo)
-        fifo.extendleft(reversed(sorted(self._head, key=lambda r: seq(id(r)))))
-        overdue: list[Request] = []
-        if math.isfinite(p.max_wait_s):
-            # At most max_rank per step keeps the work bounded under overload, when
-            # almost everything is overdue; they are the oldest, near the front of fifo.
-            overdue = self._ages.overdue(self._clock(), p.max_wait_s, limit=p.max_rank)
-            for req in overdue:
-                fifo.remove(req)
-        n = min(p.max_rank, len(fifo))
-        candidates = [fifo.popleft() for _ in range(n)]
-        hits = {id(r): self._kv.get_computed_blocks(r)[1] for r in candidates}
-        candidates.sort(key=lambda r: (-hits[id(r)], seq(id(r))))
-        return deque(overdue + candidates), fifo
-
-    def _maybe_rerank(self) -> None:
-        if self._ranked_at != self._policy.step:
-            self._ranked_at = self._policy.step
-            self._head, self._fifo = self._ranked()
-            self.num_rankings += 1
-
-    # -- queue -------------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        self._seq[id(request)] = next(self._counter)
-        self._fifo.append(request)
-        self._ages.push(request)
-
-    def peek(self) -> Request:
-        self._maybe_rerank()
-        return self._head[0] if self._head else self._fifo[0]
-
-    def pop(self) -> Request:
-        self._maybe_rerank()
-        req = self._head.popleft() if self._head else self._fifo.popleft()
-        self._ages.discard(req)
-        return req
-
-    def prepend_request(self, request: Request) -> None:
-        self._seq.setdefault(id(request), next(self._counter))
-        self._head.appendleft(request)
-        self._ages.push(request)
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        drop = {id(r): r for r in requests}
-        if not drop:
-            return
-        self._head = deque(r for r in self._head if id(r) not in drop)
-        self._fifo = deque(r for r in self._fifo if id(r) not in drop)
-        for req in drop.values():
-            self._ages.discard(req)
-            self._seq.pop(id(req), None)
-
-    def forget(self, request: Request) -> None:
-        """Drop the bookkeeping of a finished request."""
-        self._seq.pop(id(request), None)
-
-    def __len__(self) -> int:
-        return len(self._head) + len(self._fifo)
-
-    def __bool__(self) -> bool:
-        return bool(self._head) or bool(self._fifo)
-
-    def __iter__(self) -> Iterator[Request]:
-        if self._ranked_at != self._policy.step:
-            head, fifo = self._ranked()
-            return itertools.chain(head, fifo)
-        return itertools.chain(list(self._head), list(self._fifo))
+__all__ = ["LongestPrefixMatch"]
 
 
 class LongestPrefixMatch:
@@ -136,7 +34,8 @@ class LongestPrefixMatch:
     The guard reads ``clock`` when given in code, else the scheduler's clock handed to
     ``schedkit_create_waiting_queue``.
 
-    Hooks: ``schedkit_create_waiting_queue`` (an :class:`LPMQueue`),
+    Hooks: ``schedkit_create_waiting_queue`` (a :class:`~schedkit.policies.ranked.RankedQueue`
+    keyed by the hit, most first),
     ``schedkit_on_step_end`` (starts a new ranking round),
     ``schedkit_on_request_finished`` (cleanup). One plugin object serves one scheduler.
 
@@ -156,14 +55,15 @@ class LongestPrefixMatch:
         self.max_wait_s = check_number("max_wait_s", max_wait_s, strict=True, allow_inf=True)
         self.clock = PolicyClock(clock)
         self.step = 0
-        self.queue: LPMQueue | None = None
+        self.queue: RankedQueue | None = None
 
     @hookimpl
     def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager,
-                                      clock: Callable[[], float]) -> LPMQueue:
+                                      clock: Callable[[], float]) -> RankedQueue:
         self.step = 0
         self.clock.bind(clock)
-        self.queue = LPMQueue(self, kv_cache_manager, self.clock)
+        self.queue = RankedQueue(kv_cache_manager, self.clock, lambda: self.step,
+                                 lambda _req, cached, _now: -cached, self.max_rank, self.max_wait_s)
         return self.queue
 
     @hookimpl

@@ -18,6 +18,7 @@ from schedkit.core.request import RequestStatus
 from schedkit.plugins.testing import assert_scheduler_consistent
 from schedkit.policies.aging import AgingWrapper
 from schedkit.policies.edf import EarliestDeadlineFirst
+from schedkit.policies.hrrn import HighestResponseRatio, ResidualShortestJobFirst
 from schedkit.policies.lpm import LongestPrefixMatch
 from schedkit.policies.mlfq import MultiLevelFeedbackQueue
 from schedkit.policies.sjf import ShortestJobFirst
@@ -35,6 +36,9 @@ POLICIES: dict[str, tuple[Callable[[], list[Any]], str]] = {
     "vtc": (lambda: [VirtualTokenCounter(tenant_weights={"t1": 2.0})], "fcfs"),
     "mlfq": (lambda: [MultiLevelFeedbackQueue(base_quantum=2, prefill_tokens_per_step=16)], "fcfs"),
     "lpm": (lambda: [LongestPrefixMatch(max_rank=4, max_wait_s=0.2)], "fcfs"),
+    "hrrn": (lambda: [HighestResponseRatio(max_rank=6)], "fcfs"),
+    "hrrn-output": (lambda: [HighestResponseRatio(output_weight=0.5, max_wait_s=0.3)], "fcfs"),
+    "residual-sjf": (lambda: [ResidualShortestJobFirst(aging_rate=100.0, max_rank=6, max_wait_s=0.2)], "fcfs"),
     "lcf": (lambda: [LeastComputedFirst()], "fcfs"),
     "lcf+mlfq": (lambda: [MultiLevelFeedbackQueue(), LeastComputedFirst()], "fcfs"),
     "aging+sjf": (lambda: [ShortestJobFirst(), AgingWrapper(max_wait_s=0.1)], "fcfs"),
@@ -42,6 +46,7 @@ POLICIES: dict[str, tuple[Callable[[], list[Any]], str]] = {
     "aging+vtc": (lambda: [VirtualTokenCounter(), AgingWrapper(max_wait_s=0.1)], "fcfs"),
     "aging+mlfq": (lambda: [MultiLevelFeedbackQueue(base_quantum=2), AgingWrapper(max_wait_s=0.1)], "fcfs"),
     "aging+lpm": (lambda: [LongestPrefixMatch(max_rank=4), AgingWrapper(max_wait_s=0.1)], "fcfs"),
+    "aging+hrrn": (lambda: [HighestResponseRatio(), AgingWrapper(max_wait_s=0.1)], "fcfs"),
     "aging+edf": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="skip"),
                            AgingWrapper(max_wait_s=0.1)], "fcfs"),
 }

@@ -1,0 +1,145 @@
+"""Size-based orders that see the prefix cache: highest response ratio next (SGLang's
+HRRN) and residual shortest job first with aging."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from schedkit.core.request import Request
+from schedkit.hookspecs import hookimpl
+from schedkit.kv.kv_cache_manager import KVCacheManager
+from schedkit.policies.common import PolicyClock, check_int, check_number, enqueue_time
+from schedkit.policies.ranked import RankedQueue
+
+__all__ = ["HighestResponseRatio", "ResidualShortestJobFirst", "expected_output"]
+
+
+def expected_output(request: Request) -> int:
+    """The output tokens a request is expected to still produce: its client's
+    ``hints.expected_output_tokens`` when given (capped by ``max_tokens``), else
+    ``max_tokens``, less what it generated."""
+    hint = request.hints.expected_output_tokens
+    total = request.max_tokens if hint is None else min(hint, request.max_tokens)
+    return max(total - request.num_output_tokens, 0)
+
+
+class _CacheRanked:
+    """What both policies share: a :class:`RankedQueue` re-ranked once per step over the
+    first ``max_rank`` waiting requests, by a key of the request, its cached prompt
+    tokens and the time."""
+
+    def __init__(self, max_rank: int, max_wait_s: float, clock: Callable[[], float] | None) -> None:
+        self.max_rank = check_int("max_rank", max_rank, minimum=1)
+        self.max_wait_s = check_number("max_wait_s", max_wait_s, strict=True, allow_inf=True)
+        self.clock = PolicyClock(clock)
+        self.step = 0
+        self.queue: RankedQueue | None = None
+
+    def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
+        raise NotImplementedError
+
+    def uncached(self, request: Request, cached_tokens: int) -> int:
+        """Tokens of the request the prefix cache does not hold (its prompt and, after a
+        preemption, its outputs so far): what its prefill costs."""
+        return max(request.num_tokens - cached_tokens, 0)
+
+    @hookimpl
+    def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager,
+                                      clock: Callable[[], float]) -> RankedQueue:
+        self.step = 0
+        self.clock.bind(clock)
+        self.queue = RankedQueue(kv_cache_manager, self.clock, lambda: self.step, self.rank_key,
+                                 self.max_rank, self.max_wait_s)
+        return self.queue
+
+    @hookimpl
+    def schedkit_on_step_end(self) -> None:
+        self.step += 1
+
+    @hookimpl
+    def schedkit_on_request_finished(self, request: Request) -> None:
+        if self.queue is not None:
+            self.queue.forget(request)
+
+
+class HighestResponseRatio(_CacheRanked):
+    """Admit first the waiting request with the highest response ratio ``(W + S) / S``,
+    ``W`` the time it has waited since it was first queued and ``S`` its service: its
+    uncached prompt tokens (the prefill it still needs), plus ``output_weight`` times its
+    expected remaining output (:func:`expected_output`; 0 by default, as SGLang's HRRN
+    counts the uncached input alone).
+
+    ``(W + S) / S = 1 + W / S`` and ``S`` is in tokens for every request, so the order is
+    that of ``W / S`` whatever a token costs in seconds: no rate to calibrate.
+    Defining property: like SJF it serves short (and well-cached) prompts first, but a
+    long request's ratio grows with its wait until it passes every newer one, so nothing
+    starves; a preempted request keeps its first queueing time, so it returns ahead of
+    the requests that arrived after it. SGLang reports mean TTFT -69% and p90 -81%
+    against FCFS on production traffic.
+
+    The queue re-ranks once per step over the first ``max_rank`` waiting requests in
+    arrival order (SGLang's bound is 128), one prefix-cache lookup each; the rest wait
+    in arrival order. Requests waiting over ``max_wait_s`` go first (off by default: the
+    ratio ages by itself).
+
+    Hooks: ``schedkit_create_waiting_queue``, ``schedkit_on_step_end``,
+    ``schedkit_on_request_finished``.
+
+    Args:
+        output_weight: Weight of the expected remaining output in ``S`` (>= 0, default 0).
+        max_rank: Most waiting requests ranked per step (>= 1, default 128).
+        max_wait_s: Starvation guard in seconds (> 0; default ``.inf``, off).
+        clock: The scheduler's clock (code only; default None, the scheduler's).
+
+    Raises:
+        ValueError: A setting is out of range; the message names it and its value.
+    """
+
+    def __init__(self, output_weight: float = 0.0, max_rank: int = 128, max_wait_s: float = float("inf"),
+                 clock: Callable[[], float] | None = None) -> None:
+        super().__init__(max_rank, max_wait_s, clock)
+        self.output_weight = check_number("output_weight", output_weight)
+
+    def service(self, request: Request, cached_tokens: int) -> float:
+        """``S``: uncached tokens plus weighted expected output, at least 1."""
+        return max(self.uncached(request, cached_tokens) + self.output_weight * expected_output(request), 1.0)
+
+    def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
+        wait = max(now - enqueue_time(request), 0.0)
+        return -wait / self.service(request, cached_tokens)
+
+
+class ResidualShortestJobFirst(_CacheRanked):
+    """Admit first the waiting request with the least work left, less an aging credit:
+    its uncached tokens (the prefix cache's hits do not count) plus ``output_weight``
+    times its expected remaining output (:func:`expected_output`: the client's
+    ``expected_output_tokens`` hint, else ``max_tokens``), minus ``aging_rate`` tokens
+    per second it has waited since it was first queued.
+
+    Defining property: a request whose prompt is mostly cached ranks by what is left to
+    compute, not by its length (plain ``sjf`` ranks by the whole prompt), and a
+    preempted request ranks by what remains; with ``aging_rate > 0`` a long request's
+    rank falls with its wait, and past ``max_wait_s`` it goes first anyway.
+
+    Hooks and ranking bound as :class:`HighestResponseRatio`.
+
+    Args:
+        output_weight: Weight of the expected remaining output (>= 0, default 1).
+        aging_rate: Tokens of credit per second waited (>= 0, default 0).
+        max_rank: Most waiting requests ranked per step (>= 1, default 128).
+        max_wait_s: Starvation guard in seconds (> 0; default 10.0; ``.inf`` turns it off).
+        clock: The scheduler's clock (code only; default None, the scheduler's).
+
+    Raises:
+        ValueError: A setting is out of range; the message names it and its value.
+    """
+
+    def __init__(self, output_weight: float = 1.0, aging_rate: float = 0.0, max_rank: int = 128,
+                 max_wait_s: float = 10.0, clock: Callable[[], float] | None = None) -> None:
+        super().__init__(max_rank, max_wait_s, clock)
+        self.output_weight = check_number("output_weight", output_weight)
+        self.aging_rate = check_number("aging_rate", aging_rate)
+
+    def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
+        size = self.uncached(request, cached_tokens) + self.output_weight * expected_output(request)
+        return size - self.aging_rate * max(now - enqueue_time(request), 0.0)

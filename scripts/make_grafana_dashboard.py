@@ -347,29 +347,39 @@ panels.append(timeseries(
             (f"sum(rate(schedkit:structured_output_step_budget_failures_total{{{M}}}{RI}))",
              "over step budget")), unit="ops"))
 
+def handoff_panels(m: str, y: int, words: dict[str, str]) -> list[dict]:
+    """Three panels over the counters of KV hand-offs named ``schedkit:<m>_*``: the
+    hand-offs and their fallbacks, the bytes, the blocks sent and held with the waits for
+    room. ``words`` names what moves in each description."""
+    def s(name: str) -> str:
+        return f"sum(rate(schedkit:{m}_{name}_total{{{M}}}{RI}))"
+
+    return [
+        timeseries(words["title"], f"rate(schedkit:{m}_handoffs_total): {words['handoff']}; "
+                   f"rate(schedkit:{m}_fallbacks_total) by reason: {words['fallback']}.", gp(0, y, 6, 8),
+                   targets((s("handoffs"), words["handoffs"]),
+                           (f"sum by (reason) (rate(schedkit:{m}_fallbacks_total{{{M}}}{RI}))",
+                            "fallback: {{reason}}")), unit="ops"),
+        timeseries(words["bytes_title"], f"rate(schedkit:{m}_bytes_total): {words['bytes']}.", gp(6, y, 6, 8),
+                   targets((s("bytes"), "bytes/s")), unit="Bps"),
+        timeseries(words["blocks_title"], f"rate(schedkit:{m}_blocks_total): KV blocks sent; "
+                   f"rate(schedkit:{m}_blocks_held_total): {words['held']} (not sent); "
+                   f"rate(schedkit:{m}_room_waits_total): {words['room']}.", gp(12, y, 6, 8),
+                   targets((s("blocks"), "sent"), (s("blocks_held"), "held already"),
+                           (s("room_waits"), "waits for room")), unit="ops"),
+    ]
+
+
 # --- disaggregation (y 119..128): only with replicas.roles ---------------------------------
 panels.append(row("Disaggregation", 119))
-panels.append(timeseries(
-    "KV hand-offs", "rate(schedkit:kv_transfer_handoffs_total): prefills whose KV reached their "
-    "decode replica; rate(schedkit:kv_transfer_fallbacks_total) by reason: split requests whose "
-    "decode replica computed the prompt itself (prefill died, failed or stalled, transfer refused).",
-    gp(0, 120, 6, 8),
-    targets((f"sum(rate(schedkit:kv_transfer_handoffs_total{{{M}}}{RI}))", "hand-offs"),
-            (f"sum by (reason) (rate(schedkit:kv_transfer_fallbacks_total{{{M}}}{RI}))",
-             "fallback: {{reason}}")), unit="ops"))
-panels.append(timeseries(
-    "KV transferred", "rate(schedkit:kv_transfer_bytes_total): bytes per second from prefill to "
-    "decode replicas.", gp(6, 120, 6, 8),
-    targets((f"sum(rate(schedkit:kv_transfer_bytes_total{{{M}}}{RI}))", "bytes/s")), unit="Bps"))
-panels.append(timeseries(
-    "Blocks sent and held", "rate(schedkit:kv_transfer_blocks_total): KV blocks sent; "
-    "rate(schedkit:kv_transfer_blocks_held_total): prompt blocks the decode replica held already "
-    "(not sent); rate(schedkit:kv_transfer_room_waits_total): times a decode replica had no room "
-    "yet, the prefill replica keeping its blocks (backpressure).", gp(12, 120, 6, 8),
-    targets((f"sum(rate(schedkit:kv_transfer_blocks_total{{{M}}}{RI}))", "sent"),
-            (f"sum(rate(schedkit:kv_transfer_blocks_held_total{{{M}}}{RI}))", "held already"),
-            (f"sum(rate(schedkit:kv_transfer_room_waits_total{{{M}}}{RI}))", "waits for room")),
-    unit="ops"))
+panels.extend(handoff_panels("kv_transfer", 120, {
+    "title": "KV hand-offs", "handoffs": "hand-offs",
+    "handoff": "prefills whose KV reached their decode replica",
+    "fallback": "split requests whose decode replica computed the prompt itself (prefill died, failed "
+                "or stalled, transfer refused)",
+    "bytes_title": "KV transferred", "bytes": "bytes per second from prefill to decode replicas",
+    "blocks_title": "Blocks sent and held", "held": "prompt blocks the decode replica held already",
+    "room": "times a decode replica had no room yet, the prefill replica keeping its blocks (backpressure)"}))
 panels.append(timeseries(
     "Hand-off time and queues per role", "rate(schedkit:kv_transfer_seconds_total) / "
     "rate(schedkit:kv_transfer_handoffs_total): mean seconds from a prefill's end to its decode "
@@ -382,27 +392,14 @@ panels.append(timeseries(
 
 # --- live migration (y 128..137): only with a schedkit_router_migrate plugin ------------------
 panels.append(row("Live migration", 128))
-panels.append(timeseries(
-    "KV moved with requests", "rate(schedkit:migration_kv_handoffs_total): moved requests whose KV "
-    "reached their target replica; rate(schedkit:migration_kv_fallbacks_total) by reason: moved "
-    "requests whose target computed the KV itself (the source died, a call stalled or was refused).",
-    gp(0, 129, 6, 8),
-    targets((f"sum(rate(schedkit:migration_kv_handoffs_total{{{M}}}{RI}))", "moved with KV"),
-            (f"sum by (reason) (rate(schedkit:migration_kv_fallbacks_total{{{M}}}{RI}))",
-             "fallback: {{reason}}")), unit="ops"))
-panels.append(timeseries(
-    "Migration bytes", "rate(schedkit:migration_kv_bytes_total): KV bytes per second sent with "
-    "moved requests.", gp(6, 129, 6, 8),
-    targets((f"sum(rate(schedkit:migration_kv_bytes_total{{{M}}}{RI}))", "bytes/s")), unit="Bps"))
-panels.append(timeseries(
-    "Migration blocks", "rate(schedkit:migration_kv_blocks_total): KV blocks sent with moved "
-    "requests; rate(schedkit:migration_kv_blocks_held_total): blocks their targets held already "
-    "(not sent); rate(schedkit:migration_kv_room_waits_total): times a target had no room yet.",
-    gp(12, 129, 6, 8),
-    targets((f"sum(rate(schedkit:migration_kv_blocks_total{{{M}}}{RI}))", "sent"),
-            (f"sum(rate(schedkit:migration_kv_blocks_held_total{{{M}}}{RI}))", "held already"),
-            (f"sum(rate(schedkit:migration_kv_room_waits_total{{{M}}}{RI}))", "waits for room")),
-    unit="ops"))
+panels.extend(handoff_panels("migration_kv", 129, {
+    "title": "KV moved with requests", "handoffs": "moved with KV",
+    "handoff": "moved requests whose KV reached their target replica",
+    "fallback": "moved requests whose target computed the KV itself (the source died, a call stalled or "
+                "was refused)",
+    "bytes_title": "Migration bytes", "bytes": "KV bytes per second sent with moved requests",
+    "blocks_title": "Migration blocks", "held": "blocks their targets held already",
+    "room": "times a target had no room yet"}))
 panels.append(timeseries(
     "Move time", "rate(schedkit:migration_kv_seconds_total) / rate(schedkit:migration_kv_handoffs_total): "
     "mean seconds from a moved request's stop on its replica to its target holding the KV.",

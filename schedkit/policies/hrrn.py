@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedkit.core.request import Request
-from schedkit.hookspecs import hookimpl
-from schedkit.kv.kv_cache_manager import KVCacheManager
-from schedkit.policies.common import PolicyClock, check_int, check_number, enqueue_time
-from schedkit.policies.ranked import RankedQueue
+from schedkit.policies.common import check_number, enqueue_time
+from schedkit.policies.ranked import StepRankedPolicy
 
 __all__ = ["HighestResponseRatio", "ResidualShortestJobFirst", "expected_output"]
 
@@ -23,46 +21,7 @@ def expected_output(request: Request) -> int:
     return max(total - request.num_output_tokens, 0)
 
 
-class _CacheRanked:
-    """What both policies share: a :class:`RankedQueue` re-ranked once per step over the
-    first ``max_rank`` waiting requests, by a key of the request, its cached prompt
-    tokens and the time."""
-
-    def __init__(self, max_rank: int, max_wait_s: float, clock: Callable[[], float] | None) -> None:
-        self.max_rank = check_int("max_rank", max_rank, minimum=1)
-        self.max_wait_s = check_number("max_wait_s", max_wait_s, strict=True, allow_inf=True)
-        self.clock = PolicyClock(clock)
-        self.step = 0
-        self.queue: RankedQueue | None = None
-
-    def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
-        raise NotImplementedError
-
-    def uncached(self, request: Request, cached_tokens: int) -> int:
-        """Tokens of the request the prefix cache does not hold (its prompt and, after a
-        preemption, its outputs so far): what its prefill costs."""
-        return max(request.num_tokens - cached_tokens, 0)
-
-    @hookimpl
-    def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager,
-                                      clock: Callable[[], float]) -> RankedQueue:
-        self.step = 0
-        self.clock.bind(clock)
-        self.queue = RankedQueue(kv_cache_manager, self.clock, lambda: self.step, self.rank_key,
-                                 self.max_rank, self.max_wait_s)
-        return self.queue
-
-    @hookimpl
-    def schedkit_on_step_end(self) -> None:
-        self.step += 1
-
-    @hookimpl
-    def schedkit_on_request_finished(self, request: Request) -> None:
-        if self.queue is not None:
-            self.queue.forget(request)
-
-
-class HighestResponseRatio(_CacheRanked):
+class HighestResponseRatio(StepRankedPolicy):
     """Admit first the waiting request with the highest response ratio ``(W + S) / S``,
     ``W`` the time it has waited since it was first queued and ``S`` its service: its
     uncached prompt tokens (the prefill it still needs), plus ``output_weight`` times its
@@ -109,7 +68,7 @@ class HighestResponseRatio(_CacheRanked):
         return -wait / self.service(request, cached_tokens)
 
 
-class ResidualShortestJobFirst(_CacheRanked):
+class ResidualShortestJobFirst(StepRankedPolicy):
     """Admit first the waiting request with the least work left, less an aging credit:
     its uncached tokens (the prefix cache's hits do not count) plus ``output_weight``
     times its expected remaining output (:func:`expected_output`: the client's

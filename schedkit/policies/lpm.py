@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedkit.core.request import Request
-from schedkit.hookspecs import hookimpl
-from schedkit.kv.kv_cache_manager import KVCacheManager
-from schedkit.policies.common import PolicyClock, check_int, check_number
-from schedkit.policies.ranked import RankedQueue
+from schedkit.policies.ranked import StepRankedPolicy
 
 __all__ = ["LongestPrefixMatch"]
 
 
-class LongestPrefixMatch:
+class LongestPrefixMatch(StepRankedPolicy):
     """Admit first the waiting requests with the most prompt tokens already in the prefix
     cache (SGLang's longest-prefix-match policy), with a starvation guard.
 
@@ -51,26 +48,7 @@ class LongestPrefixMatch:
 
     def __init__(self, max_rank: int = 128, max_wait_s: float = 10.0,
                  clock: Callable[[], float] | None = None) -> None:
-        self.max_rank = check_int("max_rank", max_rank, minimum=1)
-        self.max_wait_s = check_number("max_wait_s", max_wait_s, strict=True, allow_inf=True)
-        self.clock = PolicyClock(clock)
-        self.step = 0
-        self.queue: RankedQueue | None = None
+        super().__init__(max_rank, max_wait_s, clock)
 
-    @hookimpl
-    def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager,
-                                      clock: Callable[[], float]) -> RankedQueue:
-        self.step = 0
-        self.clock.bind(clock)
-        self.queue = RankedQueue(kv_cache_manager, self.clock, lambda: self.step,
-                                 lambda _req, cached, _now: -cached, self.max_rank, self.max_wait_s)
-        return self.queue
-
-    @hookimpl
-    def schedkit_on_step_end(self) -> None:
-        self.step += 1
-
-    @hookimpl
-    def schedkit_on_request_finished(self, request: Request) -> None:
-        if self.queue is not None:
-            self.queue.forget(request)
+    def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
+        return -cached_tokens

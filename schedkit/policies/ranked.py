@@ -19,10 +19,11 @@ from typing import Any
 
 from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
+from schedkit.hookspecs import hookimpl
 from schedkit.kv.kv_cache_manager import KVCacheManager
-from schedkit.policies.common import AgeIndex, PolicyClock
+from schedkit.policies.common import AgeIndex, PolicyClock, check_int, check_number
 
-__all__ = ["RankKey", "RankedQueue"]
+__all__ = ["RankKey", "RankedQueue", "StepRankedPolicy"]
 
 RankKey = Callable[[Request, int, float], Any]
 """``key(request, cached_tokens, now)``: smaller ranks first (ties in arrival order);
@@ -139,3 +140,44 @@ class RankedQueue(BaseRequestQueue):
             head, fifo = self._ranked()
             return itertools.chain(head, fifo)
         return itertools.chain(list(self._head), list(self._fifo))
+
+
+class StepRankedPolicy:
+    """The base of a policy whose waiting queue is a :class:`RankedQueue`: re-ranked once
+    per step over the first ``max_rank`` waiting requests by :meth:`rank_key` (a key of
+    the request, its cached prompt tokens and the time), with the starvation guard
+    ``max_wait_s``. Subclasses define ``rank_key``; the hooks are here."""
+
+    def __init__(self, max_rank: int, max_wait_s: float, clock: Callable[[], float] | None) -> None:
+        self.max_rank = check_int("max_rank", max_rank, minimum=1)
+        self.max_wait_s = check_number("max_wait_s", max_wait_s, strict=True, allow_inf=True)
+        self.clock = PolicyClock(clock)
+        self.step = 0
+        self.queue: RankedQueue | None = None
+
+    def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
+        """Smaller ranks first (:data:`RankKey`)."""
+        raise NotImplementedError
+
+    def uncached(self, request: Request, cached_tokens: int) -> int:
+        """Tokens of the request the prefix cache does not hold (its prompt and, after a
+        preemption, its outputs so far): what its prefill costs."""
+        return max(request.num_tokens - cached_tokens, 0)
+
+    @hookimpl
+    def schedkit_create_waiting_queue(self, kv_cache_manager: KVCacheManager,
+                                      clock: Callable[[], float]) -> RankedQueue:
+        self.step = 0
+        self.clock.bind(clock)
+        self.queue = RankedQueue(kv_cache_manager, self.clock, lambda: self.step, self.rank_key,
+                                 self.max_rank, self.max_wait_s)
+        return self.queue
+
+    @hookimpl
+    def schedkit_on_step_end(self) -> None:
+        self.step += 1
+
+    @hookimpl
+    def schedkit_on_request_finished(self, request: Request) -> None:
+        if self.queue is not None:
+            self.queue.forget(request)

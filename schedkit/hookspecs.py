@@ -22,6 +22,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from schedkit.config import SchedulerConfig, StructuredOutputsConfig
+    from schedkit.core.flow import TenantQueue
     from schedkit.core.hooks import AdmissionDecision, Preemption, Rejection
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
@@ -737,12 +738,89 @@ def schedkit_on_route_event(event: RouteEvent) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def schedkit_flow_saturated(replicas: Sequence[ReplicaState], num_outstanding: int, num_queued: int,
+                            max_num_seqs: int) -> bool | None:
+    """Say whether the engines are full: while they are, flow control holds new
+    requests at the front door instead of sending them on.
+
+    Called:
+        In the front end's process (the server's, or the cluster front end's), with
+        ``flow_control.enabled``, before each dispatch from the front door's queues and
+        when a request arrives with nothing held.
+
+    Args:
+        replicas: Every replica (one for a single engine): ``healthy``, ``draining``,
+            ``num_waiting``, ``num_running`` and ``kv_cache_usage`` as last reported (up
+            to ``LOAD_REPORT_INTERVAL_S``, 50 ms, old). Do not mutate.
+        num_outstanding: Requests the front door sent on that have not finished: exact
+            at every call (a burst dispatched in one instant counts at once, before any
+            report shows it).
+        num_queued: Requests held at the front door now.
+        max_num_seqs: ``scheduler.max_num_seqs``: the most requests one replica runs.
+
+    Returns:
+        True (saturated: hold), False (dispatch), or None for no opinion.
+
+    Errors:
+        An exception or an answer that is not a bool is ignored: counted in the flow
+        controller's ``num_hook_errors`` and logged; the next detector decides, the
+        built-in last.
+
+    Built-in:
+        ``queue-depth`` (trylast): saturated when the requests sent on reach what the
+        live replicas can run plus ``max_waiting`` each, or when every live replica
+        reports more than ``max_waiting`` queued or its KV cache at ``max_kv_usage``.
+
+    .. versionadded:: 0.3
+    """
+
+
+@hookspec(firstresult=True)
+def schedkit_flow_pick_tenant(band: int, queues: Sequence[TenantQueue], now: float) -> str | None:
+    """Pick the tenant whose oldest held request of priority band ``band`` is dispatched
+    next: fairness between tenants at the front door.
+
+    Called:
+        In the front end's process, with ``flow_control.enabled``, once per dispatch
+        from the front door's queues, for the most urgent band holding requests (the
+        smallest ``priority``).
+
+    Args:
+        band: The priority band.
+        queues: Each tenant holding requests in that band (``TenantQueue``: ``tenant``,
+            ``num_queued``, ``oldest_wait_s``, ``num_outstanding``, ``service``), in the
+            order the tenants first queued. Do not mutate.
+        now: The front end's clock (seconds, ``time.monotonic``).
+
+    Returns:
+        The ``tenant`` of one of ``queues``, or None to leave the choice to the next
+        plugin.
+
+    Errors:
+        An exception or an answer that is not one of the tenants is ignored: counted in
+        the flow controller's ``num_hook_errors`` and logged; the next plugin is asked,
+        the built-in last.
+
+    Built-in:
+        ``tenant-round-robin`` (trylast): the tenants in turn. ``tenant-weighted``: the
+        tenant with the least service per weight (``weights``), its counter lifted to the
+        least of the backlogged ones when it returns after an idle spell (VTC's rule), so
+        no tenant banks credit while away.
+
+    .. versionadded:: 0.3
+    """
+
+
 ROUTER_HOOK_NAMES: tuple[str, ...] = (
     "schedkit_router_disaggregate", "schedkit_router_migrate", "schedkit_router_filter", "schedkit_router_score",
     "schedkit_router_pick", "schedkit_on_route_event")
 """The hooks a router plugin implements (they run in the router's process)."""
+FLOW_HOOK_NAMES: tuple[str, ...] = ("schedkit_flow_saturated", "schedkit_flow_pick_tenant")
+"""The hooks a flow-control plugin implements (they run in the front end's process)."""
 HOOK_NAMES: tuple[str, ...] = tuple(
-    name for name in list(globals()) if name.startswith("schedkit_") and name not in ROUTER_HOOK_NAMES)
+    name for name in list(globals())
+    if name.startswith("schedkit_") and name not in ROUTER_HOOK_NAMES and name not in FLOW_HOOK_NAMES)
 """The engine's hooks (they run in the engine-core process)."""
-ALL_HOOK_NAMES: tuple[str, ...] = HOOK_NAMES + ROUTER_HOOK_NAMES
+ALL_HOOK_NAMES: tuple[str, ...] = HOOK_NAMES + ROUTER_HOOK_NAMES + FLOW_HOOK_NAMES
 """Every hook name a plugin may implement."""

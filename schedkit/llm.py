@@ -22,12 +22,20 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from schedkit.cluster.flow import FlowController
 from schedkit.cluster.front import ClusterClient
 from schedkit.config import Config, load_config
 from schedkit.core.hints import RequestHints
 from schedkit.core.request import SamplingParams
+from schedkit.core.routing import ReplicaState
 from schedkit.engine.client import AsyncEngineClient, EngineHandle, wire_request
-from schedkit.engine.messages import WireMetrics, WireOutput, WireRequest
+from schedkit.engine.messages import (
+    LoadReport,
+    WireMetrics,
+    WireOutput,
+    WireRequest,
+    wire_max_tokens,
+)
 from schedkit.engine.process import EngineProcess
 from schedkit.engine.tokenizer import load_tokenizer
 from schedkit.errors import EngineBusyError, EngineDeadError, RequestError
@@ -110,10 +118,12 @@ class AsyncLLM:
     you keep a reference to keeps its request running until you ``await gen.aclose()``.
     """
 
-    def __init__(self, config: Config, core: AsyncCore) -> None:
+    def __init__(self, config: Config, core: AsyncCore, flow: FlowController | None = None) -> None:
         self.config = config
         self.core = core
         """The connection the requests go through."""
+        self.flow = flow
+        """The front door's flow controller (``flow_control.enabled``), else None."""
         self._ids = itertools.count()
         self.tokenizer: Any = None
 
@@ -143,19 +153,35 @@ class AsyncLLM:
             EngineDeadError: An engine failed to start.
         """
         cfg = _resolve(config)
+        # Built first: a bad flow plugin fails before any engine starts.
+        flow = FlowController(cfg, []) if cfg.flow_control.enabled else None
         if cfg.replicas.count > 1:
-            return cls(cfg, await ClusterClient.start(cfg))
+            client = await ClusterClient.start(cfg)
+            if flow is not None:
+                flow.replicas = client.router.replicas
+                client.load_listeners.append(flow.pump)
+            return cls(cfg, client, flow)
         # Spawned from the loop's thread (the engine's parent-death signal follows the
         # spawning thread; see EngineProcess); the slow wait for ready runs off the loop.
         engine = EngineProcess(cfg, transport=transport, wait=False)
         await asyncio.to_thread(engine.wait_ready)
-        conn = AsyncEngineClient(engine)
+        on_load = None
+        if flow is not None:
+            replica = ReplicaState(0, name="engine")
+            flow.replicas = [replica]
+
+            def on_load(report: LoadReport) -> None:
+                replica.num_waiting, replica.num_running = report.num_waiting, report.num_running
+                replica.kv_cache_usage = report.kv_cache_usage
+                flow.pump()
+
+        conn = AsyncEngineClient(engine, on_load=on_load)
         try:
             await conn.connect()
         except BaseException:
             await conn.close()
             raise
-        return cls(cfg, conn)
+        return cls(cfg, conn, flow)
 
     def is_alive(self) -> bool:
         """The engine runs and answers (a cluster: at least one replica does)."""
@@ -196,9 +222,22 @@ class AsyncLLM:
                            priority=priority, tenant=tenant, ttft_slo_s=ttft_slo_s,
                            cache_salt=cache_salt, hints=hints)
         ids = req.prompt_token_ids
-        produced = False
+        ticket = None
+        if self.flow is not None:
+            ticket = await self.flow.enter(rid, tenant, priority, len(ids) + (wire_max_tokens(req) or 0))
         session = session_id if session_id is not None else hints.session_id if hints is not None else None
-        async with contextlib.aclosing(self.core.stream(req, session_id=session)) as outputs:
+        try:
+            async with contextlib.aclosing(self._stream(req, rid, ids, session)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            if ticket is not None:
+                self.flow.leave(ticket)  # type: ignore[union-attr]
+
+    async def _stream(self, req: WireRequest, rid: str, ids: list[int],
+                      session_id: str | None) -> AsyncGenerator[RequestOutput, None]:
+        produced = False
+        async with contextlib.aclosing(self.core.stream(req, session_id=session_id)) as outputs:
             async for item in outputs:
                 if (item.error is not None and not item.new_token_ids and item.metrics is None
                         and not produced):
@@ -213,8 +252,12 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run a utility method (stats, reset_prefix_cache, list_plugins...) in the engine
-        (a cluster: in every replica, answers combined; see ClusterClient.call_utility)."""
-        return await self.core.call_utility(method, *args)
+        (a cluster: in every replica, answers combined; see ClusterClient.call_utility).
+        With flow control, ``stats`` adds the front door's (``flow_control``)."""
+        answer = await self.core.call_utility(method, *args)
+        if method == "stats" and self.flow is not None and isinstance(answer, dict):
+            answer = answer | {"flow_control": self.flow.stats()}
+        return answer
 
     async def close(self) -> None:
         await self.core.close()

@@ -47,6 +47,9 @@ GROUPS = (
      "ignored."),
     ("Router hooks", "The router's decisions, with `replicas.count` above 1 (router plugins "
      "and the built-in ones are described under [Router plugins](#router-plugins))."),
+    ("Flow-control hooks", "The front door's decisions, with `flow_control.enabled`: whether the "
+     "engines are full, and which tenant's held request goes next "
+     "([flow-control.md](flow-control.md))."),
 )
 
 
@@ -167,7 +170,7 @@ def grouped(module: ModuleType) -> list[tuple[str, str, list[str]]]:
     engine = list(module.HOOK_NAMES)
     decisions = [n for n in engine if is_firstresult(getattr(module, n))]
     observers = [n for n in engine if n not in decisions]
-    members = (decisions, observers, list(module.ROUTER_HOOK_NAMES))
+    members = (decisions, observers, list(module.ROUTER_HOOK_NAMES), list(getattr(module, "FLOW_HOOK_NAMES", ())))
     return [(title, intro, names) for (title, intro), names in zip(GROUPS, members, strict=True)]
 
 

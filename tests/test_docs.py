@@ -255,6 +255,7 @@ SECTION_MODELS = {
     "server": config_models.ServerConfig,
     "replicas": config_models.ReplicasConfig,
     "router": config_models.RouterConfig,
+    "flow_control": config_models.FlowControlConfig,
 }
 
 

@@ -35,7 +35,8 @@ def test_committed_page_is_a_fresh_generation():
 def test_hook_spec_states_the_whole_contract(name):
     spec = getattr(hookspecs, name)
     parts = gen.parse_docstring(name, spec.__doc__)  # raises when a section is missing
-    process = "router's process" if name in hookspecs.ROUTER_HOOK_NAMES else "engine-core process"
+    process = ("router's process" if name in hookspecs.ROUTER_HOOK_NAMES
+               else "front end's process" if name in hookspecs.FLOW_HOOK_NAMES else "engine-core process")
     assert process in " ".join(parts["Called"]), f"{name}: Called does not say it runs in the {process}"
     assert "since" in parts, f"{name}: no '.. versionadded::'"
     section = "\n\n".join(gen.hook_section(name, spec))

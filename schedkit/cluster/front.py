@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -105,6 +105,8 @@ class ClusterClient:
         self._closed = False
         self._shutdowns: list[asyncio.Future[None]] = []
         self.num_lost_load_reports = 0
+        self.load_listeners: list[Callable[[], None]] = []
+        """Called after every load report is folded in (the flow controller's pump)."""
         self._last_stats: dict[int, dict[str, Any]] = {}
         """Each replica's last stats answer (a dead one's counters stay in the totals)."""
         self.handoffs = HandoffStats()
@@ -165,6 +167,8 @@ class ClusterClient:
                            kv_cache_usage=report.kv_cache_usage)
         if report.kv_events:
             router.apply_kv_events(index, kv_events_from_wire(report.kv_events))
+        for listener in self.load_listeners:
+            listener()
 
     def _on_dead(self, index: int, error: EngineDeadError) -> None:
         if self._closed:

@@ -16,6 +16,7 @@ from schedkit.config.base import LocatedValueError, StrictModel
 from schedkit.config.cache import MAX_NUM_BLOCKS, CacheConfig
 from schedkit.config.cluster import ReplicasConfig, RouterConfig
 from schedkit.config.compare import CompareConfig, ProfileConfig, profile_scheduler
+from schedkit.config.flow import FlowControlConfig
 from schedkit.config.loader import config_from_dict, format_validation_error, load_config
 from schedkit.config.locator import ConfigOrigin, load_yaml
 from schedkit.config.model import ModelConfig
@@ -49,7 +50,7 @@ __all__ = [
     "MAX_NUM_BLOCKS", "RUNNER_CONFIGS", "CacheConfig", "CompareConfig", "Config",
     "ConfigOrigin", "FairnessConfig", "FakeRunnerConfig", "LengthConfig", "LocatedValueError",
     "ModelConfig", "PagedRunnerConfig", "PluginConfig", "PluginRunnerConfig",
-    "PriorityClassConfig", "ProfileConfig", "ReplicasConfig", "RouterConfig", "RunnerConfig",
+    "PriorityClassConfig", "ProfileConfig", "ReplicasConfig", "RouterConfig", "RunnerConfig", "FlowControlConfig",
     "SLOConfig", "SLOTargets", "SchedulerConfig", "ServerConfig", "SharedPrefixConfig",
     "SimulatedRunnerConfig", "StrictModel", "StructuredOutputsConfig", "TenantConfig",
     "TraceConfig", "WorkloadConfig", "cache_dir", "config_from_dict",

@@ -8,6 +8,7 @@ from schedkit.config.base import LocatedValueError, StrictModel
 from schedkit.config.cache import CacheConfig
 from schedkit.config.cluster import ReplicasConfig, RouterConfig
 from schedkit.config.compare import CompareConfig, profile_scheduler
+from schedkit.config.flow import FlowControlConfig
 from schedkit.config.locator import ConfigOrigin, line_of, scalars
 from schedkit.config.model import ModelConfig
 from schedkit.config.plugins import PluginConfig, check_listed_once
@@ -46,6 +47,8 @@ class Config(StrictModel):
     ``x-schedkit-slo-class`` header, ``AsyncLLM.generate(hints=...)``), each with its
     TTFT, TPOT and end-to-end targets; a request of a class gets the class's targets
     where it set none, and a class not named here is refused."""
+    flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
+    """Queues at the front door while the engines are saturated (off by default)."""
 
     _origin: ConfigOrigin | None = PrivateAttr(default=None)
 
@@ -93,6 +96,10 @@ def _switches_on(loc: tuple[int | str, ...]) -> bool:
     if len(loc) == 3 and loc[0] == "plugins" and loc[2] == "name":
         return True
     if len(loc) == 4 and loc[:2] == ("router", "plugins") and loc[3] == "name":
+        return True
+    if loc in (("flow_control", "fairness"), ("flow_control", "saturation")):
+        return True
+    if len(loc) == 4 and loc[:2] == ("flow_control", "plugins") and loc[3] == "name":
         return True
     if loc[:2] == ("compare", "profiles"):
         return (len(loc) == 4 and loc[3] == "policy"

@@ -360,6 +360,58 @@ def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = 
     return _finish(pm, extra_plugins, where)
 
 
+BUILTIN_FLOW: Mapping[str, str] = {
+    "tenant-round-robin": "schedkit.policies.flow:TenantRoundRobin",
+    "tenant-weighted": "schedkit.policies.flow:TenantWeighted",
+    "queue-depth": "schedkit.policies.flow:QueueDepth",
+}
+"""The built-in flow-control plugins, by the name ``flow_control`` uses."""
+FLOW_DEFAULTS = ("tenant-round-robin", "queue-depth")
+"""The fairness plugin and the detector every flow controller has (``trylast``)."""
+
+
+def get_flow_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManager:
+    """Build a validated PluginManager for the flow controller of ``config``: the built-in
+    ``tenant-round-robin`` and ``queue-depth`` (``trylast``), ``flow_control.fairness``,
+    ``flow_control.saturation`` and ``flow_control.plugins`` (built-in names first, then
+    installed entry points), then plugin objects passed in code.
+
+    Raises:
+        ConfigError: A flow plugin that is not installed.
+        PluginError: One that fails to load, takes bad settings, implements an unknown
+            hook, or implements no flow hook.
+    """
+    flow = config.flow_control
+    settings = {p.name: p.settings for p in flow.plugins}
+    wanted: dict[str, Mapping[str, Any]] = {name: settings.get(name, {}) for name in FLOW_DEFAULTS}
+    wanted.update({flow.fairness: settings.get(flow.fairness, {}), flow.saturation: settings.get(flow.saturation, {})})
+    wanted.update(settings)
+
+    def where(name: str) -> str | None:
+        return config.where_switched_on(name)
+
+    blocked = _blocked()
+    pm = SchedkitPluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in blocked:
+        pm.set_blocked(name)
+    installed: dict[str, EntryPoint] | None = None
+    for name, plugin_settings in wanted.items():
+        at = _at(where(name))
+        if name in BUILTIN_FLOW:
+            obj = _load_object(BUILTIN_FLOW[name])
+        else:
+            installed = discover_plugins() if installed is None else installed
+            obj = _load_installed(installed, name, at, what="flow plugin",
+                                  builtins=f"; the built-in flow plugins are {', '.join(BUILTIN_FLOW)}")
+        plugin = _instantiate(name, obj, plugin_settings, where(name))
+        _register(pm, plugin, name, where(name))
+        if not any(h.name in hookspecs.FLOW_HOOK_NAMES for h in pm.get_hookcallers(plugin) or ()):
+            raise PluginError(f"{at}plugin {name!r} implements no flow-control hook "
+                              f"({', '.join(hookspecs.FLOW_HOOK_NAMES)})", plugin=name)
+    return _finish(pm, extra_plugins, where)
+
+
 def _finish(pm: pluggy.PluginManager, extra_plugins: Iterable[Any],
             where: Callable[[str], str | None]) -> pluggy.PluginManager:
     """Register the plugin objects passed in code (last, so they win), then check every

@@ -1,0 +1,243 @@
+"""Flow control at the front door: requests held in queues by priority band and tenant
+while the engines are saturated (docs/flow-control.md).
+
+With ``flow_control.enabled``, every request that ``AsyncLLM.generate`` (and so
+``schedkit serve``) sends first asks the :class:`FlowController` for a slot. While no
+request is held and the saturation detector (``schedkit_flow_saturated``) says the
+engines have room, it goes on at once; otherwise it waits in its band's queue for its
+tenant. Each time a request finishes, or a replica reports its load, the controller
+dispatches held requests while the detector allows: from the most urgent band (the
+smallest priority) holding any, the tenant the fairness plugin
+(``schedkit_flow_pick_tenant``) picks, that tenant's oldest request. A request held
+past ``flow_control.queue_timeout_s``, or arriving while ``max_queued`` are held, is
+refused with :class:`~schedkit.errors.EngineBusyError` (the server's 429, with the
+reason), so a saturated deployment answers at once instead of letting requests time out
+in the engines' queues.
+
+A flow plugin that raises or answers nonsense never fails a request: its answer is
+dropped, counted and logged, and the next plugin (the built-in last) decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from schedkit.config import Config
+from schedkit.core.flow import TenantQueue
+from schedkit.core.routing import ReplicaState
+from schedkit.engine.logs import RateLimitedLog
+from schedkit.errors import EngineBusyError
+from schedkit.hookspecs import FLOW_HOOK_NAMES
+from schedkit.plugins.manager import get_flow_plugin_manager
+
+log = logging.getLogger("schedkit.flow")
+ERROR_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(slots=True, eq=False)
+class FlowTicket:
+    """One request at the front door."""
+
+    request_id: str
+    tenant: str
+    band: int
+    cost: int
+    """Its size in tokens (prompt plus ``max_tokens``): what dispatching it charges its
+    tenant's service."""
+    arrival: float
+    future: asyncio.Future[None] | None = None
+    dispatched: bool = False
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _Band:
+    tenants: dict[str, deque[FlowTicket]] = field(default_factory=dict)
+    """Tenant -> its held requests, oldest first (tenants in the order they first queued)."""
+
+
+class FlowController:
+    """Args:
+        config: The config (its ``flow_control`` section).
+        replicas: The replicas' states the detector reads (the router's, or one made
+            for a single engine and fed its load reports).
+        clock: Seconds (default ``time.monotonic``).
+        extra_plugins: Flow plugin objects registered after the configured ones.
+    """
+
+    def __init__(self, config: Config, replicas: Sequence[ReplicaState], *,
+                 clock: Callable[[], float] = time.monotonic, extra_plugins: Iterable[Any] = ()) -> None:
+        self.config = config.flow_control
+        self.replicas = replicas
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.clock = clock
+        self.plugin_manager = get_flow_plugin_manager(config, extra_plugins=extra_plugins)
+        self._impls = {name: [(i.function, tuple(i.argnames), i.plugin_name)
+                              for i in reversed(getattr(self.plugin_manager.hook, name).get_hookimpls())]
+                       for name in FLOW_HOOK_NAMES}
+        self._bands: dict[int, _Band] = {}
+        self._service: dict[str, float] = {}
+        self._outstanding: Counter[str] = Counter()
+        self._seq = itertools.count()
+        self.num_queued = 0
+        self.num_outstanding = 0
+        """Requests sent on that have not finished."""
+        self.num_dispatched = 0
+        """Requests sent on (at once or after waiting)."""
+        self.num_held = 0
+        """Requests that had to wait at the front door."""
+        self.num_refused: Counter[str] = Counter()
+        """Requests refused, by why: ``timeout``, ``full``."""
+        self.errors: Counter[tuple[str, str]] = Counter()
+        """Flow-hook errors by ``(plugin, hook)``."""
+        self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
+
+    # -- the request's side ----------------------------------------------------------------
+    async def enter(self, request_id: str, tenant: str, band: int, cost: int) -> FlowTicket:
+        """Wait for a slot: returns once the request may go on to the engines.
+
+        Raises:
+            EngineBusyError: Held past ``queue_timeout_s``, or ``max_queued`` requests are
+                held already (the reason says which).
+        """
+        ticket = FlowTicket(request_id, tenant, band, max(cost, 1), self.clock(), seq=next(self._seq))
+        if self.num_queued == 0 and not self._saturated():
+            self._dispatch(ticket)
+            return ticket
+        cfg = self.config
+        if self.num_queued >= cfg.max_queued:
+            self.num_refused["full"] += 1
+            raise EngineBusyError(f"request {request_id!r}: the front door holds {self.num_queued} requests "
+                                  f"(flow_control.max_queued) while the engines are saturated; retry later",
+                                  request_id=request_id)
+        ticket.future = asyncio.get_running_loop().create_future()
+        self._bands.setdefault(band, _Band()).tenants.setdefault(tenant, deque()).append(ticket)
+        self.num_queued += 1
+        self.num_held += 1
+        self.pump()  # a detector that changed its mind since, or a tenant ahead
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket.future), cfg.queue_timeout_s)
+        except TimeoutError:
+            if ticket.dispatched:  # dispatched in the same instant: go on
+                return ticket
+            self._unqueue(ticket)
+            self.num_refused["timeout"] += 1
+            raise EngineBusyError(f"request {request_id!r}: held {cfg.queue_timeout_s:g} s at the front door "
+                                  "(flow_control.queue_timeout_s) while the engines were saturated; retry later",
+                                  request_id=request_id) from None
+        except BaseException:  # cancelled (the client left): out of the queue, or give the slot back
+            if ticket.dispatched:
+                self.leave(ticket)
+            else:
+                self._unqueue(ticket)
+            raise
+        return ticket
+
+    def leave(self, ticket: FlowTicket) -> None:
+        """The request ended (or never reached the engines): its slot frees, held ones
+        may go."""
+        if ticket.dispatched:
+            ticket.dispatched = False
+            self.num_outstanding -= 1
+            self._outstanding[ticket.tenant] -= 1
+            if self._outstanding[ticket.tenant] <= 0:
+                del self._outstanding[ticket.tenant]
+        self.pump()
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Dispatch held requests while the detector allows (call when load changed)."""
+        while self.num_queued and not self._saturated():
+            band_no = min(self._bands)
+            band = self._bands[band_no]
+            tenant = self._pick(band_no, band)
+            queue = band.tenants[tenant]
+            ticket = queue.popleft()
+            if not queue:
+                del band.tenants[tenant]
+                if not band.tenants:
+                    del self._bands[band_no]
+            self.num_queued -= 1
+            self._dispatch(ticket)
+            assert ticket.future is not None
+            if not ticket.future.done():
+                ticket.future.set_result(None)
+
+    def _dispatch(self, ticket: FlowTicket) -> None:
+        ticket.dispatched = True
+        self.num_outstanding += 1
+        self._outstanding[ticket.tenant] += 1
+        self.num_dispatched += 1
+        self._service[ticket.tenant] = self._service.get(ticket.tenant, 0.0) + ticket.cost
+
+    def _unqueue(self, ticket: FlowTicket) -> None:
+        band = self._bands.get(ticket.band)
+        queue = band.tenants.get(ticket.tenant) if band is not None else None
+        if queue is None or ticket not in queue:
+            return
+        queue.remove(ticket)
+        self.num_queued -= 1
+        if not queue:
+            del band.tenants[ticket.tenant]  # type: ignore[union-attr]
+            if not band.tenants:  # type: ignore[union-attr]
+                del self._bands[ticket.band]
+
+    # -- the hooks ---------------------------------------------------------------------------
+    def _bad(self, plugin: str, hook: str, why: str) -> None:
+        self.errors[(plugin, hook)] += 1
+        self._error_log.error("flow plugin %r, hook %s: %s (its answer is ignored)", plugin, hook, why)
+
+    def _saturated(self) -> bool:
+        kwargs = {"replicas": self.replicas, "num_outstanding": self.num_outstanding,
+                  "num_queued": self.num_queued, "max_num_seqs": self.max_num_seqs}
+        for fn, argnames, plugin in self._impls["schedkit_flow_saturated"]:
+            try:
+                answer = fn(*[kwargs[a] for a in argnames])
+            except Exception as e:
+                self._bad(plugin, "schedkit_flow_saturated", f"raised {type(e).__name__}: {e}")
+                continue
+            if answer is None:
+                continue
+            if not isinstance(answer, bool):
+                self._bad(plugin, "schedkit_flow_saturated", f"answered {answer!r}, not a bool")
+                continue
+            return answer
+        return False
+
+    def _pick(self, band_no: int, band: _Band) -> str:
+        now = self.clock()
+        queues = [TenantQueue(t, band_no, len(q), max(now - q[0].arrival, 0.0), self._outstanding.get(t, 0),
+                              q[0].cost, self._service.get(t, 0.0)) for t, q in band.tenants.items()]
+        names = {q.tenant for q in queues}
+        kwargs = {"band": band_no, "queues": queues, "now": now}
+        for fn, argnames, plugin in self._impls["schedkit_flow_pick_tenant"]:
+            try:
+                answer = fn(*[kwargs[a] for a in argnames])
+            except Exception as e:
+                self._bad(plugin, "schedkit_flow_pick_tenant", f"raised {type(e).__name__}: {e}")
+                continue
+            if answer is None:
+                continue
+            if not isinstance(answer, str) or answer not in names:
+                self._bad(plugin, "schedkit_flow_pick_tenant", f"answered {answer!r}, not a tenant holding "
+                          f"requests in band {band_no}")
+                continue
+            return answer
+        return min(band.tenants.items(), key=lambda kv: kv[1][0].seq)[0]  # every plugin failed: oldest
+
+    def stats(self) -> dict[str, Any]:
+        """``stats()["flow_control"]``: held now (by band), dispatched, held, refused, the
+        service per tenant and hook errors."""
+        return {"num_queued": self.num_queued, "num_outstanding": self.num_outstanding,
+                "num_queued_by_band": {b: sum(len(q) for q in band.tenants.values())
+                                       for b, band in sorted(self._bands.items())},
+                "num_dispatched": self.num_dispatched, "num_held": self.num_held,
+                "num_refused": dict(self.num_refused), "saturated": self._saturated(),
+                "num_hook_errors": [[p, h, n] for (p, h), n in sorted(self.errors.items())]}

@@ -8,9 +8,21 @@ import threading
 import pytest
 
 import schedkit.llm as llm_mod
+from schedkit.config import config_from_dict
 from schedkit.core.request import SamplingParams
 
-from .conftest import assert_engine_idle
+from .conftest import LONG, assert_engine_idle
+
+
+@pytest.fixture
+def llm():
+    """An engine whose steps take 1 ms of wall time: the long requests run for seconds
+    (their length is capped by the KV cache at 8,176 tokens), so the interrupt lands while
+    they run however late the signal is delivered on a busy machine."""
+    from schedkit.llm import LLM
+
+    with LLM(config_from_dict({**LONG, "runner": {"kind": "fake", "clock": "wall", "step_time_ms": 1}})) as engine:
+        yield engine
 
 
 def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import warnings
 
 import pytest
 
@@ -38,12 +39,21 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     monkeypatch.setattr(llm_mod, "_apply", apply_and_tell)
+    # Ctrl-C must raise KeyboardInterrupt here whatever an earlier test left installed (in
+    # full CI runs it did not; the warning names what was there, to find the leak).
+    found = signal.getsignal(signal.SIGINT)
+    if found is not signal.default_int_handler:
+        warnings.warn(f"SIGINT handler left by an earlier test: {found!r}", stacklevel=1)
     params = [SamplingParams(max_tokens=1)] + [SamplingParams(max_tokens=90000)] * 16
     interrupter = threading.Thread(target=ctrl_c_after_the_first_output, daemon=True)
-    interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([[3, 4, 5]] + [[i + 7] * 30 for i in range(16)], params, use_tqdm=False)
-    interrupter.join(5)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[3, 4, 5]] + [[i + 7] * 30 for i in range(16)], params, use_tqdm=False)
+        interrupter.join(5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     assert_engine_idle(llm)
     assert llm.call_utility("stats")["num_free_blocks"] == 511

@@ -194,42 +194,38 @@ class FlowController:
         self.errors[(plugin, hook)] += 1
         self._error_log.error("flow plugin %r, hook %s: %s (its answer is ignored)", plugin, hook, why)
 
-    def _saturated(self) -> bool:
-        kwargs = {"replicas": self.replicas, "num_outstanding": self.num_outstanding,
-                  "num_queued": self.num_queued, "max_num_seqs": self.max_num_seqs}
-        for fn, argnames, plugin in self._impls["schedkit_flow_saturated"]:
+    def _ask(self, hook: str, kwargs: dict[str, Any], valid: Callable[[Any], bool], what: str) -> Any:
+        """The first answer of ``hook``'s plugins (the built-in last) that is not None and
+        passes ``valid``; raises and invalid answers are counted and skipped. None if
+        none answered."""
+        for fn, argnames, plugin in self._impls[hook]:
             try:
                 answer = fn(*[kwargs[a] for a in argnames])
             except Exception as e:
-                self._bad(plugin, "schedkit_flow_saturated", f"raised {type(e).__name__}: {e}")
+                self._bad(plugin, hook, f"raised {type(e).__name__}: {e}")
                 continue
             if answer is None:
                 continue
-            if not isinstance(answer, bool):
-                self._bad(plugin, "schedkit_flow_saturated", f"answered {answer!r}, not a bool")
+            if not valid(answer):
+                self._bad(plugin, hook, f"answered {answer!r}, not {what}")
                 continue
             return answer
-        return False
+        return None
+
+    def _saturated(self) -> bool:
+        kwargs = {"replicas": self.replicas, "num_outstanding": self.num_outstanding,
+                  "num_queued": self.num_queued, "max_num_seqs": self.max_num_seqs}
+        return bool(self._ask("schedkit_flow_saturated", kwargs, lambda a: isinstance(a, bool), "a bool"))
 
     def _pick(self, band_no: int, band: _Band) -> str:
         now = self.clock()
         queues = [TenantQueue(t, band_no, len(q), max(now - q[0].arrival, 0.0), self._outstanding.get(t, 0),
                               q[0].cost, self._service.get(t, 0.0)) for t, q in band.tenants.items()]
-        names = {q.tenant for q in queues}
-        kwargs = {"band": band_no, "queues": queues, "now": now}
-        for fn, argnames, plugin in self._impls["schedkit_flow_pick_tenant"]:
-            try:
-                answer = fn(*[kwargs[a] for a in argnames])
-            except Exception as e:
-                self._bad(plugin, "schedkit_flow_pick_tenant", f"raised {type(e).__name__}: {e}")
-                continue
-            if answer is None:
-                continue
-            if not isinstance(answer, str) or answer not in names:
-                self._bad(plugin, "schedkit_flow_pick_tenant", f"answered {answer!r}, not a tenant holding "
-                          f"requests in band {band_no}")
-                continue
-            return answer
+        answer = self._ask("schedkit_flow_pick_tenant", {"band": band_no, "queues": queues, "now": now},
+                           lambda a: isinstance(a, str) and a in band.tenants,
+                           f"a tenant holding requests in band {band_no}")
+        if answer is not None:
+            return str(answer)
         return min(band.tenants.items(), key=lambda kv: kv[1][0].seq)[0]  # every plugin failed: oldest
 
     def stats(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import importlib
 import inspect
 import os
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -342,22 +342,39 @@ def get_router_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = 
     for name in blocked:  # what is left to block: plugin objects passed in code
         pm.set_blocked(name)
     _register(pm, _load_object(ROUTER_DEFAULT[1])(), ROUTER_DEFAULT[0])
+    _register_front_plugins(pm, wanted, where, BUILTIN_ROUTERS, hookspecs.ROUTER_HOOK_NAMES,
+                            what="router plugin", builtins="the built-in routers",
+                            no_hook="router hook", hint="; is it an engine policy? Engine policies go "
+                                                        "in scheduler.policy or plugins")
+    return _finish(pm, extra_plugins, where)
+
+
+def _register_front_plugins(pm: pluggy.PluginManager, wanted: Mapping[str, Mapping[str, Any]],
+                            where: Callable[[str], str | None], builtin: Mapping[str, str],
+                            hook_names: Sequence[str], *, what: str, builtins: str, no_hook: str,
+                            hint: str = "") -> None:
+    """Load, build and register each ``wanted`` plugin of the router's or the flow
+    controller's: a built-in by name, else an installed entry point; each must implement
+    one of ``hook_names``.
+
+    Raises:
+        ConfigError: One that is not installed.
+        PluginError: One that fails to load, takes bad settings or implements none of
+            ``hook_names``.
+    """
     installed: dict[str, EntryPoint] | None = None
     for name, settings in wanted.items():
         at = _at(where(name))
-        if name in BUILTIN_ROUTERS:
-            obj = _load_object(BUILTIN_ROUTERS[name])
+        if name in builtin:
+            obj = _load_object(builtin[name])
         else:
             installed = discover_plugins() if installed is None else installed
-            obj = _load_installed(installed, name, at, what="router plugin",
-                                  builtins=f"; the built-in routers are {', '.join(BUILTIN_ROUTERS)}")
+            obj = _load_installed(installed, name, at, what=what, builtins=f"; {builtins} are {', '.join(builtin)}")
         plugin = _instantiate(name, obj, settings, where(name))
         _register(pm, plugin, name, where(name))
-        if not any(h.name in hookspecs.ROUTER_HOOK_NAMES for h in pm.get_hookcallers(plugin) or ()):
-            raise PluginError(f"{at}plugin {name!r} implements no router hook "
-                              f"({', '.join(hookspecs.ROUTER_HOOK_NAMES)}); is it an engine policy? "
-                              "Engine policies go in scheduler.policy or plugins", plugin=name)
-    return _finish(pm, extra_plugins, where)
+        if not any(h.name in hook_names for h in pm.get_hookcallers(plugin) or ()):
+            raise PluginError(f"{at}plugin {name!r} implements no {no_hook} ({', '.join(hook_names)}){hint}",
+                              plugin=name)
 
 
 BUILTIN_FLOW: Mapping[str, str] = {
@@ -395,20 +412,8 @@ def get_flow_plugin_manager(config: Config, *, extra_plugins: Iterable[Any] = ()
     pm.add_hookspecs(hookspecs)
     for name in blocked:
         pm.set_blocked(name)
-    installed: dict[str, EntryPoint] | None = None
-    for name, plugin_settings in wanted.items():
-        at = _at(where(name))
-        if name in BUILTIN_FLOW:
-            obj = _load_object(BUILTIN_FLOW[name])
-        else:
-            installed = discover_plugins() if installed is None else installed
-            obj = _load_installed(installed, name, at, what="flow plugin",
-                                  builtins=f"; the built-in flow plugins are {', '.join(BUILTIN_FLOW)}")
-        plugin = _instantiate(name, obj, plugin_settings, where(name))
-        _register(pm, plugin, name, where(name))
-        if not any(h.name in hookspecs.FLOW_HOOK_NAMES for h in pm.get_hookcallers(plugin) or ()):
-            raise PluginError(f"{at}plugin {name!r} implements no flow-control hook "
-                              f"({', '.join(hookspecs.FLOW_HOOK_NAMES)})", plugin=name)
+    _register_front_plugins(pm, wanted, where, BUILTIN_FLOW, hookspecs.FLOW_HOOK_NAMES, what="flow plugin",
+                            builtins="the built-in flow plugins", no_hook="flow-control hook")
     return _finish(pm, extra_plugins, where)
 
 

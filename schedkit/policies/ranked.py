@@ -11,6 +11,7 @@ the rest keep arrival order behind them.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from collections import deque
@@ -142,7 +143,7 @@ class RankedQueue(BaseRequestQueue):
         return itertools.chain(list(self._head), list(self._fifo))
 
 
-class StepRankedPolicy:
+class StepRankedPolicy(abc.ABC):
     """The base of a policy whose waiting queue is a :class:`RankedQueue`: re-ranked once
     per step over the first ``max_rank`` waiting requests by :meth:`rank_key` (a key of
     the request, its cached prompt tokens and the time), with the starvation guard
@@ -155,9 +156,9 @@ class StepRankedPolicy:
         self.step = 0
         self.queue: RankedQueue | None = None
 
+    @abc.abstractmethod
     def rank_key(self, request: Request, cached_tokens: int, now: float) -> float:
         """Smaller ranks first (:data:`RankKey`)."""
-        raise NotImplementedError
 
     def uncached(self, request: Request, cached_tokens: int) -> int:
         """Tokens of the request the prefix cache does not hold (its prompt and, after a

@@ -61,6 +61,7 @@ def router_config(config: Config, profile: ProfileConfig, replicas: int) -> Conf
         "scheduler": profile_scheduler(config.scheduler, profile),
         "plugins": [*config.plugins, *profile.plugins],
         "router": profile.router or config.router,
+        "flow_control": profile.flow_control or config.flow_control,
         "replicas": config.replicas.model_copy(update={"count": replicas}),
     })
 

@@ -9,10 +9,14 @@ tenant. Each time a request finishes, or a replica reports its load, the control
 dispatches held requests while the detector allows: from the most urgent band (the
 smallest priority) holding any, the tenant the fairness plugin
 (``schedkit_flow_pick_tenant``) picks, that tenant's oldest request. A request held
-past ``flow_control.queue_timeout_s``, or arriving while ``max_queued`` are held, is
-refused with :class:`~schedkit.errors.EngineBusyError` (the server's 429, with the
-reason), so a saturated deployment answers at once instead of letting requests time out
-in the engines' queues.
+past ``flow_control.queue_timeout_s`` is refused with
+:class:`~schedkit.errors.EngineBusyError` (the server's 429, with the reason), so a
+saturated deployment answers at once instead of letting requests time out in the
+engines' queues. While ``max_queued`` are held, a newcomer displaces the newest request
+of the tenant holding the most (in a less urgent band, or in its own band when that
+tenant holds at least two more than the newcomer's), which is refused instead; with
+none to displace, the newcomer is refused. A tenant flooding the door fills it with its
+own requests, not with other tenants' refusals.
 
 A flow plugin that raises or answers nonsense never fails a request: its answer is
 dropped, counted and logged, and the next plugin (the built-in last) decides.
@@ -52,9 +56,14 @@ class FlowTicket:
     """Its size in tokens (prompt plus ``max_tokens``): what dispatching it charges its
     tenant's service."""
     arrival: float
-    future: asyncio.Future[None] | None = None
     dispatched: bool = False
     seq: int = 0
+    on_dispatch: Callable[[FlowTicket], None] | None = None
+    """Called when a held ticket leaves its queue other than by its timeout: let through
+    (``dispatched``), or displaced by a newcomer while the front door is full (``error``
+    set)."""
+    error: EngineBusyError | None = None
+    """Why it was refused after being held (displaced)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +109,69 @@ class FlowController:
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
 
     # -- the request's side ----------------------------------------------------------------
+    def submit(self, request_id: str, tenant: str, band: int, cost: int,
+               on_dispatch: Callable[[FlowTicket], None] | None = None) -> FlowTicket:
+        """Offer a request to the front door, without waiting: it is sent on at once
+        (``ticket.dispatched``) or held, and ``on_dispatch(ticket)`` is called when a
+        later :meth:`pump` lets it through (or a newcomer displaces it: ``ticket.error``). The synchronous core of :meth:`enter`, for a
+        caller with its own clock (the cluster simulation), which calls :meth:`expire`
+        when the ticket's ``queue_timeout_s`` has passed.
+
+        Raises:
+            EngineBusyError: ``max_queued`` requests are held already and none of them
+                gives way to this one (see :meth:`_displaceable`).
+        """
+        ticket = FlowTicket(request_id, tenant, band, max(cost, 1), self.clock(), seq=next(self._seq),
+                            on_dispatch=on_dispatch)
+        if self.num_queued == 0 and not self._saturated():
+            self._dispatch(ticket)
+            return ticket
+        if self.num_queued >= self.config.max_queued:
+            victim = self._displaceable(tenant, band)
+            self.num_refused["full"] += 1
+            if victim is None:
+                raise EngineBusyError(f"request {request_id!r}: the front door holds {self.num_queued} requests "
+                                      f"(flow_control.max_queued) while the engines are saturated; retry later",
+                                      request_id=request_id)
+            self._unqueue(victim)
+            victim.error = EngineBusyError(
+                f"request {victim.request_id!r}: displaced from the front door, full at "
+                f"{self.config.max_queued} requests (flow_control.max_queued), by a request of a tenant "
+                f"holding fewer; retry later", request_id=victim.request_id)
+            if victim.on_dispatch is not None:
+                victim.on_dispatch(victim)
+        self._bands.setdefault(band, _Band()).tenants.setdefault(tenant, deque()).append(ticket)
+        self.num_queued += 1
+        self.num_held += 1
+        self.pump()  # a detector that changed its mind since, or a tenant ahead
+        return ticket
+
+    def _displaceable(self, tenant: str, band: int) -> FlowTicket | None:
+        """When the front door is full: the held request a newcomer of ``tenant`` in
+        ``band`` displaces, so that the limit falls on whoever holds the most: the newest
+        request of the tenant holding the most in the least urgent band held, if that band
+        is less urgent than the newcomer's, or is the newcomer's and that tenant holds at
+        least two more than the newcomer's tenant there. None: the newcomer is refused."""
+        worst = max(self._bands)
+        if worst < band:
+            return None
+        tenants = self._bands[worst].tenants
+        name, queue = max(tenants.items(), key=lambda kv: (len(kv[1]), kv[1][-1].seq))
+        if worst == band and len(queue) < len(tenants.get(tenant, ())) + 2:
+            return None
+        return queue[-1]
+
+    def expire(self, ticket: FlowTicket) -> EngineBusyError | None:
+        """The ticket's ``queue_timeout_s`` has passed: if it is still held it leaves the
+        queue and is counted refused; returns the error to answer it with (None: it was
+        dispatched meanwhile and goes on)."""
+        if ticket.dispatched or not self._unqueue(ticket):
+            return None
+        self.num_refused["timeout"] += 1
+        return EngineBusyError(f"request {ticket.request_id!r}: held {self.config.queue_timeout_s:g} s at the "
+                               "front door (flow_control.queue_timeout_s) while the engines were saturated; "
+                               "retry later", request_id=ticket.request_id)
+
     async def enter(self, request_id: str, tenant: str, band: int, cost: int) -> FlowTicket:
         """Wait for a slot: returns once the request may go on to the engines.
 
@@ -107,31 +179,24 @@ class FlowController:
             EngineBusyError: Held past ``queue_timeout_s``, or ``max_queued`` requests are
                 held already (the reason says which).
         """
-        ticket = FlowTicket(request_id, tenant, band, max(cost, 1), self.clock(), seq=next(self._seq))
-        if self.num_queued == 0 and not self._saturated():
-            self._dispatch(ticket)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake(_: FlowTicket) -> None:
+            if not future.done():
+                future.set_result(None)
+
+        ticket = self.submit(request_id, tenant, band, cost, wake)
+        if ticket.dispatched:
             return ticket
-        cfg = self.config
-        if self.num_queued >= cfg.max_queued:
-            self.num_refused["full"] += 1
-            raise EngineBusyError(f"request {request_id!r}: the front door holds {self.num_queued} requests "
-                                  f"(flow_control.max_queued) while the engines are saturated; retry later",
-                                  request_id=request_id)
-        ticket.future = asyncio.get_running_loop().create_future()
-        self._bands.setdefault(band, _Band()).tenants.setdefault(tenant, deque()).append(ticket)
-        self.num_queued += 1
-        self.num_held += 1
-        self.pump()  # a detector that changed its mind since, or a tenant ahead
         try:
-            await asyncio.wait_for(asyncio.shield(ticket.future), cfg.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(future), self.config.queue_timeout_s)
+            if ticket.error is not None:
+                raise ticket.error
         except TimeoutError:
-            if ticket.dispatched:  # dispatched in the same instant: go on
+            error = self.expire(ticket)
+            if error is None:  # dispatched in the same instant: go on
                 return ticket
-            self._unqueue(ticket)
-            self.num_refused["timeout"] += 1
-            raise EngineBusyError(f"request {request_id!r}: held {cfg.queue_timeout_s:g} s at the front door "
-                                  "(flow_control.queue_timeout_s) while the engines were saturated; retry later",
-                                  request_id=request_id) from None
+            raise error from None
         except BaseException:  # cancelled (the client left): out of the queue, or give the slot back
             if ticket.dispatched:
                 self.leave(ticket)
@@ -166,9 +231,8 @@ class FlowController:
                     del self._bands[band_no]
             self.num_queued -= 1
             self._dispatch(ticket)
-            assert ticket.future is not None
-            if not ticket.future.done():
-                ticket.future.set_result(None)
+            if ticket.on_dispatch is not None:
+                ticket.on_dispatch(ticket)
 
     def _dispatch(self, ticket: FlowTicket) -> None:
         ticket.dispatched = True
@@ -177,17 +241,19 @@ class FlowController:
         self.num_dispatched += 1
         self._service[ticket.tenant] = self._service.get(ticket.tenant, 0.0) + ticket.cost
 
-    def _unqueue(self, ticket: FlowTicket) -> None:
+    def _unqueue(self, ticket: FlowTicket) -> bool:
+        """Take a held ticket out of its queue (False: it is not held)."""
         band = self._bands.get(ticket.band)
         queue = band.tenants.get(ticket.tenant) if band is not None else None
         if queue is None or ticket not in queue:
-            return
+            return False
         queue.remove(ticket)
         self.num_queued -= 1
         if not queue:
             del band.tenants[ticket.tenant]  # type: ignore[union-attr]
             if not band.tenants:  # type: ignore[union-attr]
                 del self._bands[ticket.band]
+        return True
 
     # -- the hooks ---------------------------------------------------------------------------
     def _bad(self, plugin: str, hook: str, why: str) -> None:

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from schedkit.config.base import LocatedValueError, StrictModel
 from schedkit.config.cluster import RouterConfig
+from schedkit.config.flow import FlowControlConfig
 from schedkit.config.plugins import PluginConfig, first_repeat
 from schedkit.config.scheduler import SchedulerConfig
 
@@ -25,6 +26,9 @@ class ProfileConfig(StrictModel):
     router: RouterConfig | None = None
     """The router this profile uses instead of the config's (with ``replicas.count`` >
     1, routing policies are compared like engine policies)."""
+    flow_control: FlowControlConfig | None = None
+    """The front door's flow control this profile uses instead of the config's (in the
+    cluster simulation: fairness and saturation settings compared on a trace)."""
 
 
 class CompareConfig(StrictModel):

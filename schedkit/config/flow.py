@@ -31,7 +31,10 @@ class FlowControlConfig(StrictModel):
     queue_timeout_s: float = Field(default=30.0, gt=0)
     """A request held longer is refused (503 with the reason, ``Retry-After``)."""
     max_queued: int = Field(default=4096, ge=1)
-    """Requests held at once; one more is refused at once (429)."""
+    """Requests held at once. Past it a newcomer displaces the newest request of the
+    tenant holding the most (in a less urgent band, or in its own band when that tenant
+    holds at least two more than the newcomer's), which is refused (429); with none to
+    displace, the newcomer is refused at once (429)."""
 
     @model_validator(mode="after")
     def _check(self) -> FlowControlConfig:

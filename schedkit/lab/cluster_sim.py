@@ -42,6 +42,14 @@ The event loop (a discrete-event simulation; every time is on the one shared clo
   events kept, so its metrics span both) once the blocks the target lacks have taken
   the transfer time: the same hand-off event as a disaggregated prefill's.
 
+* With ``flow_control.enabled`` every arrival first goes through the front door's
+  :class:`~schedkit.cluster.flow.FlowController`, on the same clock, fed the load the
+  replicas reported: it is routed at once, or held and routed when a report (a request
+  finishing, a replica's new load) lets it through, or refused (a 429: ``max_queued``
+  held already, or held past ``queue_timeout_s``). While requests are held, every report
+  and every queue timeout is an event of its own (ties: before an arrival). A held
+  request keeps its arrival time, so its TTFT counts its wait at the door.
+
 Token times and metrics are recorded as :func:`~schedkit.lab.simulate.run_workload`
 records them, so :func:`~schedkit.lab.metrics.summarize` works on the union, and with one
 replica the result equals ``run_workload``'s request for request. Everything is
@@ -62,6 +70,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from schedkit.cluster.flow import FlowController, FlowTicket
 from schedkit.cluster.router import Router, replica_config
 from schedkit.cluster.transfer import KVTransfer
 from schedkit.config import Config
@@ -70,7 +79,7 @@ from schedkit.core.request import EventType, Request, SamplingParams
 from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.engine.kv_handoff import KVHandoffs
-from schedkit.errors import ConfigError, RequestError, SchedkitError
+from schedkit.errors import ConfigError, EngineBusyError, RequestError, SchedkitError
 from schedkit.kv.hashing import BlockHasher
 from schedkit.lab.cluster_handoffs import Handoffs
 from schedkit.lab.cluster_summary import ClusterRunResult, summarize_cluster
@@ -92,7 +101,7 @@ def _refused(req: Request, start: float, error: str) -> RequestMetrics:
 class _Replica:
     """One replica's engine and the loop's bookkeeping for it."""
 
-    __slots__ = ("index", "engine", "version", "key", "added", "busy_s", "waiting_s")
+    __slots__ = ("index", "engine", "version", "key", "added", "busy_s", "waiting_s", "max_waiting")
 
     def __init__(self, index: int, engine: EngineCore) -> None:
         self.index = index
@@ -107,6 +116,8 @@ class _Replica:
         self.busy_s = 0.0
         self.waiting_s = 0.0
         """The waiting queue's length after each step times the step's duration, summed."""
+        self.max_waiting = 0
+        """The longest waiting queue after a step."""
 
 
 def run_cluster_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
@@ -211,6 +222,18 @@ class _ClusterRun:
         """When the router is next asked which running requests to move (inf: never)."""
         self.eos = config.runner.eos_token_id
         self.slo = config.workload.slo
+        self.now = self.start
+        """The clock of the event being handled (the front door's clock)."""
+        self.flow = (FlowController(config, self.router.replicas, clock=lambda: self.now)
+                     if config.flow_control.enabled else None)
+        self.tickets: dict[str, FlowTicket] = {}
+        """Request id -> its front-door ticket, while it is held or runs."""
+        self.held: dict[str, tuple[Request, WorkloadRequest]] = {}
+        """Requests held at the front door."""
+        self.released: list[FlowTicket] = []
+        """Tickets the front door let through, to be routed now."""
+        self.timeouts: list[tuple[float, int, FlowTicket]] = []
+        """(when its queue timeout passes, seq, ticket) of each held request (a heap)."""
         self.workload = workload
         self.order = sorted(range(len(workload)), key=lambda k: workload[k].arrival_time)
         self.arrivals = [self.start + workload[k].arrival_time for k in self.order]
@@ -242,6 +265,8 @@ class _ClusterRun:
                 self._deliver(handoffs)
             elif self.next_round < self._next_arrival_time():
                 self._migration_round()
+            elif self.held and self._next_door_time() <= self._next_arrival_time():
+                self._door_event()
             elif self.next_arrival < self.num_arrivals:
                 self._route_next_arrival()
             else:
@@ -256,7 +281,78 @@ class _ClusterRun:
         """When the next arrival, KV hand-off end or migration round comes (inf: none is
         left)."""
         t = min(self._next_arrival_time(), self.next_round)
+        if self.held:
+            t = min(t, self._next_door_time())
         return t if self.handoffs is None else min(t, self.handoffs.next_end())
+
+    # -- the front door (flow control) --------------------------------------------------
+    def _next_door_time(self) -> float:
+        """While requests are held: when the next report reaches the router (it may let
+        some through) or the next queue timeout passes."""
+        t = self.reports[0].time if self.reports else _INF
+        timeouts = self.timeouts
+        while timeouts and timeouts[0][2].request_id not in self.held:
+            heapq.heappop(timeouts)  # dispatched since
+        return min(t, timeouts[0][0]) if timeouts else t
+
+    def _door_event(self) -> None:
+        """The next front-door event: reports due (which may let held requests through)
+        or a held request's queue timeout (it is refused)."""
+        timeouts = self.timeouts
+        if timeouts and (not self.reports or timeouts[0][0] < self.reports[0].time):
+            t, _, ticket = heapq.heappop(timeouts)
+            self._apply_reports(t)
+            self.now = t
+            assert self.flow is not None
+            error = self.flow.expire(ticket)
+            if error is not None:
+                req, _ = self.held.pop(ticket.request_id)
+                self.tickets.pop(ticket.request_id)
+                self._refuse(req, error)
+            return
+        self._apply_reports(self.reports[0].time)
+
+    def _refuse(self, req: Request, error: SchedkitError) -> None:
+        """Refused at the front door (``rejected_by`` ``front-door``)."""
+        self.failed[req.request_id] = str(error)
+        self.metrics.append(replace(_refused(req, self.start, str(error)), rejected_by="front-door"))
+
+    def _admit(self, req: Request, w: WorkloadRequest, t: float) -> None:
+        """The arrival at the front door: routed now, held, or refused."""
+        assert self.flow is not None
+        self.now = t
+        try:
+            ticket = self.flow.submit(req.request_id, req.tenant, req.priority,
+                                      len(w.prompt_token_ids) + w.max_tokens, self.released.append)
+        except EngineBusyError as err:
+            self._refuse(req, err)
+            return
+        self.tickets[req.request_id] = ticket
+        if ticket.dispatched and ticket not in self.released:
+            self._place(req, w, t)
+        else:
+            self.held[req.request_id] = (req, w)
+            heapq.heappush(self.timeouts, (t + self.flow.config.queue_timeout_s, ticket.seq, ticket))
+        self._route_released(t)
+
+    def _route_released(self, t: float) -> None:
+        """Route, at ``t``, the held requests the front door just let through (and refuse
+        those it displaced)."""
+        while self.released:
+            ticket = self.released.pop(0)
+            req, w = self.held.pop(ticket.request_id)
+            if ticket.error is not None:  # displaced by a newcomer while the door was full
+                self.tickets.pop(ticket.request_id)
+                self._refuse(req, ticket.error)
+            else:
+                self._place(req, w, t)
+
+    def _left(self, rid: str) -> None:
+        """Request ``rid`` ended (as the router learnt): its front-door slot frees."""
+        ticket = self.tickets.pop(rid, None)
+        if ticket is not None:
+            assert self.flow is not None
+            self.flow.leave(ticket)
 
     def _migration_round(self) -> None:
         """Ask the router which running requests to move (on what the replicas had
@@ -367,6 +463,7 @@ class _ClusterRun:
                     finished.append((o.request_id, o.error is not None))
         sched = e.scheduler
         rep.waiting_s += len(sched.waiting) * (now - before)
+        rep.max_waiting = max(rep.max_waiting, len(sched.waiting))
         kv = sched.kv_cache_manager
         self.num_reports += 1
         heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index, len(sched.waiting),
@@ -418,19 +515,29 @@ class _ClusterRun:
 
     def _apply_reports(self, upto: float) -> None:
         """Deliver to the router every report due by ``upto``."""
-        reports, router = self.reports, self.router
+        reports, router, flow = self.reports, self.router, self.flow
         while reports and reports[0].time <= upto:
             r = heapq.heappop(reports)
+            self.now = r.time
             router.update_load(r.replica, num_waiting=r.num_waiting, num_running=r.num_running,
                                kv_cache_usage=r.kv_cache_usage)
             if r.kv_events:
                 router.apply_kv_events(r.replica, r.kv_events)
             for rid, bad in r.finished:
                 router.finished(rid, failed=bad)
+                if flow is not None:
+                    self._left(rid)
             for rid, bad, ended in r.prefilled:
                 router.prefill_done(rid, failed=bad)
                 if ended:
                     router.finished(rid, failed=bad)
+                    if flow is not None:
+                        self._left(rid)
+            if flow is not None:
+                if flow.num_queued:
+                    flow.pump()  # its new load may let held requests through
+                if self.released:
+                    self._route_released(r.time)
 
     def _route_next_arrival(self) -> None:
         """Route the next arrival, on what the replicas had reported by its arrival
@@ -443,13 +550,26 @@ class _ClusterRun:
                       SamplingParams(max_tokens=w.max_tokens, eos_token_id=self.eos),
                       arrival_time=t, priority=w.priority, tenant=w.tenant,
                       ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority))
+        if self.flow is not None:
+            self._admit(req, w, t)
+        else:
+            self._place(req, w, t)
+
+    def _place(self, req: Request, w: WorkloadRequest, t: float) -> None:
+        """Route the request at ``t`` and add it to its replica (or start its prefill). A
+        request held at the front door (it arrived before ``t``) keeps its arrival time;
+        its replica's clock, if behind, first catches up with ``t`` (nothing ran there
+        since: no replica runs ahead of an event that could reach it)."""
         placement = self.router.place(self._route_request(w, req))
         j = placement.replica.index
         self.replica_of[w.request_id] = j
+        first = j if placement.prefill is None else placement.prefill.index
+        if req.arrival_time < t:
+            self.engines[first].advance_to(t)
         if placement.prefill is not None:
-            self._start_prefill(req, placement.prefill.index, j, t)
+            self._start_prefill(req, first, j, t)
         else:
-            self._add(req, j, t)
+            self._add(req, j, req.arrival_time)
 
     def _add(self, req: Request, index: int, arrival: float) -> None:
         """Add the request to replica ``index``, arrived at ``arrival`` (at or before the
@@ -462,6 +582,8 @@ class _ClusterRun:
             self.failed[rid] = str(err)
             self.metrics.append(_refused(req, self.start, str(err)))
             self.router.finished(rid, failed=True)
+            if self.flow is not None:
+                self._left(rid)
             return
         self.live[rid] = req
         self.token_times.setdefault(rid, [])  # a moved request keeps its token times
@@ -481,6 +603,8 @@ class _ClusterRun:
             self.metrics.append(_refused(req, self.start, str(err)))
             self.router.prefill_done(req.request_id, failed=True)
             self.router.finished(req.request_id, failed=True)
+            if self.flow is not None:
+                self._left(req.request_id)
             return
         self.handoffs.started(req, copy, prefill, decode)
         rep.added = True
@@ -498,6 +622,8 @@ class _ClusterRun:
         self._schedule(sender)
         self.engines[handoff.decode].advance_to(handoff.end)
         self._add(req, handoff.decode, req.arrival_time)
+        if self.released:  # it failed there: its front-door slot let a held request through
+            self._route_released(handoff.end)
 
     def _route_request(self, w: WorkloadRequest, req: Request) -> RouteRequest:
         """What the router sees of the request. With prefix caching the prompt is hashed
@@ -532,4 +658,6 @@ class _ClusterRun:
             replica_queue_depth=[r.waiting_s / r.busy_s if r.busy_s else 0.0 for r in self.replicas],
             prefill_of=dict(self.handoffs.prefill_of) if self.handoffs is not None else {},
             handoffs=list(self.handoffs.done) if self.handoffs is not None else [],
-            moves=list(self.handoffs.moves) if self.handoffs is not None else [])
+            moves=list(self.handoffs.moves) if self.handoffs is not None else [],
+            replica_max_waiting=[r.max_waiting for r in self.replicas],
+            flow_stats=self.flow.stats() if self.flow is not None else None)

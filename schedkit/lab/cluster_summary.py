@@ -48,6 +48,11 @@ class ClusterRunResult(RunResult):
     """The KV hand-off of every running request moved to another replica, in order."""
     """Every KV hand-off from a prefill replica to a decode replica, in the order the
     prefills ended."""
+    replica_max_waiting: list[int] = field(default_factory=list)
+    """Each replica's longest waiting queue after a step."""
+    flow_stats: dict[str, Any] | None = None
+    """The front door's :meth:`~schedkit.cluster.flow.FlowController.stats` at the end of
+    the run (None without ``flow_control.enabled``)."""
 
     def replica_metrics(self, index: int) -> list[RequestMetrics]:
         """The metrics of the requests routed to replica ``index`` (served whole or
@@ -146,13 +151,20 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
     With moves of running requests (``schedkit_router_migrate``), ``migration`` has
     ``num_migrated``, ``num_blocks_transferred``, ``num_blocks_held`` and
     ``transfer_s_total``; a moved request counts in the entry of the replica it ended on.
+
+    With ``flow_control.enabled``, ``flow_control`` has the front door's
+    ``num_dispatched``, ``num_held`` (requests that waited there), ``num_refused`` (by
+    reason: ``timeout``, ``full``), ``num_hook_errors`` and ``max_engine_waiting`` (the
+    longest waiting queue any replica had after a step); a request refused at the front
+    door counts in ``overall`` only.
     """
     wl = config.workload
     overall = summarize(run.metrics, wl.slo, fairness=wl.fairness, shares=wl.tenant_shares)
     per: list[list[RequestMetrics]] = [[] for _ in range(run.num_replicas)]
     where = run.replica_of
     for m in run.metrics:
-        per[where[m.request_id]].append(m)
+        if m.request_id in where:  # else refused at the front door
+            per[where[m.request_id]].append(m)
     replicas = [_replica_summary(ms, run.replica_steps[i], run.replica_busy_s[i],
                                  run.engine_prefix_cache[i]) for i, ms in enumerate(per)]
     has_roles = config.replicas.roles is not None
@@ -183,6 +195,13 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
     if has_roles:
         summary["router"]["num_disaggregated"] = stats.get("num_disaggregated", 0)
         summary["disaggregation"] = _disaggregation_summary(run, replicas)
+    if run.flow_stats is not None:
+        flow = run.flow_stats
+        summary["flow_control"] = {
+            "num_dispatched": flow["num_dispatched"], "num_held": flow["num_held"],
+            "num_refused": flow["num_refused"], "num_hook_errors": flow["num_hook_errors"],
+            "max_engine_waiting": max(run.replica_max_waiting, default=0),
+        }
     if run.moves:
         moves = run.moves
         summary["migration"] = {

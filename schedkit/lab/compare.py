@@ -48,12 +48,13 @@ SWEEP_KNOBS = ("rate", "time_scale")
 
 
 def profile_config(config: Config, profile: ProfileConfig) -> Config:
-    """The config with the profile's policy, its scheduler overrides and its extra
-    plugins switched on."""
+    """The config with the profile's policy, its scheduler overrides, its extra plugins
+    switched on, and its router and flow control where it sets them."""
     return config.model_copy(update={
         "scheduler": profile_scheduler(config.scheduler, profile),
         "plugins": [*config.plugins, *profile.plugins],
         "router": profile.router if profile.router is not None else config.router,
+        "flow_control": profile.flow_control if profile.flow_control is not None else config.flow_control,
     })
 
 

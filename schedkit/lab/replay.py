@@ -71,8 +71,7 @@ def record_run(config: Config, workload: list[WorkloadRequest] | None = None, *,
                               w.priority, w.tenant) for w in workload]
     if config.replicas.count > 1:
         cluster = run_cluster_workload(config, workload)
-        order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
-        routes = [(workload[i].request_id, cluster.replica_of[workload[i].request_id]) for i in order]
+        routes = list(cluster.replica_of.items())  # in the order they were routed
         rec = Recording("cluster", config, config.cache.num_blocks, True, requests, routes=routes,
                         run_steps=cluster.num_steps)
         _keep_outcomes(rec, cluster.metrics)

@@ -124,16 +124,45 @@ def test_a_request_held_past_the_timeout_is_refused_and_leaves_the_queue():
 def test_past_max_queued_a_request_is_refused_at_once():
     async def run() -> FlowController:
         ctl = controller(Gate(), max_queued=2)
-        _, tasks = await held(ctl, [("r0", "a", 0), ("r1", "a", 0)])
+        _, tasks = await held(ctl, [("r0", "a", 0), ("r1", "b", 0)])
         with pytest.raises(EngineBusyError, match=r"holds 2 requests \(flow_control.max_queued\)"):
-            await ctl.enter("r2", "b", 0, 10)
+            await ctl.enter("r2", "b", 0, 10)  # nobody holds two more than b
+        with pytest.raises(EngineBusyError, match=r"holds 2 requests"):
+            await ctl.enter("r3", "a", 1, 10)  # a less urgent band displaces nobody
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         return ctl
 
     ctl = asyncio.run(run())
-    assert ctl.num_refused == {"full": 1} and ctl.num_queued == 0  # the cancelled ones left
+    assert ctl.num_refused == {"full": 2} and ctl.num_queued == 0  # the cancelled ones left
+
+
+def test_a_full_front_door_refuses_the_tenant_holding_the_most():
+    """While ``max_queued`` are held, a newcomer of a tenant holding fewer displaces the
+    newest request of the tenant holding the most (that one is refused, the newcomer
+    waits); a request of a less urgent band is displaced by a more urgent one."""
+    async def run() -> tuple[FlowController, list[str], list[Any]]:
+        gate = Gate()
+        ctl = controller(gate, max_queued=4)
+        order, tasks = await held(ctl, [("f0", "flood", 1), ("f1", "flood", 1), ("f2", "flood", 0),
+                                        ("f3", "flood", 0)])
+        more, more_tasks = await held(ctl, [("a0", "a", 0), ("b0", "b", 0), ("c0", "c", 0)])
+        with pytest.raises(EngineBusyError, match="holds 4 requests"):
+            await ctl.enter("d0", "d", 0, 10)  # each tenant holds one: none holds two more than d
+        gate.closed = False
+        ctl.pump()
+        results = await asyncio.gather(*tasks, *more_tasks, return_exceptions=True)
+        return ctl, order + more, results
+
+    ctl, order, results = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, EngineBusyError)]
+    # a0 displaced f1 (band 1, newest), b0 displaced f0 (band 1), c0 displaced f3 (flood
+    # held 2 in band 0 against c's 0).
+    assert sorted(e.request_id for e in refused) == ["f0", "f1", "f3"]
+    assert all("displaced" in str(e) and "flow_control.max_queued" in str(e) for e in refused)
+    assert sorted(order) == ["a0", "b0", "c0", "f2"]
+    assert ctl.num_refused == {"full": 4} and ctl.num_queued == 0
 
 
 class Broken:

@@ -43,6 +43,11 @@ from schedkit.plugins.manager import get_flow_plugin_manager
 
 log = logging.getLogger("schedkit.flow")
 ERROR_LOG_INTERVAL_S = 10.0
+MAX_TRACKED_TENANTS = 4096
+"""Tenants whose service the front door remembers: past it, the tenants served least
+recently that hold nothing and have nothing at the engines are forgotten (down to three
+quarters of it; a forgotten tenant's service starts again from 0), so any number of
+distinct tenants takes bounded memory."""
 
 
 @dataclass(slots=True, eq=False)
@@ -239,7 +244,20 @@ class FlowController:
         self.num_outstanding += 1
         self._outstanding[ticket.tenant] += 1
         self.num_dispatched += 1
-        self._service[ticket.tenant] = self._service.get(ticket.tenant, 0.0) + ticket.cost
+        service = self._service
+        service[ticket.tenant] = service.pop(ticket.tenant, 0.0) + ticket.cost  # most recent last
+        if len(service) > MAX_TRACKED_TENANTS:
+            self._forget_idle_tenants()
+
+    def _forget_idle_tenants(self) -> None:
+        """Drop the service of the least recently served tenants that hold nothing and
+        have nothing at the engines, down to :data:`MAX_TRACKED_TENANTS`."""
+        busy = set(self._outstanding)
+        for band in self._bands.values():
+            busy.update(band.tenants)
+        excess = len(self._service) - MAX_TRACKED_TENANTS * 3 // 4  # room for a while
+        for tenant in [t for t in self._service if t not in busy][:excess]:
+            del self._service[tenant]
 
     def _unqueue(self, ticket: FlowTicket) -> bool:
         """Take a held ticket out of its queue (False: it is not held)."""

@@ -12,6 +12,10 @@ from schedkit.policies.common import check_int, check_number
 
 __all__ = ["QueueDepth", "TenantRoundRobin", "TenantWeighted"]
 
+MAX_COUNTERS = 4096
+"""Virtual counters ``tenant-weighted`` keeps: past it, those of tenants not backlogged
+are dropped (down to three quarters of it), oldest first."""
+
 
 class TenantRoundRobin:
     """The tenants holding requests in a band, in turn: after tenant ``t`` the next one
@@ -49,6 +53,9 @@ class TenantWeighted:
 
     Counters move only with dispatches from the queues (while saturated); requests that
     go on at once charge nothing, since fairness matters only when there is contention.
+    At most :data:`MAX_COUNTERS` are kept: past it, tenants not backlogged lose theirs
+    (one that comes back is lifted to the least counter backlogged, as any newcomer),
+    so any number of distinct tenants takes bounded memory.
 
     Hooks: ``schedkit_flow_pick_tenant``.
 
@@ -81,7 +88,15 @@ class TenantWeighted:
         pick = min(queues, key=lambda q: virtual.get(q.tenant, 0.0))
         virtual[pick.tenant] = virtual.get(pick.tenant, 0.0) + pick.head_cost / self.weights.get(pick.tenant, 1.0)
         self._backlogged[band] = now if pick.num_queued > 1 else now - {pick.tenant}
+        if len(virtual) > MAX_COUNTERS:
+            self._forget_idle()
         return pick.tenant
+
+    def _forget_idle(self) -> None:
+        backlogged = set().union(*self._backlogged.values())
+        excess = len(self._virtual) - MAX_COUNTERS * 3 // 4
+        for tenant in [t for t in self._virtual if t not in backlogged][:excess]:
+            del self._virtual[tenant]
 
 
 class QueueDepth:

@@ -270,3 +270,47 @@ def test_the_fault_plugins_implement_every_flow_hook():
     from schedkit.hookspecs import FLOW_HOOK_NAMES
 
     assert all(hasattr(Broken, h) for h in FLOW_HOOK_NAMES)
+
+
+@pytest.mark.parametrize("fairness", ["tenant-round-robin", "tenant-weighted"])
+def test_ten_thousand_distinct_tenants_take_bounded_memory(fairness, monkeypatch):
+    """Every request from a new tenant: the front door holds at most ``max_queued`` of
+    them, refuses the rest, and what it remembers per tenant (service, the weighted
+    policy's counters) stays bounded."""
+    from schedkit.cluster import flow as flow_mod
+    from schedkit.policies import flow as policy_mod
+
+    monkeypatch.setattr(flow_mod, "MAX_TRACKED_TENANTS", 64)
+    monkeypatch.setattr(policy_mod, "MAX_COUNTERS", 64)
+    limit = MaxInFlight(limit=8)
+
+    async def run() -> FlowController:
+        cfg = config_from_dict({"flow_control": {"enabled": True, "fairness": fairness, "max_queued": 200}})
+        ctl = FlowController(cfg, [ReplicaState(0)], extra_plugins=[limit])
+        tickets: list[Any] = []
+        refused = 0
+        for i in range(10_000):
+            try:
+                tickets.append(ctl.submit(f"r{i}", f"tenant-{i}", 0, 10))
+            except EngineBusyError:
+                refused += 1
+            if i % 3 == 2:  # a request finishes now and then: held ones go on
+                out = [t for t in tickets if t.dispatched]
+                if out:
+                    ctl.leave(out[0])
+                    tickets.remove(out[0])
+        while ctl.num_outstanding:  # the rest finish: every held one goes on in turn
+            tickets = [t for t in tickets if t.error is None]  # not displaced
+            done = next(t for t in tickets if t.dispatched)
+            ctl.leave(done)
+            tickets.remove(done)
+        assert refused > 0 and ctl.num_refused["full"] == refused
+        return ctl
+
+    ctl = asyncio.run(run())
+    assert ctl.num_queued == 0 and ctl.num_outstanding == 0
+    assert len(ctl._service) <= 64
+    weighted = [p for p in ctl.plugin_manager.get_plugins() if isinstance(p, policy_mod.TenantWeighted)]
+    assert len(weighted) == (fairness == "tenant-weighted")
+    assert all(len(p._virtual) <= 64 for p in weighted)
+    assert ctl.num_dispatched + ctl.num_refused["full"] == 10_000

@@ -14,7 +14,8 @@ __all__ = ["QueueDepth", "TenantRoundRobin", "TenantWeighted"]
 
 MAX_COUNTERS = 4096
 """Virtual counters ``tenant-weighted`` keeps: past it, those of tenants not backlogged
-are dropped (down to three quarters of it), oldest first."""
+are dropped (down to three quarters of it), oldest first. Also the most bands (distinct
+priorities) either fairness plugin remembers its last pick or backlog for."""
 
 
 class TenantRoundRobin:
@@ -37,7 +38,10 @@ class TenantRoundRobin:
             pick = names[(names.index(last) + 1) % len(names)]
         else:  # the last one emptied its queue: the first after it in the order is unknown
             pick = names[0]
-        self._last[band] = pick
+        self._last.pop(band, None)
+        self._last[band] = pick  # most recent band last
+        if len(self._last) > MAX_COUNTERS:  # many distinct bands (priorities): forget the oldest
+            del self._last[next(iter(self._last))]
         return pick
 
 
@@ -87,7 +91,10 @@ class TenantWeighted:
                 virtual.setdefault(t, 0.0)
         pick = min(queues, key=lambda q: virtual.get(q.tenant, 0.0))
         virtual[pick.tenant] = virtual.get(pick.tenant, 0.0) + pick.head_cost / self.weights.get(pick.tenant, 1.0)
-        self._backlogged[band] = now if pick.num_queued > 1 else now - {pick.tenant}
+        self._backlogged.pop(band, None)
+        self._backlogged[band] = now if pick.num_queued > 1 else now - {pick.tenant}  # most recent last
+        if len(self._backlogged) > MAX_COUNTERS:  # many distinct bands: forget the oldest
+            del self._backlogged[next(iter(self._backlogged))]
         if len(virtual) > MAX_COUNTERS:
             self._forget_idle()
         return pick.tenant

@@ -314,3 +314,26 @@ def test_ten_thousand_distinct_tenants_take_bounded_memory(fairness, monkeypatch
     assert len(weighted) == (fairness == "tenant-weighted")
     assert all(len(p._virtual) <= 64 for p in weighted)
     assert ctl.num_dispatched + ctl.num_refused["full"] == 10_000
+
+
+@pytest.mark.parametrize("fairness", ["tenant-round-robin", "tenant-weighted"])
+def test_ten_thousand_distinct_priorities_take_bounded_memory(fairness, monkeypatch):
+    from schedkit.policies import flow as policy_mod
+
+    monkeypatch.setattr(policy_mod, "MAX_COUNTERS", 64)
+
+    async def run() -> FlowController:
+        gate = Gate()
+        ctl = controller(gate, fairness=fairness, max_queued=20_000)
+        for i in range(10_000):
+            ctl.submit(f"r{i}", "a" if i % 2 else "b", -i, 10)
+        gate.closed = False
+        ctl.pump()
+        return ctl
+
+    ctl = asyncio.run(run())
+    assert ctl.num_dispatched == 10_000 and ctl.num_queued == 0
+    remembered = [len(p._last) for p in ctl.plugin_manager.get_plugins() if isinstance(p, policy_mod.TenantRoundRobin)]
+    remembered += [len(p._backlogged) for p in ctl.plugin_manager.get_plugins()
+                   if isinstance(p, policy_mod.TenantWeighted)]
+    assert remembered and max(remembered) == 64

@@ -63,6 +63,7 @@ BUNDLED_POLICIES: Mapping[str, str] = {
     "least-computed": "schedkit.policies.victims:LeastComputedFirst",
     "aging": "schedkit.policies.aging:AgingWrapper",
     "priority-preemptive": "schedkit.policies.priority_preemptive:PreemptivePriority",
+    "partial-prefill-cap": "schedkit.policies.partial_prefill:PartialPrefillCap",
 }
 BUNDLED_PLUGINS: Mapping[str, str] = {
     **BUNDLED_POLICIES,

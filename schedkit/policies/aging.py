@@ -120,6 +120,13 @@ class AgingWrapper:
     hook through pluggy as soon as one implementation is a wrapper, so this works with
     any inner policy.
 
+    A preempted request is placed by the inner policy (see its readmission rule), and
+    its current wait starts at its preemption: a request of its class that arrived after
+    it but is overdue goes before it. The overdue requests are the guard's own class,
+    served ahead of every inner one; counting a victim's wait from its arrival would
+    make every victim older than ``max_wait_s`` overdue at once, ahead of the requests
+    the inner policy ranks first (under ``priority``, those whose growth preempted it).
+
     Defining property: no request waits much longer than ``max_wait_s`` before it reaches
     the head of the queue, even under a policy that would starve it (SJF without aging,
     strict priority). Admission stays head-of-line, so an overdue request still waits for

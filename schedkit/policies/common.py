@@ -1,5 +1,6 @@
-"""Pieces the research policies share: a clock for queues, wait times, setting checks,
-a lazily keyed heap and an index of waiting requests by age.
+"""Pieces the research policies share: a clock for queues, wait times, the readmission
+rank of preempted requests, setting checks, a lazily keyed heap and an index of waiting
+requests by age.
 
 Why a clock of their own: the scheduler calls ``peek``/``pop`` without a time, so a
 queue whose order depends on time reads a :class:`PolicyClock`: a clock given in code
@@ -22,10 +23,11 @@ from typing import Any
 
 from schedkit.core.hooks import Preemption
 from schedkit.core.queues import BaseRequestQueue, iter_heap
-from schedkit.core.request import EventType, Request
+from schedkit.core.request import EventType, Request, RequestStatus
 
 _QUEUED = EventType.QUEUED
 _PREEMPTED = EventType.PREEMPTED
+_WAITING_TO_RESUME = RequestStatus.PREEMPTED
 
 
 class PolicyClock:
@@ -78,6 +80,19 @@ def waiting_since(req: Request) -> float:
         if kind is _QUEUED or kind is _PREEMPTED:
             return t
     return req.arrival_time
+
+
+def readmission_rank(req: Request) -> int:
+    """0 for a request waiting to resume after a preemption, 1 for any other: the key
+    component, placed after a policy's class and before its order within the class,
+    that readmits a preempted request ahead of every waiting request of its class (the
+    newer arrivals in particular), as FCFS puts it back at the head of the queue. A
+    preempted request keeps its outputs, and its freed blocks often stay in the prefix
+    cache for a while; behind newer arrivals it would wait while they evict them.
+
+    Read when a request enters a queue (or at the queue's next read): it stays 0 while
+    the request waits, and the request's next preemption makes it 0 again."""
+    return 0 if req.status is _WAITING_TO_RESUME else 1
 
 
 # ------------------------------------------------------------- voluntary preemption

@@ -8,7 +8,7 @@ from schedkit.core.hooks import AdmissionDecision, Rejection
 from schedkit.core.queues import KeyedQueue
 from schedkit.core.request import Request, RequestStatus
 from schedkit.hookspecs import hookimpl
-from schedkit.policies.common import check_number, check_positive_map
+from schedkit.policies.common import check_number, check_positive_map, readmission_rank
 
 __all__ = ["EarliestDeadlineFirst"]
 
@@ -37,8 +37,11 @@ class EarliestDeadlineFirst:
       delayed, never dropped;
     * ``admit``: admitted anyway (pure EDF ordering, no admission control).
 
-    Preempted requests are never refused: they already ran, and their (past) deadline
-    puts them at the head of the queue.
+    Preempted requests are never refused: they already ran, and their deadline, which a
+    preemption does not change, puts them ahead of every later arrival of their SLO
+    class (and, once passed, ahead of every request with a later deadline); among equal
+    deadlines a preempted request goes first
+    (:func:`~schedkit.policies.common.readmission_rank`).
 
     Defining property: requests are admitted in deadline order (arrival order when all
     share one SLO, so EDF differs from FCFS only with per-priority SLOs or rejections);
@@ -46,9 +49,9 @@ class EarliestDeadlineFirst:
     the estimate), and capacity is not spent on requests that would miss anyway, which
     raises SLO attainment under overload.
 
-    Hooks: ``schedkit_create_waiting_queue`` (a heap on ``(tier, deadline, arrival,
-    id)``), ``schedkit_admit_request`` (the check above; None, i.e. no objection,
-    otherwise), ``schedkit_on_request_finished`` (forgets skipped requests).
+    Hooks: ``schedkit_create_waiting_queue`` (a heap on ``(tier, deadline, readmission
+    rank, arrival, id)``), ``schedkit_admit_request`` (the check above; None, i.e. no
+    objection, otherwise), ``schedkit_on_request_finished`` (forgets skipped requests).
 
     Args:
         ttft_slo_s: Default TTFT SLO in seconds (> 0, default 1.0).
@@ -86,9 +89,10 @@ class EarliestDeadlineFirst:
         est = self.prefill_s_per_token * request.num_prompt_tokens
         return now + est > self.deadline(request)
 
-    def sort_key(self, request: Request) -> tuple[int, float, float, str]:
+    def sort_key(self, request: Request) -> tuple[int, float, int, float, str]:
         late = request.status is _WAITING and request.request_id in self._late
-        return (int(late), self.deadline(request), request.arrival_time, request.request_id)
+        return (int(late), self.deadline(request), readmission_rank(request), request.arrival_time,
+                request.request_id)
 
     @hookimpl
     def schedkit_create_waiting_queue(self) -> KeyedQueue:

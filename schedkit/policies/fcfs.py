@@ -1,5 +1,6 @@
 """First come, first served (vLLM's ``fcfs``): FIFO admission, the newest running
-request is preempted first and goes back to the head of the queue."""
+request is preempted first and goes back to the head of the queue, so it is readmitted
+before every waiting request."""
 
 from __future__ import annotations
 

@@ -23,6 +23,11 @@ class LongestPrefixMatch(StepRankedPolicy):
     first (at most ``max_rank`` of them are moved up per step). Needs
     ``cache.enable_prefix_caching: true`` to do anything but FCFS.
 
+    A preempted request keeps its place in arrival order and is re-ranked at the next
+    step, usually first: its own blocks stay in the prefix cache until they are evicted.
+    Among equal hits it goes first (then arrival order), and the guard counts its wait
+    from its preemption.
+
     Defining property: requests that share a cached prefix are served back to back,
     while the prefix is still cached, which raises the prefix-cache hit rate and
     throughput over FCFS; the guard bounds how long a non-matching request can be passed

@@ -100,6 +100,10 @@ class MultiLevelFeedbackQueue:
     A request that has generated its level's quantum of output tokens since joining the
     level is demoted one level (accounting in ``schedkit_on_step_end``); the last level
     keeps it. The waiting queue serves the highest non-empty level, FCFS within a level.
+    A request preempted for KV blocks goes back to the head of its level, so it is
+    readmitted before every later arrival of its level; one preempted voluntarily (for
+    a request in a higher level) is queued with ``add`` and joins the tail of its level,
+    behind the requests of its level that waited while it ran.
 
     Preemptive, as FastServe: at the start of each step
     (``schedkit_select_voluntary_preemptions``), when the seats are taken, each waiting

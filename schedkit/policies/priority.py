@@ -1,6 +1,10 @@
 """Priority scheduling (vLLM's ``priority``): smaller ``priority`` first, then earlier
 arrival, then request id. The victim is the running request with the largest
-``(priority, arrival_time)``; a preempted request re-enters the heap by its key."""
+``(priority, arrival_time)``; a preempted request re-enters the heap by its key, as in
+vLLM: it keeps its ``arrival_time``, so it is readmitted before the requests of its
+priority that arrived after it by that clock, but after those of its priority with an
+earlier one, which can include requests that reached the engine after it
+(``priority-preemptive`` with ``readmit_first`` puts it first in its class)."""
 
 from __future__ import annotations
 

@@ -22,13 +22,20 @@ from schedkit.core.queues import BaseRequestQueue
 from schedkit.core.request import Request
 from schedkit.hookspecs import hookimpl
 from schedkit.kv.kv_cache_manager import KVCacheManager
-from schedkit.policies.common import AgeIndex, PolicyClock, check_int, check_number
+from schedkit.policies.common import (
+    AgeIndex,
+    PolicyClock,
+    check_int,
+    check_number,
+    readmission_rank,
+)
 
 __all__ = ["RankKey", "RankedQueue", "StepRankedPolicy"]
 
 RankKey = Callable[[Request, int, float], Any]
-"""``key(request, cached_tokens, now)``: smaller ranks first (ties in arrival order);
-``cached_tokens`` are the prompt tokens the prefix cache holds for it (whole blocks)."""
+"""``key(request, cached_tokens, now)``: smaller ranks first (ties: a preempted request
+first, then arrival order); ``cached_tokens`` are the prompt tokens the prefix cache
+holds for it (whole blocks)."""
 
 
 class RankedQueue(BaseRequestQueue):
@@ -39,7 +46,10 @@ class RankedQueue(BaseRequestQueue):
     ``max_rank`` requests of the FIFO sorted by ``key``, then the rest of the FIFO.
     Between re-ranks the order only changes by the scheduler's own pops and prepends, so
     ``pop`` always returns what ``peek`` returned. Preempted and skipped requests go to
-    the head, as in FCFS, and are re-ranked with the others at the next step.
+    the head, as in FCFS, and are re-ranked with the others at the next step: among
+    equal keys a preempted request goes first
+    (:func:`~schedkit.policies.common.readmission_rank`), then the earliest queued (a
+    request keeps the place in arrival order it had when first queued).
 
     Args:
         kv_cache_manager: Where the prefix-cache hits are looked up.
@@ -85,7 +95,7 @@ class RankedQueue(BaseRequestQueue):
         candidates = [fifo.popleft() for _ in range(n)]
         get, key = self._kv.get_computed_blocks, self._key
         keys = {id(r): key(r, get(r)[1], now) for r in candidates}
-        candidates.sort(key=lambda r: (keys[id(r)], seq(id(r))))
+        candidates.sort(key=lambda r: (keys[id(r)], readmission_rank(r), seq(id(r))))
         return deque(overdue + candidates), fifo
 
     def _maybe_rerank(self) -> None:

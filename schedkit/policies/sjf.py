@@ -15,6 +15,7 @@ from schedkit.policies.common import (
     check_number,
     enqueue_time,
     preempt_for_waiting,
+    readmission_rank,
 )
 
 __all__ = ["ShortestJobFirst"]
@@ -27,7 +28,10 @@ class ShortestJobFirst:
     the predicted output length, for which the request's ``sampling_params.max_tokens``
     is used (requests carry no other prediction). A request that has waited ``w``
     seconds since it entered the queue ranks as if its job were ``aging_rate * w``
-    tokens smaller. A preempted request keeps its size and its credit.
+    tokens smaller. A preempted request keeps its size and its credit (its wait counts
+    from when it was first queued), and among requests of equal rank it goes first
+    (:func:`~schedkit.policies.common.readmission_rank`): it is readmitted before every
+    later arrival of its size, and before the earlier ones still waiting.
 
     Defining property: among requests waiting together, smaller jobs are admitted first,
     which lowers mean TTFT against FCFS when lengths are mixed. With ``aging_rate > 0``
@@ -40,8 +44,8 @@ class ShortestJobFirst:
     t_enqueue`` by the same ``aging_rate * now`` for every request, so the order never
     changes while requests wait; only the enqueue time must be known. That time is the
     request's QUEUED event (scheduler clock), which exists only after ``add``, so keys are
-    computed lazily at the next ``peek``/``pop`` (:class:`LazyKeyedQueue`). Ties go to the
-    earlier enqueue, then insertion order.
+    computed lazily at the next ``peek``/``pop`` (:class:`LazyKeyedQueue`). Ties go to a
+    preempted request, then to the earlier enqueue, then to insertion order.
 
     Preemptive (``preemptive: true``, shortest remaining processing time, SRPT): the size
     is what is left of the job, ``max_tokens`` less the tokens generated with
@@ -91,12 +95,13 @@ class ShortestJobFirst:
             return size - request.num_output_tokens if self.preemptive else size
         return request.num_prompt_tokens
 
-    def sort_key(self, request: Request) -> tuple[float, float]:
-        """``(size + aging_rate * (t_enqueue - t0), t_enqueue)``; t0 keeps floats small."""
+    def sort_key(self, request: Request) -> tuple[float, int, float]:
+        """``(size + aging_rate * (t_enqueue - t0), readmission rank, t_enqueue)``; t0
+        keeps floats small."""
         t = enqueue_time(request)
         if self._t0 is None or not math.isfinite(self._t0):
             self._t0 = t
-        return (self.job_size(request) + self.aging_rate * (t - self._t0), t)
+        return (self.job_size(request) + self.aging_rate * (t - self._t0), readmission_rank(request), t)
 
     @hookimpl
     def schedkit_create_waiting_queue(self) -> LazyKeyedQueue:

@@ -202,7 +202,9 @@ class VirtualTokenCounter:
     each request's computed-token count) and its outputs (tokens generated). Recomputing a
     prompt after a preemption is not charged again, nor are prefix-cache hits. The queue
     admits the oldest request of the backlogged tenant (one with waiting requests) whose
-    counter is smallest. When a tenant becomes backlogged again its counter is lifted to
+    counter is smallest. A preempted request goes back to the head of its tenant's FIFO,
+    so it is readmitted before every later request of its tenant (its prompt is not
+    charged again). When a tenant becomes backlogged again its counter is lifted to
     the minimum over backlogged tenants (or, when none is, to the counter of the tenant
     that left the queue last), as in the paper, so being idle earns no credit.
 

@@ -21,6 +21,7 @@ from schedkit.policies.edf import EarliestDeadlineFirst
 from schedkit.policies.hrrn import HighestResponseRatio, ResidualShortestJobFirst
 from schedkit.policies.lpm import LongestPrefixMatch
 from schedkit.policies.mlfq import MultiLevelFeedbackQueue
+from schedkit.policies.partial_prefill import PartialPrefillCap
 from schedkit.policies.sjf import ShortestJobFirst
 from schedkit.policies.victims import LeastComputedFirst
 from schedkit.policies.vtc import VirtualTokenCounter
@@ -49,6 +50,11 @@ POLICIES: dict[str, tuple[Callable[[], list[Any]], str]] = {
     "aging+hrrn": (lambda: [HighestResponseRatio(), AgingWrapper(max_wait_s=0.1)], "fcfs"),
     "aging+edf": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="skip"),
                            AgingWrapper(max_wait_s=0.1)], "fcfs"),
+    "partial-prefill": (lambda: [PartialPrefillCap(max_partial_prefills=2, long_threshold=40)], "fcfs"),
+    "partial-prefill+priority": (lambda: [PartialPrefillCap(max_partial_prefills=3, max_long_partial_prefills=2,
+                                                            long_threshold=30)], "priority"),
+    "partial-prefill+edf": (lambda: [EarliestDeadlineFirst(ttft_slo_s=0.2, on_miss="skip"),
+                                     PartialPrefillCap(max_partial_prefills=1, long_threshold=60)], "fcfs"),
 }
 SEEDS = (0, 1, 2)
 
@@ -113,6 +119,8 @@ def test_policy_keeps_the_scheduler_consistent_and_drains(name, seed):
             assert p._late == set()
         elif isinstance(p, LongestPrefixMatch):
             assert p.queue._seq == {}
+        elif isinstance(p, PartialPrefillCap):
+            assert p._prefills == {}
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

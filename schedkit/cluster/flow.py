@@ -111,6 +111,8 @@ class FlowController:
         """Requests refused, by why: ``timeout``, ``full``."""
         self.errors: Counter[tuple[str, str]] = Counter()
         """Flow-hook errors by ``(plugin, hook)``."""
+        self.is_saturated = False
+        """The saturation detector's last answer (reading it asks no plugin)."""
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
 
     # -- the request's side ----------------------------------------------------------------
@@ -139,10 +141,12 @@ class FlowController:
                                       f"(flow_control.max_queued) while the engines are saturated; retry later",
                                       request_id=request_id)
             self._unqueue(victim)
+            by = (f"a more urgent request (priority {band} < {victim.band})" if band < victim.band
+                  else "a request of a tenant holding fewer")
             victim.error = EngineBusyError(
                 f"request {victim.request_id!r}: displaced from the front door, full at "
-                f"{self.config.max_queued} requests (flow_control.max_queued), by a request of a tenant "
-                f"holding fewer; retry later", request_id=victim.request_id)
+                f"{self.config.max_queued} requests (flow_control.max_queued), by {by}; retry later",
+                request_id=victim.request_id)
             if victim.on_dispatch is not None:
                 victim.on_dispatch(victim)
         self._bands.setdefault(band, _Band()).tenants.setdefault(tenant, deque()).append(ticket)
@@ -198,6 +202,8 @@ class FlowController:
             if ticket.error is not None:
                 raise ticket.error
         except TimeoutError:
+            if ticket.error is not None:  # displaced in the same instant: refused all the same
+                raise ticket.error from None
             error = self.expire(ticket)
             if error is None:  # dispatched in the same instant: go on
                 return ticket
@@ -299,7 +305,8 @@ class FlowController:
     def _saturated(self) -> bool:
         kwargs = {"replicas": self.replicas, "num_outstanding": self.num_outstanding,
                   "num_queued": self.num_queued, "max_num_seqs": self.max_num_seqs}
-        return bool(self._ask("schedkit_flow_saturated", kwargs, lambda a: isinstance(a, bool), "a bool"))
+        self.is_saturated = bool(self._ask("schedkit_flow_saturated", kwargs, lambda a: isinstance(a, bool), "a bool"))
+        return self.is_saturated
 
     def _pick(self, band_no: int, band: _Band) -> str:
         now = self.clock()
@@ -314,10 +321,11 @@ class FlowController:
 
     def stats(self) -> dict[str, Any]:
         """``stats()["flow_control"]``: held now (by band), dispatched, held, refused, the
-        service per tenant and hook errors."""
+        detector's last answer and hook errors. Asks no plugin: a scrape neither calls a
+        detector outside its documented moments nor counts its errors again."""
         return {"num_queued": self.num_queued, "num_outstanding": self.num_outstanding,
                 "num_queued_by_band": {b: sum(len(q) for q in band.tenants.values())
                                        for b, band in sorted(self._bands.items())},
                 "num_dispatched": self.num_dispatched, "num_held": self.num_held,
-                "num_refused": dict(self.num_refused), "saturated": self._saturated(),
+                "num_refused": dict(self.num_refused), "saturated": self.is_saturated,
                 "num_hook_errors": [[p, h, n] for (p, h), n in sorted(self.errors.items())]}

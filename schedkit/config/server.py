@@ -20,7 +20,8 @@ class ServerConfig(StrictModel):
     ``model.name``)."""
     max_pending_requests: int = Field(default=1024, ge=1)
     """Generation requests in flight at once (each of ``n`` choices counts); beyond it a
-    request is answered 503 with ``Retry-After``."""
+    request is answered 503 with ``Retry-After``. Requests held at the front door
+    (``flow_control``) do not count: ``flow_control.max_queued`` bounds them."""
     retry_after_s: int = Field(default=1, ge=0)
     """The ``Retry-After`` seconds of a 503 (too many pending requests) or 429 (rejected)."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)

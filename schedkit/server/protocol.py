@@ -17,7 +17,9 @@ compiles is the engine's to say when it receives the request.
 from __future__ import annotations
 
 import functools
+import re
 import typing
+import unicodedata
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -36,20 +38,40 @@ from pydantic import (
 
 from schedkit.config.workload import SLO_CLASS_NAME
 from schedkit.core.grammar import StructuredOutputsParams
-from schedkit.core.hints import MAX_DEADLINE_S, MAX_EXPECTED_OUTPUT_TOKENS, RequestHints
+from schedkit.core.hints import (
+    MAX_DEADLINE_S,
+    MAX_EXPECTED_OUTPUT_TOKENS,
+    MAX_SESSION_ID_CHARS,
+    RequestHints,
+)
 from schedkit.errors import RequestError
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
+_LINE_BREAKING = frozenset({"Cc", "Zl", "Zp"})
+"""Unicode categories of the control characters (C0, DEL, C1: NEL among them) and the
+line and paragraph separators: each ends a line for ``str.splitlines`` and many log tools."""
+
+
 def _no_control_characters(value: str) -> str:
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ValueError("must not contain control characters")
+    if not value.isprintable() and any(unicodedata.category(c) in _LINE_BREAKING for c in value):
+        raise ValueError("must not contain control characters or line separators")
+    return value
+
+
+def _printable(value: str) -> str:
+    """The engine's rule for a session id (:meth:`RequestHints.check`), checked here so
+    the 400 names the field."""
+    if not value.isprintable():
+        raise ValueError("must be printable text: no control characters, format characters or "
+                         "separators other than the space")
     return value
 
 
 LabelStr = Annotated[StrictStr, StringConstraints(max_length=256), AfterValidator(_no_control_characters)]
-"""Text that becomes a metric label or a log field: no control characters (a NUL in a
-tenant made ``/metrics`` a binary file to grep)."""
+"""Text that becomes a metric label or a log field: no control characters or line
+separators (a NUL in a tenant made ``/metrics`` a binary file to grep; a NEL or U+2028
+splits its line for ``str.splitlines``)."""
 
 
 class APIError(Exception):
@@ -153,8 +175,8 @@ class _Sampling(_Body):
     """vLLM's priority: smaller is served first under the ``priority`` policy."""
     ttft_slo_s: FiniteFloat | None = Field(default=None, gt=0)
     """This request's time-to-first-token target (``edf``, admission plugins)."""
-    session_id: Annotated[StrictStr, StringConstraints(min_length=1, max_length=256),
-                          AfterValidator(_no_control_characters)] | None = None
+    session_id: Annotated[StrictStr, StringConstraints(min_length=1, max_length=MAX_SESSION_ID_CHARS),
+                          AfterValidator(_printable)] | None = None
     """A conversation id: with replicas, ``session-affinity`` keeps a session on one
     replica (its history stays in that replica's prefix cache)."""
     slo_class: Annotated[StrictStr, StringConstraints(pattern=f"^{SLO_CLASS_NAME.pattern}$")] | None = None
@@ -384,39 +406,67 @@ HINT_HEADERS = {
 """Headers that carry a request's scheduling hints (``header -> body field``): for a
 gateway or proxy that tags requests without touching their bodies."""
 _NUMERIC_HINTS = {"priority": int, "deadline_s": float, "expected_output_tokens": int, "ttft_slo_s": float}
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+"""A header's number: ASCII digits, an optional sign, point and exponent (Python's
+``int`` and ``float`` also take ``1_000``, ``infinity`` or digits of other scripts)."""
+
+
+def _header_value(headers: Any, header: str) -> str | None:
+    """The value of hint ``header``, None when absent.
+
+    Raises:
+        APIError: 400 when it comes more than once with different values, or is not
+            UTF-8 text (the server decodes header bytes as Latin-1).
+    """
+    values = headers.getlist(header)
+    if not values:
+        return None
+    if len(set(values)) > 1:
+        raise APIError(400, f"header {header} is sent {len(values)} times with different values "
+                       f"({', '.join(_describe(v.strip()) for v in values[:4])}): send it once", param=header)
+    try:
+        return str(values[0]).encode("latin-1").decode("utf-8").strip(" \t")  # HTTP's whitespace only
+    except UnicodeError:
+        raise APIError(400, f"header {header}: not UTF-8 text (got {_describe(values[0])})",
+                       param=header) from None
 
 
 def apply_hint_headers(req: Any, headers: Any) -> None:
     """Set ``req``'s hint fields from the :data:`HINT_HEADERS` present, validated as the
-    body fields are.
+    body fields are. A body field sent as ``null`` counts as not sent.
 
     Raises:
-        APIError: 400 naming the header: a value the body field would refuse, or a
-            header and a body field that both set a hint to different values.
+        APIError: 400 naming the header: a value the body field would refuse, a header
+            sent twice with different values, or a header and a body field that both set
+            a hint to different values.
     """
     if not isinstance(req, _Sampling):
         return
     fields_set = req.model_fields_set
     for header, name in HINT_HEADERS.items():
-        raw = headers.get(header)
-        if raw is None:
+        value: Any = _header_value(headers, header)
+        if value is None:
             continue
-        value: Any = raw.strip()
         convert = _NUMERIC_HINTS.get(name)
         if convert is not None:
+            if not (_INTEGER if convert is int else _NUMBER).fullmatch(value):
+                raise APIError(400, f"header {header}: {_describe(value)} is not "
+                               f"{'an integer' if convert is int else 'a number'}", param=header)
             try:
                 value = convert(value)
-            except ValueError:
-                raise APIError(400, f"header {header}: {value!r} is not {'an integer' if convert is int else 'a number'}",
+            except ValueError:  # more digits than Python converts
+                raise APIError(400, f"header {header}: {_describe(value)} has too many digits",
                                param=header) from None
         try:
             value = getattr(_hint_model().model_validate({name: value}), name)
         except ValidationError as e:
             why = e.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
             raise APIError(400, f"header {header}: {why} (got {_describe(value)})", param=header) from None
-        if name in fields_set and getattr(req, name) != value:
+        sent = getattr(req, name)
+        if name in fields_set and sent is not None and sent != value:
             raise APIError(400, f"header {header} ({_describe(value)}) and body field {name} "
-                           f"({_describe(getattr(req, name))}) differ: send one", param=header)
+                           f"({_describe(sent)}) differ: send one", param=header)
         object.__setattr__(req, name, value)
 
 

@@ -202,6 +202,8 @@ class Server:
         self.draining = False
         self.tasks: set[asyncio.Task[None]] = set()
         """One task per engine request (choice) in flight."""
+        self.num_unstarted = 0
+        """Choices whose task has not run yet (with flow control: not at the door yet)."""
         self._short_texts = ThreadPoolExecutor(1, thread_name_prefix="schedkit-tokenizer-short")
         self._long_texts = ThreadPoolExecutor(config.server.tokenizer_threads,
                                               thread_name_prefix="schedkit-tokenizer")
@@ -400,15 +402,26 @@ class Server:
                            headers={"Retry-After": str(self.config.server.retry_after_s)})
         if not self.llm_alive():
             raise APIError(503, "the engine is not running")
-        if self.num_pending + count > limit:
-            raise APIError(503, f"too many pending requests: {self.num_pending} in flight, this "
+        in_flight = self.num_pending - self.num_held
+        if in_flight + count > limit:
+            raise APIError(503, f"too many pending requests: {in_flight} in flight, this "
                            f"request adds {count}, the limit is {limit} (server.max_pending_requests)",
                            headers={"Retry-After": str(self.config.server.retry_after_s)})
 
     @property
     def num_pending(self) -> int:
-        """Engine requests (choices) in flight."""
+        """Engine requests (choices) in flight, those held at the front door included."""
         return len(self.tasks)
+
+    @property
+    def num_held(self) -> int:
+        """Choices at the front door (``flow_control``): held there, or on their way (a
+        burst's tasks run only after every request in it was admitted). The door's
+        ``max_queued`` bounds them, not ``max_pending_requests``, so a tenant flooding
+        the door meets its limit, which refuses the tenant holding the most, instead of
+        filling the pending limit for everyone."""
+        flow = getattr(self.llm, "flow", None)
+        return flow.num_queued + self.num_unstarted if flow is not None else 0
 
     def llm_alive(self) -> bool:
         return self.llm.is_alive()
@@ -482,6 +495,7 @@ class Server:
         tenant = req.user if req.user is not None else "default"
         tasks = []
         for c in choices:
+            self.num_unstarted += 1
             task = asyncio.create_task(self._run(c, queue, tenant, req, arrival))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -493,12 +507,14 @@ class Server:
         """The bookkeeping of a choice whose task was cancelled before it ran (its client
         left at once): nothing reached the engine."""
         if not c.started:
+            self.num_unstarted -= 1
             c.finish_reason = "abort"
             queue.put_nowait(Event(c, finish_reason="abort", done=True))
 
     async def _run(self, c: Choice, queue: asyncio.Queue[Event], tenant: str, req: _Sampling,
                    arrival: float | None = None) -> None:
         c.started = True
+        self.num_unstarted -= 1
         start = time.perf_counter() if arrival is None else arrival
         first: float | None = None
         last = start

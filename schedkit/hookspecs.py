@@ -789,8 +789,10 @@ def schedkit_flow_pick_tenant(band: int, queues: Sequence[TenantQueue], now: flo
     Args:
         band: The priority band.
         queues: Each tenant holding requests in that band (``TenantQueue``: ``tenant``,
-            ``num_queued``, ``oldest_wait_s``, ``num_outstanding``, ``service``), in the
-            order the tenants first queued. Do not mutate.
+            ``num_queued``, ``oldest_wait_s``, ``num_outstanding``, ``head_cost``,
+            ``service``, ``backlog_id``: a new id each time the tenant starts holding
+            requests in the band again), in the order the tenants first queued. Do not
+            mutate.
         now: The front end's clock (seconds, ``time.monotonic``).
 
     Returns:

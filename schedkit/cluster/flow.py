@@ -75,6 +75,20 @@ class FlowTicket:
 class _Band:
     tenants: dict[str, deque[FlowTicket]] = field(default_factory=dict)
     """Tenant -> its held requests, oldest first (tenants in the order they first queued)."""
+    spells: dict[str, int] = field(default_factory=dict)
+    """Tenant -> the id of its current spell of holding requests here (the ``seq`` of the
+    request that began it): :attr:`TenantQueue.backlog_id`."""
+
+    def hold(self, ticket: FlowTicket) -> None:
+        queue = self.tenants.get(ticket.tenant)
+        if queue is None:
+            queue = self.tenants[ticket.tenant] = deque()
+            self.spells[ticket.tenant] = ticket.seq
+        queue.append(ticket)
+
+    def drop_tenant(self, tenant: str) -> None:
+        del self.tenants[tenant]
+        del self.spells[tenant]
 
 
 class FlowController:
@@ -149,7 +163,7 @@ class FlowController:
                 request_id=victim.request_id)
             if victim.on_dispatch is not None:
                 victim.on_dispatch(victim)
-        self._bands.setdefault(band, _Band()).tenants.setdefault(tenant, deque()).append(ticket)
+        self._bands.setdefault(band, _Band()).hold(ticket)
         self.num_queued += 1
         self.num_held += 1
         self.pump()  # a detector that changed its mind since, or a tenant ahead
@@ -237,7 +251,7 @@ class FlowController:
             queue = band.tenants[tenant]
             ticket = queue.popleft()
             if not queue:
-                del band.tenants[tenant]
+                band.drop_tenant(tenant)
                 if not band.tenants:
                     del self._bands[band_no]
             self.num_queued -= 1
@@ -274,7 +288,7 @@ class FlowController:
         queue.remove(ticket)
         self.num_queued -= 1
         if not queue:
-            del band.tenants[ticket.tenant]  # type: ignore[union-attr]
+            band.drop_tenant(ticket.tenant)  # type: ignore[union-attr]
             if not band.tenants:  # type: ignore[union-attr]
                 del self._bands[ticket.band]
         return True
@@ -310,8 +324,9 @@ class FlowController:
 
     def _pick(self, band_no: int, band: _Band) -> str:
         now = self.clock()
+        spells = band.spells
         queues = [TenantQueue(t, band_no, len(q), max(now - q[0].arrival, 0.0), self._outstanding.get(t, 0),
-                              q[0].cost, self._service.get(t, 0.0)) for t, q in band.tenants.items()]
+                              q[0].cost, self._service.get(t, 0.0), spells[t]) for t, q in band.tenants.items()]
         answer = self._ask("schedkit_flow_pick_tenant", {"band": band_no, "queues": queues, "now": now},
                            lambda a: isinstance(a, str) and a in band.tenants,
                            f"a tenant holding requests in band {band_no}")

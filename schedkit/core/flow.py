@@ -22,6 +22,11 @@ class TenantQueue:
             ``max_tokens``): what dispatching it next would cost.
         service: Tokens (prompt plus ``max_tokens``) of all its requests dispatched so
             far, held or not.
+        backlog_id: Identifies its current spell of holding requests in this band: a
+            new id each time it starts holding requests there after holding none (its
+            held requests all dispatched, refused or timed out in between). A fairness
+            policy that treats a returning tenant differently (VTC's counter lift)
+            compares it with the id it saw last.
     """
 
     tenant: str
@@ -31,3 +36,4 @@ class TenantQueue:
     num_outstanding: int = 0
     head_cost: int = 0
     service: float = 0.0
+    backlog_id: int = 0

@@ -75,24 +75,26 @@ class TenantWeighted:
             raise ValueError(f"weights must be a map of tenant -> weight, got {weights!r}")
         self.weights = {str(k): check_number(f"weights[{k!r}]", v, strict=True) for k, v in (weights or {}).items()}
         self._virtual: dict[str, float] = {}
-        self._backlogged: dict[int, set[str]] = {}
+        self._backlogged: dict[int, dict[str, int]] = {}
+        """Band -> tenant -> the backlog spell it was in when last seen backlogged there."""
 
     @hookimpl
     def schedkit_flow_pick_tenant(self, band: int, queues: Sequence[TenantQueue]) -> str | None:
         virtual = self._virtual
-        now = {q.tenant for q in queues}
-        before = self._backlogged.get(band, set())
-        staying = [virtual.get(t, 0.0) for t in now & before]
-        floor = min(staying) if staying else None
-        for t in now - before:  # back after an idle spell (or new): no banked credit
-            if floor is not None:
-                virtual[t] = max(virtual.get(t, 0.0), floor)
-            else:
-                virtual.setdefault(t, 0.0)
+        before = self._backlogged.get(band, {})
+        staying = [q for q in queues if before.get(q.tenant) == q.backlog_id]
+        floor = min(virtual.get(q.tenant, 0.0) for q in staying) if staying else None
+        for q in queues:  # back after an idle spell (or new): no banked credit
+            if before.get(q.tenant) != q.backlog_id:
+                if floor is not None:
+                    virtual[q.tenant] = max(virtual.get(q.tenant, 0.0), floor)
+                else:
+                    virtual.setdefault(q.tenant, 0.0)
         pick = min(queues, key=lambda q: virtual.get(q.tenant, 0.0))
         virtual[pick.tenant] = virtual.get(pick.tenant, 0.0) + pick.head_cost / self.weights.get(pick.tenant, 1.0)
         self._backlogged.pop(band, None)
-        self._backlogged[band] = now if pick.num_queued > 1 else now - {pick.tenant}  # most recent last
+        self._backlogged[band] = {q.tenant: q.backlog_id for q in queues
+                                  if q is not pick or q.num_queued > 1}  # most recent band last
         if len(self._backlogged) > MAX_COUNTERS:  # many distinct bands: forget the oldest
             del self._backlogged[next(iter(self._backlogged))]
         if len(virtual) > MAX_COUNTERS:

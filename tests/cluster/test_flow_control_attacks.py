@@ -295,9 +295,6 @@ class MaxOutstanding:
         return num_outstanding >= self.limit
 
 
-@pytest.mark.xfail(strict=True, reason="tenant-weighted learns who is backlogged only from its picks: a tenant "
-                   "whose held requests left by timeout stays 'backlogged' in that band, so on its return its "
-                   "counter is not lifted and it spends the credit it banked while away")
 def test_a_tenant_whose_held_requests_timed_out_banks_no_credit_when_it_returns():
     """E and B hold requests in band 0; E's first goes on; B's time out. While band -1
     keeps the door busy, E is served there (its counter grows by 3,000 tokens). B comes

@@ -1,7 +1,8 @@
 """Writes docs/grafana/schedkit-dashboard.json: a Grafana dashboard for every metric of
-``schedkit serve``, with a "Replicas and router" row for a server with ``replicas.count`` > 1
-and a "Disaggregation" row for one with ``replicas.roles`` (tests/server/test_dashboard.py
-checks, against a single-engine, a replicated and a disaggregated server, that each panel's
+``schedkit serve``, with a "Replicas and router" row for a server with ``replicas.count`` > 1,
+a "Disaggregation" row for one with ``replicas.roles``, a "Live migration" row for one with a
+migration plugin and a "Flow control" row for one with ``flow_control.enabled``
+(tests/server/test_dashboard.py checks, against a server of each kind, that each panel's
 series exist and that every exposed series has a panel).
 
     python scripts/make_grafana_dashboard.py
@@ -422,6 +423,48 @@ panels.append(timeseries(
     "requests of each class per second.", gp(12, 139, 12, 8),
     targets((f"sum by (slo_class) (rate(schedkit:slo_class_requests_total{{{M}}}{RI}))", "{{slo_class}}")),
     unit="reqps", stack=True))
+
+# --- flow control (y 147..164): only with flow_control.enabled ----------------------------
+panels.append(row("Flow control", 147))
+panels.append(timeseries(
+    "Requests held at the front door", "schedkit:flow_num_requests_held by band: requests waiting at "
+    "the front door for the engines to have room (band: the request's priority); "
+    "schedkit:flow_num_requests_outstanding: requests it sent on that have not finished.",
+    gp(0, 148, 8, 8),
+    targets((f"sum by (band) (schedkit:flow_num_requests_held{{{M}}})", "held: band {{band}}"),
+            (f"sum(schedkit:flow_num_requests_outstanding{{{M}}})", "sent on, not finished"))))
+panels.append(timeseries(
+    "Held per tenant", "schedkit:flow_tenant_num_requests_held by tenant: who is waiting at the front "
+    "door now (tenants past server.max_tenant_labels count as \"other\"). A tenant sending more than "
+    "its share shows up here, not in the others' latency.", gp(8, 148, 8, 8),
+    targets((f"sum by (tenant) (schedkit:flow_tenant_num_requests_held{{{M}}})", "{{tenant}}")),
+    stack=True))
+panels.append(timeseries(
+    "Dispatched, held and refused", "rate(schedkit:flow_requests_dispatched_total): requests sent on to "
+    "the engines; rate(schedkit:flow_requests_held_total): requests that had to wait first; "
+    "rate(schedkit:flow_requests_refused_total) by reason: refused with a 429 (timeout: held past "
+    "flow_control.queue_timeout_s; full: flow_control.max_queued held).", gp(16, 148, 8, 8),
+    targets((f"sum(rate(schedkit:flow_requests_dispatched_total{{{M}}}{RI}))", "dispatched"),
+            (f"sum(rate(schedkit:flow_requests_held_total{{{M}}}{RI}))", "held first"),
+            (f"sum by (reason) (rate(schedkit:flow_requests_refused_total{{{M}}}{RI}))", "refused: {{reason}}")),
+    unit="reqps"))
+panels.append(timeseries(
+    "Engines saturated", "schedkit:flow_saturated: the saturation detector's (flow_control.saturation) "
+    "last answer, 1 when the engines are full and new requests are held. It is asked when a request "
+    "arrives and while held ones wait: with nothing held it keeps its last answer until the next request.",
+    gp(0, 156, 8, 8),
+    targets((f"max(schedkit:flow_saturated{{{M}}})", "saturated")), max_=1))
+panels.append(info_table(
+    "Flow-control plugins", "schedkit:flow_info: flow_control.fairness, flow_control.saturation and "
+    "every flow plugin switched on, per scraped server.", gp(8, 156, 8, 8),
+    f"max by (instance, fairness, saturation, plugins) (schedkit:flow_info{{{M}}})",
+    ["instance", "fairness", "saturation", "plugins"]))
+panels.append(timeseries(
+    "Flow hook errors by plugin and hook", "rate(schedkit:flow_hook_errors_total) by plugin and hook: "
+    "flow-hook calls that raised or answered something impossible (the answer is dropped and the next "
+    "plugin decides; the request is never failed for it).", gp(16, 156, 8, 8),
+    targets((f"sum by (plugin, hook) (rate(schedkit:flow_hook_errors_total{{{M}}}{RI}))",
+             "{{plugin}} / {{hook}}")), unit="ops", stack=True))
 
 dashboard = {
     "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus "

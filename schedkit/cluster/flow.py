@@ -39,7 +39,7 @@ from schedkit.core.routing import ReplicaState
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.errors import EngineBusyError
 from schedkit.hookspecs import FLOW_HOOK_NAMES
-from schedkit.plugins.manager import get_flow_plugin_manager
+from schedkit.plugins.manager import describe_plugins, get_flow_plugin_manager
 
 log = logging.getLogger("schedkit.flow")
 ERROR_LOG_INTERVAL_S = 10.0
@@ -335,12 +335,21 @@ class FlowController:
         return min(band.tenants.items(), key=lambda kv: kv[1][0].seq)[0]  # every plugin failed: oldest
 
     def stats(self) -> dict[str, Any]:
-        """``stats()["flow_control"]``: held now (by band), dispatched, held, refused, the
-        detector's last answer and hook errors. Asks no plugin: a scrape neither calls a
-        detector outside its documented moments nor counts its errors again."""
-        return {"num_queued": self.num_queued, "num_outstanding": self.num_outstanding,
+        """``stats()["flow_control"]``: the plugins, held now (by band and by tenant),
+        dispatched, held, refused, the detector's last answer and hook errors. Asks no
+        plugin: a scrape neither calls a detector outside its documented moments nor
+        counts its errors again."""
+        by_tenant: Counter[str] = Counter()
+        for band in self._bands.values():
+            for tenant, queue in band.tenants.items():
+                by_tenant[tenant] += len(queue)
+        return {"fairness": self.config.fairness, "saturation": self.config.saturation,
+                "plugin_hooks": [[name, [h for h in hooks if h in FLOW_HOOK_NAMES]]
+                                 for name, hooks in describe_plugins(self.plugin_manager)],
+                "num_queued": self.num_queued, "num_outstanding": self.num_outstanding,
                 "num_queued_by_band": {b: sum(len(q) for q in band.tenants.values())
                                        for b, band in sorted(self._bands.items())},
+                "num_queued_by_tenant": dict(by_tenant),
                 "num_dispatched": self.num_dispatched, "num_held": self.num_held,
                 "num_refused": dict(self.num_refused), "saturated": self.is_saturated,
                 "num_hook_errors": [[p, h, n] for (p, h), n in sorted(self.errors.items())]}

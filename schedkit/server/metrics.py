@@ -7,7 +7,8 @@ label. Per-request series (tokens, successes, latencies) are recorded by the ser
 requests end; latencies are measured where the client sees them (from the HTTP
 request's arrival), except the queue time, which is the engine's. Engine-wide series
 (running, waiting, KV usage, prefix cache, preemptions) and the policy's (rejections and
-hook errors by plugin) are read from the engine's ``stats`` when ``/metrics`` is scraped.
+hook errors by plugin) are read from the engine's ``stats`` when ``/metrics`` is scraped,
+and so, with ``flow_control.enabled``, are the front door's (``flow_metrics``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from schedkit.config.workload import SLOTargets
+from schedkit.server.flow_metrics import FlowSeries
 
 PREFIX = "schedkit:"
 
@@ -119,6 +121,8 @@ class EngineStatsCollector(Collector):
         self.plugins = [(name, list(hooks)) for name, hooks in plugins]
         self.stats: dict[str, Any] = {}
         self._last_replica: dict[int, dict[str, Any]] = {}
+        self.flow: FlowSeries | None = None
+        """The front door's series, read from ``stats["flow_control"]`` when it is there."""
 
     def collect(self) -> Iterable[Metric]:
         m, st = self.model_name, self.stats
@@ -171,6 +175,8 @@ class EngineStatsCollector(Collector):
             yield from self._handoff_counters(st["migration"], "migration_kv", _MIGRATION_SERIES,
                                               "Moved requests whose target computed their KV itself, by why "
                                               "(prefill_died: the source died).")
+        if "flow_control" in st and self.flow is not None:
+            yield from self.flow.collect(st["flow_control"])
 
     def _replica_series(self, replicas: list[dict[str, Any]]) -> Iterable[Metric]:
         m = self.model_name
@@ -359,6 +365,7 @@ class ServerMetrics:
                                       "with an error, by status.", ["model_name", "status"], registry=r)
         self.max_tenant_labels = max_tenant_labels
         self._tenants: set[str] = set()
+        self.engine.flow = FlowSeries(model_name, self.tenant_label, self._tenants, max_tenant_labels)
         self.slo_classes = dict(slo_classes or {})
         labels = ["model_name", "slo_class"]
         self.slo_requests = Counter(PREFIX + "slo_class_requests", "Requests of each SLO class that "

@@ -2,7 +2,9 @@
 live ``schedkit serve`` exposes on /metrics, both ways (every series a panel reads exists;
 every metric family the server exposes is on some panel), for a single-engine server and
 for one with ``replicas.count: 2``: the families only a replicated server has (per replica,
-the router's) are read on the "Replicas and router" row's panels and nowhere else."""
+the router's) are read on the "Replicas and router" row's panels and nowhere else; and the
+families a disaggregated, a migrating or a flow-controlled server adds are exactly those
+on its own row."""
 
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ DISAGG_ONLY = ("schedkit:kv_transfer_", "schedkit:role_")
 MIGRATION_ROW = "Live migration"
 # The families only a server with a migration plugin exposes: the moved requests' KV.
 MIGRATION_ONLY = ("schedkit:migration_",)
-OPTIONAL_ROWS = (DISAGG_ROW, MIGRATION_ROW)
+FLOW_ROW = "Flow control"
+# The families only a server with flow_control.enabled exposes: the front door's.
+FLOW_ONLY = ("schedkit:flow_",)
+OPTIONAL_ROWS = (DISAGG_ROW, MIGRATION_ROW, FLOW_ROW)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +70,8 @@ def row_of(dashboard: dict[str, Any]) -> dict[int, str | None]:
 
 def referenced_by_row(dashboard: dict[str, Any], row: str = REPLICA_ROW) -> tuple[set[str], set[str]]:
     """``(series the panels of ``row`` read, series read anywhere else but on the
-    disaggregation and migration rows)``, the template variables' queries counted as
-    elsewhere."""
+    optional rows: disaggregation, migration, flow control)``, the template variables'
+    queries counted as elsewhere."""
     rows = row_of(dashboard)
     inside: set[str] = set()
     outside = {m for e in variable_queries(dashboard) for m in _METRIC.findall(e)}
@@ -164,6 +169,19 @@ def disaggregated(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, 
 
 
 @pytest.fixture(scope="module")
+def flow_controlled(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str], set[str]]]:
+    """``scrape`` of a server with two replicas (fake runner) behind flow control, after
+    ``traffic``."""
+    s = start_server(tmp_path_factory.mktemp("flow"),
+                     server_config(word_tokenizer, replicas={"count": 2}, flow_control={"enabled": True}))
+    try:
+        traffic(s)
+        yield scrape(s)
+    finally:
+        stop_server(s)
+
+
+@pytest.fixture(scope="module")
 def migrating(tmp_path_factory, word_tokenizer) -> Iterator[tuple[dict[str, str], set[str]]]:
     """``scrape`` of a server with two replicas (fake runner) and the ``rebalance``
     migration plugin, after ``traffic``."""
@@ -235,7 +253,7 @@ def test_dashboard_is_valid(dashboard: dict[str, Any]) -> None:
     assert model["query"]["query"] == model["definition"] == "label_values(schedkit:num_requests_running, model_name)"
     rows = row_of(dashboard)
     assert [p["title"] for p in panels if p["type"] == "row"] == [REPLICA_ROW, "Structured outputs", DISAGG_ROW,
-                                                                   MIGRATION_ROW, "SLO classes"]
+                                                                   MIGRATION_ROW, "SLO classes", FLOW_ROW]
     assert sum(r == REPLICA_ROW for r in rows.values()) >= 10
     # the row's panels come after it in the list, the others before it
     at = next(i for i, p in enumerate(panels) if p["type"] == "row")
@@ -320,11 +338,12 @@ def test_policy_panels_see_an_admission_plugin(serve, word_tokenizer, dashboard:
 
 
 @pytest.mark.parametrize(("server", "row", "prefixes"), [("disaggregated", DISAGG_ROW, DISAGG_ONLY),
-                                                         ("migrating", MIGRATION_ROW, MIGRATION_ONLY)])
+                                                         ("migrating", MIGRATION_ROW, MIGRATION_ONLY),
+                                                         ("flow_controlled", FLOW_ROW, FLOW_ONLY)])
 def test_optional_rows_show_exactly_what_their_servers_add(request, replicated, server, row, prefixes,
                                                           dashboard: dict[str, Any]) -> None:
-    """With roles (the disaggregation row) or a migration plugin (the live migration row):
-    every series the row reads exists and has samples, and the families a plain replicated
+    """With roles (the disaggregation row), a migration plugin (the live migration row) or
+    flow control (the flow control row): every series the row reads exists and has samples, and the families a plain replicated
     server lacks are exactly the row's, each shown on it."""
     replicated_families, _ = replicated
     families, samples = request.getfixturevalue(server)

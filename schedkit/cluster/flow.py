@@ -202,15 +202,16 @@ class FlowController:
             EngineBusyError: Held past ``queue_timeout_s``, or ``max_queued`` requests are
                 held already (the reason says which).
         """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[None] | None = None  # made only for a request that waits
 
         def wake(_: FlowTicket) -> None:
-            if not future.done():
+            if future is not None and not future.done():
                 future.set_result(None)
 
         ticket = self.submit(request_id, tenant, band, cost, wake)
-        if ticket.dispatched:
+        if ticket.dispatched:  # at once, or by the pump in submit (before any wake)
             return ticket
+        future = asyncio.get_running_loop().create_future()
         try:
             await asyncio.wait_for(asyncio.shield(future), self.config.queue_timeout_s)
             if ticket.error is not None:

@@ -65,12 +65,14 @@ from typing import Any, NamedTuple
 from schedkit.cluster.router import Router, replica_config
 from schedkit.cluster.transfer import KVTransfer
 from schedkit.config import Config
+from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.core.outputs import EngineCoreOutput
 from schedkit.core.request import EventType, Request, SamplingParams
 from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.engine.kv_handoff import KVHandoffs
-from schedkit.errors import ConfigError, RequestError, SchedkitError
+from schedkit.engine.load import LoadFigures, load_figures
+from schedkit.errors import ConfigError, RequestError, RouteRefusedError, SchedkitError
 from schedkit.kv.hashing import BlockHasher
 from schedkit.lab.cluster_handoffs import Handoffs
 from schedkit.lab.cluster_summary import ClusterRunResult, summarize_cluster
@@ -167,9 +169,7 @@ class _Report(NamedTuple):
     time: float
     seq: int
     replica: int
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
+    load: LoadFigures
     kv_events: list[Any]
     finished: list[tuple[str, bool]]
     """(request_id, failed) of each request that finished in the step."""
@@ -211,6 +211,9 @@ class _ClusterRun:
         """When the router is next asked which running requests to move (inf: never)."""
         self.eos = config.runner.eos_token_id
         self.slo = config.workload.slo
+        self.tenant_hints = {t.name: RequestHints(slo_class=t.slo_class)
+                             for t in config.workload.tenants if t.slo_class is not None}
+        """The hints of each tenant's requests (``workload.tenants[i].slo_class``)."""
         self.workload = workload
         self.order = sorted(range(len(workload)), key=lambda k: workload[k].arrival_time)
         self.arrivals = [self.start + workload[k].arrival_time for k in self.order]
@@ -369,9 +372,9 @@ class _ClusterRun:
         rep.waiting_s += len(sched.waiting) * (now - before)
         kv = sched.kv_cache_manager
         self.num_reports += 1
-        heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index, len(sched.waiting),
-                                             len(sched.running), kv.usage, kv.take_events(),
-                                             finished, prefilled))
+        heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index,
+                                             load_figures(sched, detail=self.router.predicts),
+                                             kv.take_events(), finished, prefilled))
         self._schedule(rep)
 
     def _prefill_output(self, o: EngineCoreOutput, index: int, now: float,
@@ -421,8 +424,7 @@ class _ClusterRun:
         reports, router = self.reports, self.router
         while reports and reports[0].time <= upto:
             r = heapq.heappop(reports)
-            router.update_load(r.replica, num_waiting=r.num_waiting, num_running=r.num_running,
-                               kv_cache_usage=r.kv_cache_usage)
+            router.update_load(r.replica, **r.load._asdict(), now=r.time)
             if r.kv_events:
                 router.apply_kv_events(r.replica, r.kv_events)
             for rid, bad in r.finished:
@@ -442,8 +444,14 @@ class _ClusterRun:
         req = Request(w.request_id, w.prompt_token_ids,
                       SamplingParams(max_tokens=w.max_tokens, eos_token_id=self.eos),
                       arrival_time=t, priority=w.priority, tenant=w.tenant,
-                      ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority))
-        placement = self.router.place(self._route_request(w, req))
+                      ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority),
+                      hints=self.tenant_hints.get(w.tenant, NO_HINTS))
+        try:
+            placement = self.router.place(self._route_request(w, req), now=t)
+        except RouteRefusedError as err:  # an admission plugin refused it
+            self.failed[w.request_id] = str(err)
+            self.metrics.append(replace(_refused(req, self.start, str(err)), rejected_by=err.plugin))
+            return
         j = placement.replica.index
         self.replica_of[w.request_id] = j
         if placement.prefill is not None:

@@ -72,6 +72,12 @@ def record_run(config: Config, workload: list[WorkloadRequest] | None = None, *,
     if config.replicas.count > 1:
         cluster = run_cluster_workload(config, workload)
         order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
+        refused = [w.request_id for w in workload if w.request_id not in cluster.replica_of]
+        if refused:
+            raise ReplayError(f"the router refused {len(refused)} requests (e.g. {refused[0]!r}: "
+                              f"{cluster.failed.get(refused[0])}); a recording needs every request routed: "
+                              "record without the admission plugin (schedkit_router_admit)",
+                              request_id=refused[0])
         routes = [(workload[i].request_id, cluster.replica_of[workload[i].request_id]) for i in order]
         rec = Recording("cluster", config, config.cache.num_blocks, True, requests, routes=routes,
                         run_steps=cluster.num_steps)

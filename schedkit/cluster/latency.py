@@ -1,0 +1,428 @@
+"""Predicted TTFT and TPOT of a request on a replica, from the calibrated cost model.
+
+:class:`LatencyPredictor` replays, step by step on the replica's last load report, what
+its scheduler will do, each step's duration from the simulator's
+:class:`~schedkit.runners.cost_model.CostModel` (the profile the replicas were fitted
+to). The picture it steps is what a report gives: the prompt tokens queued (waiting and
+running requests' prompts left, with their prefill attention work and the outputs they
+will then make), the requests they belong to, and the running requests past their
+prompt (how many output tokens each may still make, and the KV positions they read).
+Each step, as the scheduler goes:
+
+* every decoding request takes one token of ``max_num_batched_tokens``, and leaves when
+  it has made its last (its ``max_tokens``: an answer that stops early ends sooner);
+* the queued prompts take what is left, head first, at most
+  ``long_prefill_token_threshold`` tokens per request (when set), each request once it
+  holds one of ``max_num_seqs`` sequence slots; requests finishing their prompt join
+  the decoding ones;
+* the request being routed, queued behind all of those (FCFS), takes what is left after
+  them once it holds a slot; its first token comes at the end of the step that
+  computes its prompt's last token. Stretches of decode-only steps (the queue waiting
+  for slots) are summed at once.
+
+The steps that began before the decision (the one in progress when the report was
+sent, and any since) run without the request and without the requests routed to the
+replica since its report (``unreported``), which then join the queue ahead of it. The
+prediction's TTFT is the time from the decision to that step's end; its TPOT is the
+duration of the next step, with the request decoding in it.
+
+Queued prompts are taken to be of equal size but the first (whose tokens left are the
+queue's mean when reported), every row to sample with a temperature (the API's
+default) and none with top-k or top-p. Not modelled: requests that arrive after this
+one (they take what its steps leave of the budget, and lengthen those steps: the
+largest error under load, for prompts longer than ``long_prefill_token_threshold``),
+waiting for KV blocks (preemption), prefix-cache hits of requests still waiting (their
+prompts count whole) and answers that stop before ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from schedkit.config import Config, SchedulerConfig, SimulatedRunnerConfig
+from schedkit.core.routing import LatencyEstimate, ReplicaState, RouteRequest, RouteStage
+from schedkit.runners.cost_model import CostModel
+
+__all__ = ["LatencyPredictor", "Prefill", "RouterLatency", "prefill_work"]
+
+MAX_STEPS = 10_000
+"""The most stretches of steps a prediction replays (then it answers what it has)."""
+RECENT_ROUTES = 256
+"""Routed requests remembered per replica (those its next report will count first)."""
+
+
+class Prefill(NamedTuple):
+    """The work a request brings to a replica's queue."""
+
+    tokens: int
+    """Prompt tokens to compute."""
+    attention: float
+    """Their attention work, ``tokens * (cached + tokens / 2)``."""
+    num_outputs: int
+    """The most output tokens it may make (0: not known)."""
+    routed_at: float = 0.0
+    """When it was routed there (the router's clock)."""
+
+
+def prefill_work(num_tokens: int, num_cached: int, num_outputs: int = 0, routed_at: float = 0.0) -> Prefill:
+    """The prefill a prompt of ``num_tokens`` costs with ``num_cached`` of them in the
+    prefix cache: the tokens to compute (at least one: a whole-prompt hit recomputes
+    its last token) and their attention work."""
+    cached = min(max(num_cached, 0), num_tokens - 1)
+    left = num_tokens - cached
+    return Prefill(left, left * (cached + left / 2), num_outputs, routed_at)
+
+
+@dataclass(slots=True)
+class _Picture:
+    """The predictor's running picture of one replica."""
+
+    context: float
+    """KV positions the decoding requests hold."""
+    ends: list[int] = field(default_factory=list)
+    """A heap: the step after which each decoding request of known length ends."""
+    endless: float = 0.0
+    """Decoding requests of unknown length (they never end, and hold no slot)."""
+    step_no: int = 0
+    """Steps replayed so far."""
+    tokens: float = 0.0
+    """Prompt tokens queued ahead of the request (FCFS)."""
+    requests: float = 0.0
+    """The requests those tokens belong to."""
+    attention: float = 0.0
+    """Their prefill attention work left."""
+    head: float = 0.0
+    """Tokens left of the first queued request (the others are taken to be of equal size)."""
+    admitted: float = 0.0
+    """Queued requests holding a sequence slot (running, in their prompt)."""
+    outputs: float = 0.0
+    """The output tokens the queued requests will make, summed over those it is known for."""
+    num_known: float = 0.0
+    """The queued requests whose output length is known."""
+
+    @property
+    def decoding(self) -> float:
+        return len(self.ends) + self.endless
+
+    def queue(self, tokens: float, requests: float, attention: float, outputs: float, num_known: float) -> None:
+        """Queue ``requests`` more prompts of ``tokens`` tokens in all."""
+        if tokens <= 0:
+            return
+        requests = max(requests, 1.0)
+        if self.requests <= 0:
+            self.head = tokens / requests
+        self.tokens += tokens
+        self.requests += requests
+        self.attention += attention
+        self.outputs += outputs
+        self.num_known += num_known
+
+    def add(self, work: Prefill) -> None:
+        """Queue one more request."""
+        self.queue(work.tokens, 1, work.attention, work.num_outputs, 1.0 if work.num_outputs else 0.0)
+
+    def admit(self, max_seqs: int) -> float:
+        """Give free sequence slots to queued requests, head first; returns the prompt
+        tokens of those holding one."""
+        free = max_seqs - len(self.ends) - self.admitted
+        if free > 0 and self.requests > self.admitted:
+            self.admitted = min(self.requests, self.admitted + free)
+        if self.admitted >= self.requests:
+            return self.tokens
+        if self.admitted < 1:
+            return 0.0
+        return self.head + (self.admitted - 1) * (self.tokens - self.head) / (self.requests - 1)
+
+    def take(self, x: float) -> tuple[int, float]:
+        """Compute ``x`` queued tokens, the first request's first; returns how many
+        requests finished their prompt and how many the step touched."""
+        if x >= self.tokens - 1e-9:
+            n = round(self.requests)
+            self.tokens = self.requests = self.attention = self.head = self.admitted = 0.0
+            return n, float(n)
+        if x < self.head:
+            self.head -= x
+            self.tokens -= x
+            return 0, 1.0
+        rest = self.requests - 1
+        if rest <= 0:  # rounding: the head was all there was
+            return self.take(self.tokens)
+        size = (self.tokens - self.head) / rest
+        finished = 1 + min(int((x - self.head) // size), round(rest) - 1)
+        partial = x - self.head - (finished - 1) * size
+        self.head = size - partial
+        self.tokens -= x
+        self.requests -= finished
+        self.admitted = max(self.admitted - finished, 0.0)
+        return finished, finished + (1.0 if partial > 0 else 0.0)
+
+    def decoded(self, num_steps: int, rows: float) -> None:
+        """``num_steps`` steps of ``rows`` decodes ended: each decoding request made a
+        token; those that made their last leave."""
+        self.step_no += num_steps
+        self.context += num_steps * rows
+        ends = self.ends
+        while ends and ends[0] <= self.step_no:
+            self.context -= self.context / self.decoding
+            heapq.heappop(ends)
+
+    def join(self, finished: int, prompt_len: float) -> None:
+        """``finished`` queued requests made their first token: they decode from now."""
+        mean = self.outputs / self.num_known if self.num_known else 0.0
+        for _ in range(finished):
+            if mean:
+                if mean > 1:
+                    heapq.heappush(self.ends, self.step_no + math.ceil(mean) - 1)
+                    self.context += prompt_len
+            else:
+                self.endless += 1
+                self.context += prompt_len
+        if self.num_known:
+            known = min(float(finished), self.num_known)
+            self.outputs -= known * mean
+            self.num_known -= known
+
+
+class LatencyPredictor:
+    """Predict a request's TTFT and TPOT on a replica (module docstring).
+
+    Args:
+        cost_model: The replicas' cost model (the simulator's profile).
+        scheduler: The replicas' scheduler settings (budget, sequences, chunk cap).
+    """
+
+    def __init__(self, cost_model: CostModel, scheduler: SchedulerConfig) -> None:
+        self.cost_model = cost_model
+        self.budget = scheduler.max_num_batched_tokens
+        self.max_seqs = min(scheduler.max_num_seqs, self.budget - 1) if self.budget > 1 else 1
+        self.threshold = scheduler.long_prefill_token_threshold
+        self.adaptive = scheduler.long_prefill_token_threshold_adaptive
+        m = cost_model
+        self._coef = (m.base_s, m.per_token_s, m.per_request_s, m.per_context_token_s, m.per_prefill_attention_s,
+                      m.per_prefill_step_s, m.per_mixed_step_s, m.per_sampled_row_s + m.per_random_row_s)
+
+    @classmethod
+    def from_config(cls, config: Config) -> LatencyPredictor | None:
+        """The predictor of ``router.latency_profile`` (default: the simulated runner's
+        profile); None when neither names one.
+
+        Raises:
+            ConfigError: The profile does not load.
+        """
+        profile = config.router.latency_profile
+        if profile is None and isinstance(config.runner, SimulatedRunnerConfig):
+            profile = config.runner.profile
+        if profile is None:
+            return None
+        return cls(CostModel.load(profile), config.scheduler)
+
+    def predict(self, replica: ReplicaState, num_prompt_tokens: int, num_cached_tokens: int, now: float,
+                unreported: Sequence[Prefill] = ()) -> LatencyEstimate:
+        """The TTFT and TPOT of a request of ``num_prompt_tokens`` (``num_cached_tokens``
+        of them in the replica's prefix cache) sent to ``replica`` at ``now`` (the
+        router's clock, as ``replica.reported_at``), behind the ``unreported`` requests
+        routed there since its last report."""
+        pic = self._picture(replica)
+        t = now if replica.reported_at is None else min(replica.reported_at, now)
+        pending = deque(sorted(unreported, key=lambda w: w.routed_at))
+        t = self._run_until(pic, t, now, pending)
+        while pending:
+            pic.add(pending.popleft())
+        left, *_ = prefill_work(num_prompt_tokens, num_cached_tokens)
+        done = num_prompt_tokens - left
+        admitted = False
+        for _ in range(MAX_STEPS):
+            ahead = pic.admit(self.max_seqs)
+            admitted = admitted or (pic.admitted >= pic.requests
+                                    and len(pic.ends) + pic.admitted < self.max_seqs)
+            if not admitted and ahead <= 0:  # nothing can start before a request ends
+                t += self._decode_only(pic, MAX_STEPS)
+                continue
+            dt, own = self._step(pic, ahead, left if admitted else 0, done, waiting=not admitted)
+            t += dt
+            left -= own
+            done += own
+            if left <= 0:
+                break
+        pic.endless += 1  # decoding: its length does not matter for the next step
+        pic.context += num_prompt_tokens
+        tpot, _ = self._step(pic, pic.admit(self.max_seqs))
+        return LatencyEstimate(t - now, tpot)
+
+    def _picture(self, replica: ReplicaState) -> _Picture:
+        lefts = replica.decode_tokens_left
+        running_prefills = max(replica.num_prefill_requests - replica.num_waiting, 0)
+        decoding = max(replica.num_running - running_prefills, 0)
+        pic = _Picture(float(replica.num_context_tokens), ends=sorted(lefts), endless=float(max(decoding - len(lefts), 0)),
+                       admitted=float(running_prefills))
+        known = float(replica.num_prefill_requests) if replica.num_queued_output_tokens else 0.0
+        pic.queue(replica.num_prefill_tokens, replica.num_prefill_requests, replica.prefill_attention,
+                  replica.num_queued_output_tokens, known)
+        pic.admitted = min(pic.admitted, pic.requests)
+        return pic
+
+    def _run_until(self, pic: _Picture, t: float, now: float, pending: deque[Prefill]) -> float:
+        """Step ``pic`` from ``t`` through every step that begins before ``now``, each
+        ``pending`` request joining the queue at the first step that begins once it was
+        routed; returns when the replica can next take a request in (``now`` if it is
+        idle by then)."""
+        for _ in range(MAX_STEPS):
+            if t >= now:
+                break
+            while pending and pending[0].routed_at <= t:
+                pic.add(pending.popleft())
+            if not (pic.tokens > 0 or pic.decoding > 0):  # idle until the next one came
+                if not pending or pending[0].routed_at >= now:
+                    break
+                t = pending[0].routed_at
+                continue
+            ahead = pic.admit(self.max_seqs)
+            if ahead > 0:
+                t += self._step(pic, ahead)[0]
+                continue
+            until = min(now, pending[0].routed_at) if pending else now
+            first = self._decode_cost(min(pic.decoding, self.max_seqs), pic.context)
+            t += self._decode_only(pic, max(math.ceil((until - t) / first), 1) if first > 0 else 1)
+        return max(t, now)
+
+    def _cost(self, tokens: float, requests: float, context: float, attention: float, is_prefill: bool,
+              is_mixed: bool, rows: float) -> float:
+        """``cost_model.step_time`` of the step with these features (every row sampled
+        with a temperature; no top-k or top-p, grammar or KV swap), inlined: it is
+        evaluated for every step replayed."""
+        base, per_token, per_request, per_context, per_attention, prefill, mixed, per_row = self._coef
+        t = base + per_token * tokens + per_request * requests + per_context * context + per_row * rows
+        if is_prefill:
+            t += per_attention * attention + prefill + (mixed if is_mixed else 0.0)
+        elif self.cost_model.decode_batch_residual_s:
+            t += self.cost_model.decode_residual(requests)
+        return t if t > 0.0 else 0.0
+
+    def _decode_cost(self, d: float, context: float) -> float:
+        return self._cost(d, d, context + d, 0.0, False, False, d)
+
+    def _decode_only(self, pic: _Picture, max_steps: int) -> float:
+        """Up to ``max_steps`` decode-only steps at once, to the next request's end at
+        most (their durations are linear in the context, so the mean of the first and
+        the last is theirs); returns their duration."""
+        d = min(pic.decoding, self.max_seqs)
+        k = max_steps if not pic.ends else max(min(max_steps, pic.ends[0] - pic.step_no), 1)
+        if d <= 0:
+            pic.decoded(k, 0.0)
+            return 0.0
+        total = k * (self._decode_cost(d, pic.context) + self._decode_cost(d, pic.context + (k - 1) * d)) / 2
+        pic.decoded(k, d)
+        return total
+
+    def _chunk(self, num_requests: float) -> float:
+        """The most prompt tokens one request computes in a step (the scheduler's
+        long-prefill cap: none for a request alone)."""
+        if not self.threshold or num_requests <= 1:
+            return self.budget
+        if self.adaptive:
+            return max(self.threshold, self.budget // num_requests)
+        return self.threshold
+
+    def _step(self, pic: _Picture, ahead: float, own_left: int = 0, own_done: int = 0,
+              waiting: bool = False) -> tuple[float, int]:
+        """One step: the decoding requests, the queued prompts holding a slot
+        (``ahead`` tokens of them), then the request's own prompt (``own_left`` tokens
+        left, ``own_done`` computed; ``waiting``: it waits for a slot). Updates ``pic``;
+        returns the step's duration and the request's tokens computed in it."""
+        d = min(pic.decoding, self.max_seqs)
+        budget = self.budget - d
+        chunk = self._chunk(pic.decoding + pic.requests + (1 if own_left > 0 or waiting else 0))
+        x = touched = attn_x = full_len = 0.0
+        finished = 0
+        if ahead > 0 and budget > 0:
+            x = min(ahead, budget, chunk * math.ceil(pic.admitted))
+            per_token = pic.attention / pic.tokens
+            mean = pic.tokens / pic.requests
+            full_len = mean + max(per_token - mean / 2, 0.0)  # a queued prompt, computed part included
+            attn_x = x * per_token
+            pic.attention = max(pic.attention - attn_x, 0.0)
+            finished, touched = pic.take(x)
+        # a chunk of n tokens after c computed reads c + n positions: its attention / n + n / 2
+        context = pic.context + d + (touched * attn_x / x + x / 2 if x else 0.0)
+        y = int(min(own_left, budget - x, chunk)) if own_left > 0 else 0
+        attention = attn_x + y * (own_done + y / 2)
+        context += own_done + y if y else 0
+        rows = d + finished + (1 if y and y == own_left else 0)
+        is_prefill = x + y > 0
+        dt = self._cost(d + x + y, d + touched + (1 if y else 0), context, attention, is_prefill,
+                        is_prefill and d > 0, rows)
+        pic.decoded(1, d)
+        if finished:
+            pic.join(finished, full_len)
+        return dt, y
+
+
+class RouterLatency:
+    """The router hooks' ``latency`` argument (:class:`~schedkit.core.routing.RouteLatency`):
+    the predictor at one decision's time, each replica's answer computed once, and the
+    requests routed to each replica that its last report does not count yet.
+
+    Args:
+        predictor: The cost-model predictor.
+        num_replicas: Replicas behind the router.
+    """
+
+    def __init__(self, predictor: LatencyPredictor, num_replicas: int) -> None:
+        self.predictor = predictor
+        self.now = 0.0
+        self._request: RouteRequest | None = None
+        self._known: dict[int, LatencyEstimate] = {}
+        self._recent: list[deque[Prefill]] = [deque(maxlen=RECENT_ROUTES) for _ in range(num_replicas)]
+        """Per replica: the prefill work of the last requests routed there, newest last."""
+
+    def begin(self, request: RouteRequest, now: float) -> None:
+        """A new decision: ``request`` at ``now`` (earlier answers are forgotten)."""
+        self.now = now
+        self._request = request
+        self._known.clear()
+
+    def estimate(self, request: RouteRequest, replica: ReplicaState) -> LatencyEstimate:
+        if request is not self._request:  # asked about another request: a fresh answer
+            self.begin(request, self.now)
+        known = self._known.get(replica.index)
+        if known is None:
+            known = self.predictor.predict(replica, request.num_prompt_tokens, _num_cached(request, replica),
+                                           self.now, self.unreported(replica))
+            self._known[replica.index] = known
+        return known
+
+    def routed(self, request: RouteRequest, replica: ReplicaState, stage: RouteStage) -> None:
+        """``request`` went to ``replica`` (at a decode stage it brings no prefill: its
+        KV comes from its prefill replica)."""
+        outputs = _num_outputs(request)
+        work = (Prefill(0, 0.0, outputs, self.now) if stage is RouteStage.DECODE
+                else prefill_work(request.num_prompt_tokens, _num_cached(request, replica), outputs, self.now))
+        self._recent[replica.index].append(work)
+
+    def unreported(self, replica: ReplicaState) -> list[Prefill]:
+        """The prefill work of the requests routed to ``replica`` that its last report
+        does not count yet: its outstanding requests beyond those it reported, taken as
+        the last ones routed there."""
+        k = replica.num_outstanding - replica.num_waiting - replica.num_running
+        return list(itertools.islice(reversed(self._recent[replica.index]), k)) if k > 0 else []
+
+
+def _num_outputs(request: RouteRequest) -> int:
+    """The output tokens ``request`` is expected to make: its ``expected_output_tokens``
+    hint within its ``max_tokens`` (0: neither is known)."""
+    expected, most = request.hints.expected_output_tokens, request.max_tokens
+    if expected is not None:
+        return max(min(expected, most) if most is not None else expected, 1)
+    return most or 0
+
+
+def _num_cached(request: RouteRequest, replica: ReplicaState) -> int:
+    """Prompt tokens of ``request`` the router sees in ``replica``'s prefix cache."""
+    hashes = request.block_hashes
+    return replica.cached_blocks.num_matched_blocks(hashes) * request.block_size if hashes else 0

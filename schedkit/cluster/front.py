@@ -169,7 +169,7 @@ class ClusterClient:
                            prefill_attention=report.prefill_attention,
                            num_context_tokens=report.num_context_tokens,
                            decode_tokens_left=tuple(report.decode_tokens_left),
-                           num_queued_output_tokens=report.num_queued_output_tokens)
+                           prefill_queue=tuple(report.prefill_queue))
         if report.kv_events:
             router.apply_kv_events(index, kv_events_from_wire(report.kv_events))
         for listener in self.load_listeners:

@@ -37,14 +37,13 @@ prompts count whole) and answers that stop before ``max_tokens``.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from schedkit.cluster.replica_model import Member, ReplicaModel, Run
 from schedkit.config import Config, SchedulerConfig, SimulatedRunnerConfig
 from schedkit.core.routing import LatencyEstimate, ReplicaState, RouteRequest, RouteStage
 from schedkit.runners.cost_model import CostModel
@@ -62,8 +61,8 @@ class Prefill(NamedTuple):
 
     tokens: int
     """Prompt tokens to compute."""
-    attention: float
-    """Their attention work, ``tokens * (cached + tokens / 2)``."""
+    cached: int
+    """Prompt tokens found in the prefix cache."""
     num_outputs: int
     """The most output tokens it may make (0: not known)."""
     routed_at: float = 0.0
@@ -71,122 +70,10 @@ class Prefill(NamedTuple):
 
 
 def prefill_work(num_tokens: int, num_cached: int, num_outputs: int = 0, routed_at: float = 0.0) -> Prefill:
-    """The prefill a prompt of ``num_tokens`` costs with ``num_cached`` of them in the
-    prefix cache: the tokens to compute (at least one: a whole-prompt hit recomputes
-    its last token) and their attention work."""
+    """The prefill a prompt of ``num_tokens`` needs with ``num_cached`` of them in the
+    prefix cache (at least one token computed: a whole-prompt hit recomputes its last)."""
     cached = min(max(num_cached, 0), num_tokens - 1)
-    left = num_tokens - cached
-    return Prefill(left, left * (cached + left / 2), num_outputs, routed_at)
-
-
-@dataclass(slots=True)
-class _Picture:
-    """The predictor's running picture of one replica."""
-
-    context: float
-    """KV positions the decoding requests hold."""
-    ends: list[int] = field(default_factory=list)
-    """A heap: the step after which each decoding request of known length ends."""
-    endless: float = 0.0
-    """Decoding requests of unknown length (they never end, and hold no slot)."""
-    step_no: int = 0
-    """Steps replayed so far."""
-    tokens: float = 0.0
-    """Prompt tokens queued ahead of the request (FCFS)."""
-    requests: float = 0.0
-    """The requests those tokens belong to."""
-    attention: float = 0.0
-    """Their prefill attention work left."""
-    head: float = 0.0
-    """Tokens left of the first queued request (the others are taken to be of equal size)."""
-    admitted: float = 0.0
-    """Queued requests holding a sequence slot (running, in their prompt)."""
-    outputs: float = 0.0
-    """The output tokens the queued requests will make, summed over those it is known for."""
-    num_known: float = 0.0
-    """The queued requests whose output length is known."""
-
-    @property
-    def decoding(self) -> float:
-        return len(self.ends) + self.endless
-
-    def queue(self, tokens: float, requests: float, attention: float, outputs: float, num_known: float) -> None:
-        """Queue ``requests`` more prompts of ``tokens`` tokens in all."""
-        if tokens <= 0:
-            return
-        requests = max(requests, 1.0)
-        if self.requests <= 0:
-            self.head = tokens / requests
-        self.tokens += tokens
-        self.requests += requests
-        self.attention += attention
-        self.outputs += outputs
-        self.num_known += num_known
-
-    def add(self, work: Prefill) -> None:
-        """Queue one more request."""
-        self.queue(work.tokens, 1, work.attention, work.num_outputs, 1.0 if work.num_outputs else 0.0)
-
-    def admit(self, max_seqs: int) -> float:
-        """Give free sequence slots to queued requests, head first; returns the prompt
-        tokens of those holding one."""
-        free = max_seqs - len(self.ends) - self.admitted
-        if free > 0 and self.requests > self.admitted:
-            self.admitted = min(self.requests, self.admitted + free)
-        if self.admitted >= self.requests:
-            return self.tokens
-        if self.admitted < 1:
-            return 0.0
-        return self.head + (self.admitted - 1) * (self.tokens - self.head) / (self.requests - 1)
-
-    def take(self, x: float) -> tuple[int, float]:
-        """Compute ``x`` queued tokens, the first request's first; returns how many
-        requests finished their prompt and how many the step touched."""
-        if x >= self.tokens - 1e-9:
-            n = round(self.requests)
-            self.tokens = self.requests = self.attention = self.head = self.admitted = 0.0
-            return n, float(n)
-        if x < self.head:
-            self.head -= x
-            self.tokens -= x
-            return 0, 1.0
-        rest = self.requests - 1
-        if rest <= 0:  # rounding: the head was all there was
-            return self.take(self.tokens)
-        size = (self.tokens - self.head) / rest
-        finished = 1 + min(int((x - self.head) // size), round(rest) - 1)
-        partial = x - self.head - (finished - 1) * size
-        self.head = size - partial
-        self.tokens -= x
-        self.requests -= finished
-        self.admitted = max(self.admitted - finished, 0.0)
-        return finished, finished + (1.0 if partial > 0 else 0.0)
-
-    def decoded(self, num_steps: int, rows: float) -> None:
-        """``num_steps`` steps of ``rows`` decodes ended: each decoding request made a
-        token; those that made their last leave."""
-        self.step_no += num_steps
-        self.context += num_steps * rows
-        ends = self.ends
-        while ends and ends[0] <= self.step_no:
-            self.context -= self.context / self.decoding
-            heapq.heappop(ends)
-
-    def join(self, finished: int, prompt_len: float) -> None:
-        """``finished`` queued requests made their first token: they decode from now."""
-        mean = self.outputs / self.num_known if self.num_known else 0.0
-        for _ in range(finished):
-            if mean:
-                if mean > 1:
-                    heapq.heappush(self.ends, self.step_no + math.ceil(mean) - 1)
-                    self.context += prompt_len
-            else:
-                self.endless += 1
-                self.context += prompt_len
-        if self.num_known:
-            known = min(float(finished), self.num_known)
-            self.outputs -= known * mean
-            self.num_known -= known
+    return Prefill(num_tokens - cached, cached, num_outputs, routed_at)
 
 
 class LatencyPredictor:
@@ -228,47 +115,63 @@ class LatencyPredictor:
         of them in the replica's prefix cache) sent to ``replica`` at ``now`` (the
         router's clock, as ``replica.reported_at``), behind the ``unreported`` requests
         routed there since its last report."""
-        pic = self._picture(replica)
+        model = self._model(replica)
         t = now if replica.reported_at is None else min(replica.reported_at, now)
         pending = deque(sorted(unreported, key=lambda w: w.routed_at))
-        t = self._run_until(pic, t, now, pending)
+        t = self._run_until(model, t, now, pending)
         while pending:
-            pic.add(pending.popleft())
-        left, *_ = prefill_work(num_prompt_tokens, num_cached_tokens)
-        done = num_prompt_tokens - left
-        admitted = False
+            _enqueue(model, pending.popleft())
+        own = prefill_work(num_prompt_tokens, num_cached_tokens)
+        left, done = own.tokens, own.cached
+        holds_slot = False
         for _ in range(MAX_STEPS):
-            ahead = pic.admit(self.max_seqs)
-            admitted = admitted or (pic.admitted >= pic.requests
-                                    and len(pic.ends) + pic.admitted < self.max_seqs)
-            if not admitted and ahead <= 0:  # nothing can start before a request ends
-                t += self._decode_only(pic, MAX_STEPS)
+            model.admit(self.max_seqs)
+            holds_slot = holds_slot or (not model.num_waiting
+                                        and len(model.ends) + len(model.active) < self.max_seqs)
+            if not holds_slot and model.active_tokens <= 0:  # nothing starts before a request ends
+                t += self._decode_only(model, MAX_STEPS)
                 continue
-            dt, own = self._step(pic, ahead, left if admitted else 0, done, waiting=not admitted)
+            dt, n = self._step(model, left if holds_slot else 0, done, waiting=not holds_slot)
             t += dt
-            left -= own
-            done += own
+            left -= n
+            done += n
             if left <= 0:
                 break
-        pic.endless += 1  # decoding: its length does not matter for the next step
-        pic.context += num_prompt_tokens
-        tpot, _ = self._step(pic, pic.admit(self.max_seqs))
+        model.endless += 1  # decoding: its length does not matter for the next step
+        model.context += num_prompt_tokens
+        model.admit(self.max_seqs)
+        tpot, _ = self._step(model)
         return LatencyEstimate(t - now, tpot)
 
-    def _picture(self, replica: ReplicaState) -> _Picture:
+    def _model(self, replica: ReplicaState) -> ReplicaModel:
+        """The replica as its last report shows it."""
         lefts = replica.decode_tokens_left
         running_prefills = max(replica.num_prefill_requests - replica.num_waiting, 0)
         decoding = max(replica.num_running - running_prefills, 0)
-        pic = _Picture(float(replica.num_context_tokens), ends=sorted(lefts), endless=float(max(decoding - len(lefts), 0)),
-                       admitted=float(running_prefills))
-        known = float(replica.num_prefill_requests) if replica.num_queued_output_tokens else 0.0
-        pic.queue(replica.num_prefill_tokens, replica.num_prefill_requests, replica.prefill_attention,
-                  replica.num_queued_output_tokens, known)
-        pic.admitted = min(pic.admitted, pic.requests)
-        return pic
+        model = ReplicaModel(float(replica.num_context_tokens), ends=sorted(lefts),
+                             endless=float(max(decoding - len(lefts), 0)))
+        listed = replica.prefill_queue
+        tokens, attention, outputs, known = 0.0, 0.0, 0.0, 0
+        for i, (left, done, num_outputs) in enumerate(listed):
+            tokens += left
+            attention += left * (done + left / 2)
+            if num_outputs:
+                outputs += num_outputs
+                known += 1
+            if i < running_prefills:
+                model.activate(Member(left, done, num_outputs))
+            else:
+                model.enqueue(Run(1, left, done, num_outputs))
+        rest = replica.num_prefill_requests - len(listed)
+        rest_tokens = replica.num_prefill_tokens - tokens
+        if rest > 0 and rest_tokens > 0:  # past the list: requests of their mean size
+            size = rest_tokens / rest
+            per_token = max(replica.prefill_attention - attention, 0.0) / rest_tokens
+            model.enqueue(Run(rest, size, max(per_token - size / 2, 0.0), outputs / known if known else 0.0))
+        return model
 
-    def _run_until(self, pic: _Picture, t: float, now: float, pending: deque[Prefill]) -> float:
-        """Step ``pic`` from ``t`` through every step that begins before ``now``, each
+    def _run_until(self, model: ReplicaModel, t: float, now: float, pending: deque[Prefill]) -> float:
+        """Step ``model`` from ``t`` through every step that begins before ``now``, each
         ``pending`` request joining the queue at the first step that begins once it was
         routed; returns when the replica can next take a request in (``now`` if it is
         idle by then)."""
@@ -276,19 +179,19 @@ class LatencyPredictor:
             if t >= now:
                 break
             while pending and pending[0].routed_at <= t:
-                pic.add(pending.popleft())
-            if not (pic.tokens > 0 or pic.decoding > 0):  # idle until the next one came
+                _enqueue(model, pending.popleft())
+            if not (model.num_queued or model.decoding > 0):  # idle until the next one came
                 if not pending or pending[0].routed_at >= now:
                     break
                 t = pending[0].routed_at
                 continue
-            ahead = pic.admit(self.max_seqs)
-            if ahead > 0:
-                t += self._step(pic, ahead)[0]
+            model.admit(self.max_seqs)
+            if model.active_tokens > 0:
+                t += self._step(model)[0]
                 continue
             until = min(now, pending[0].routed_at) if pending else now
-            first = self._decode_cost(min(pic.decoding, self.max_seqs), pic.context)
-            t += self._decode_only(pic, max(math.ceil((until - t) / first), 1) if first > 0 else 1)
+            first = self._decode_cost(min(model.decoding, self.max_seqs), model.context)
+            t += self._decode_only(model, max(math.ceil((until - t) / first), 1) if first > 0 else 1)
         return max(t, now)
 
     def _cost(self, tokens: float, requests: float, context: float, attention: float, is_prefill: bool,
@@ -307,17 +210,17 @@ class LatencyPredictor:
     def _decode_cost(self, d: float, context: float) -> float:
         return self._cost(d, d, context + d, 0.0, False, False, d)
 
-    def _decode_only(self, pic: _Picture, max_steps: int) -> float:
+    def _decode_only(self, model: ReplicaModel, max_steps: int) -> float:
         """Up to ``max_steps`` decode-only steps at once, to the next request's end at
         most (their durations are linear in the context, so the mean of the first and
         the last is theirs); returns their duration."""
-        d = min(pic.decoding, self.max_seqs)
-        k = max_steps if not pic.ends else max(min(max_steps, pic.ends[0] - pic.step_no), 1)
+        d = min(model.decoding, self.max_seqs)
+        k = max_steps if not model.ends else max(min(max_steps, model.ends[0] - model.step_no), 1)
         if d <= 0:
-            pic.decoded(k, 0.0)
+            model.decoded(k, 0.0)
             return 0.0
-        total = k * (self._decode_cost(d, pic.context) + self._decode_cost(d, pic.context + (k - 1) * d)) / 2
-        pic.decoded(k, d)
+        total = k * (self._decode_cost(d, model.context) + self._decode_cost(d, model.context + (k - 1) * d)) / 2
+        model.decoded(k, d)
         return total
 
     def _chunk(self, num_requests: float) -> float:
@@ -329,38 +232,36 @@ class LatencyPredictor:
             return max(self.threshold, self.budget // num_requests)
         return self.threshold
 
-    def _step(self, pic: _Picture, ahead: float, own_left: int = 0, own_done: int = 0,
+    def _step(self, model: ReplicaModel, own_left: int = 0, own_done: int = 0,
               waiting: bool = False) -> tuple[float, int]:
-        """One step: the decoding requests, the queued prompts holding a slot
-        (``ahead`` tokens of them), then the request's own prompt (``own_left`` tokens
-        left, ``own_done`` computed; ``waiting``: it waits for a slot). Updates ``pic``;
-        returns the step's duration and the request's tokens computed in it."""
-        d = min(pic.decoding, self.max_seqs)
+        """One step: the decoding requests, the queued prompts holding a slot, then the
+        request's own prompt (``own_left`` tokens left, ``own_done`` computed;
+        ``waiting``: it waits for a slot). Updates ``model``; returns the step's
+        duration and the request's tokens computed in it."""
+        d = min(model.decoding, self.max_seqs)
         budget = self.budget - d
-        chunk = self._chunk(pic.decoding + pic.requests + (1 if own_left > 0 or waiting else 0))
-        x = touched = attn_x = full_len = 0.0
-        finished = 0
-        if ahead > 0 and budget > 0:
-            x = min(ahead, budget, chunk * math.ceil(pic.admitted))
-            per_token = pic.attention / pic.tokens
-            mean = pic.tokens / pic.requests
-            full_len = mean + max(per_token - mean / 2, 0.0)  # a queued prompt, computed part included
-            attn_x = x * per_token
-            pic.attention = max(pic.attention - attn_x, 0.0)
-            finished, touched = pic.take(x)
-        # a chunk of n tokens after c computed reads c + n positions: its attention / n + n / 2
-        context = pic.context + d + (touched * attn_x / x + x / 2 if x else 0.0)
+        chunk = self._chunk(model.decoding + model.num_queued + (1 if own_left > 0 or waiting else 0))
+        x = attention = context = 0.0
+        touched = 0
+        finished: list[Member] = []
+        if budget >= 1 and model.active:
+            x, touched, attention, context, finished = model.take(budget, chunk)
         y = int(min(own_left, budget - x, chunk)) if own_left > 0 else 0
-        attention = attn_x + y * (own_done + y / 2)
-        context += own_done + y if y else 0
-        rows = d + finished + (1 if y and y == own_left else 0)
+        if y:
+            attention += y * (own_done + y / 2)
+            context += own_done + y
+        rows = d + len(finished) + (1 if y and y == own_left else 0)
         is_prefill = x + y > 0
-        dt = self._cost(d + x + y, d + touched + (1 if y else 0), context, attention, is_prefill,
-                        is_prefill and d > 0, rows)
-        pic.decoded(1, d)
-        if finished:
-            pic.join(finished, full_len)
+        dt = self._cost(d + x + y, d + touched + (1 if y else 0), model.context + d + context, attention,
+                        is_prefill, is_prefill and d > 0, rows)
+        model.decoded(1, d)
+        for m in finished:
+            model.join(m)
         return dt, y
+
+
+def _enqueue(model: ReplicaModel, work: Prefill) -> None:
+    model.enqueue(Run(1, work.tokens, work.cached, work.num_outputs))
 
 
 class RouterLatency:
@@ -401,7 +302,7 @@ class RouterLatency:
         """``request`` went to ``replica`` (at a decode stage it brings no prefill: its
         KV comes from its prefill replica)."""
         outputs = _num_outputs(request)
-        work = (Prefill(0, 0.0, outputs, self.now) if stage is RouteStage.DECODE
+        work = (Prefill(0, 0, outputs, self.now) if stage is RouteStage.DECODE
                 else prefill_work(request.num_prompt_tokens, _num_cached(request, replica), outputs, self.now))
         self._recent[replica.index].append(work)
 

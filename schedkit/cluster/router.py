@@ -402,7 +402,7 @@ class Router:
     def update_load(self, index: int, *, num_waiting: int, num_running: int, kv_cache_usage: float,
                     num_prefill_tokens: int = 0, num_prefill_requests: int = 0, prefill_attention: float = 0.0,
                     num_context_tokens: int = 0, decode_tokens_left: Sequence[int] = (),
-                    num_queued_output_tokens: int = 0, now: float | None = None) -> None:
+                    prefill_queue: Sequence[tuple[int, int, int]] = (), now: float | None = None) -> None:
         """Replica ``index``'s load report (:class:`~schedkit.engine.load.LoadFigures`),
         received at ``now`` on the router's clock (default ``time.monotonic()``; the
         cluster simulation: the end of the step it reports)."""
@@ -410,7 +410,7 @@ class Router:
         r.num_waiting, r.num_running, r.kv_cache_usage = num_waiting, num_running, kv_cache_usage
         r.num_prefill_tokens, r.num_prefill_requests = num_prefill_tokens, num_prefill_requests
         r.prefill_attention, r.num_context_tokens = prefill_attention, num_context_tokens
-        r.decode_tokens_left, r.num_queued_output_tokens = tuple(decode_tokens_left), num_queued_output_tokens
+        r.decode_tokens_left, r.prefill_queue = tuple(decode_tokens_left), tuple(prefill_queue)
         r.reported_at = time.monotonic() if now is None else now
 
     def apply_kv_events(self, index: int, events: Iterable[KVCacheEvent]) -> None:

@@ -143,8 +143,10 @@ class ReplicaState:
         decode_tokens_left: For each of those requests, the most output tokens it may
             still make (``max_tokens``, or the ``expected_output_tokens`` hint within it,
             less those made), ascending, as last reported.
-        num_queued_output_tokens: The output tokens the requests still in their prompt
-            are to make, summed the same way, as last reported.
+        prefill_queue: The requests still in their prompt, in the order its scheduler
+            takes them (running ones first), as last reported: ``(prompt tokens left,
+            tokens computed, output tokens to make)`` each (the first
+            256 of them; the totals above count every one).
         reported_at: When its last load report arrived, on the router's clock (None
             before the first).
     """
@@ -161,7 +163,7 @@ class ReplicaState:
     prefill_attention: float = 0.0
     num_context_tokens: int = 0
     decode_tokens_left: tuple[int, ...] = ()
-    num_queued_output_tokens: int = 0
+    prefill_queue: tuple[tuple[int, int, int], ...] = ()
     reported_at: float | None = None
     cached_blocks: CachedPrefixIndex = field(default_factory=CachedPrefixIndex)
     num_routed: int = 0

@@ -13,7 +13,10 @@ from typing import NamedTuple
 from schedkit.core.request import Request
 from schedkit.core.scheduler import Scheduler
 
-__all__ = ["LoadFigures", "load_figures"]
+__all__ = ["MAX_LISTED_PREFILLS", "LoadFigures", "load_figures"]
+
+MAX_LISTED_PREFILLS = 256
+"""The most requests still in their prompt a load report lists one by one."""
 
 
 class LoadFigures(NamedTuple):
@@ -34,8 +37,10 @@ class LoadFigures(NamedTuple):
     """KV positions its running requests past their prompt hold (their computed tokens)."""
     decode_tokens_left: tuple[int, ...] = ()
     """For each of those requests, the most output tokens it may still make, ascending."""
-    num_queued_output_tokens: int = 0
-    """The output tokens the requests still in their prompt are to make, summed."""
+    prefill_queue: tuple[tuple[int, int, int], ...] = ()
+    """The first :data:`MAX_LISTED_PREFILLS` requests still in their prompt, in the order
+    the scheduler takes them (running first, then waiting): (prompt tokens left, tokens
+    computed, output tokens to make)."""
 
 
 def load_figures(scheduler: Scheduler, *, detail: bool = True) -> LoadFigures:
@@ -45,9 +50,10 @@ def load_figures(scheduler: Scheduler, *, detail: bool = True) -> LoadFigures:
     usage = scheduler.kv_cache_manager.usage
     if not detail:
         return LoadFigures(len(waiting), len(running), usage)
-    tokens = num_prefill = context = outputs = 0
+    tokens = num_prefill = context = 0
     attention = 0.0
     lefts: list[int] = []
+    queue: list[tuple[int, int, int]] = []
     for req in running:
         computed = req.num_computed_tokens
         left = req.num_tokens - computed
@@ -55,7 +61,8 @@ def load_figures(scheduler: Scheduler, *, detail: bool = True) -> LoadFigures:
             tokens += left
             num_prefill += 1
             attention += left * (computed + left / 2)
-            outputs += _outputs_left(req)
+            if len(queue) < MAX_LISTED_PREFILLS:
+                queue.append((left, computed, _outputs_left(req)))
         else:
             context += computed
             lefts.append(_outputs_left(req))
@@ -65,10 +72,11 @@ def load_figures(scheduler: Scheduler, *, detail: bool = True) -> LoadFigures:
         tokens += left
         num_prefill += 1
         attention += left * (computed + left / 2)
-        outputs += _outputs_left(req)
+        if len(queue) < MAX_LISTED_PREFILLS:
+            queue.append((left, computed, _outputs_left(req)))
     lefts.sort()
     return LoadFigures(len(waiting), len(running), usage, tokens, num_prefill, attention, context,
-                       tuple(lefts), outputs)
+                       tuple(lefts), tuple(queue))
 
 
 def _outputs_left(req: Request) -> int:

@@ -285,8 +285,9 @@ class LoadReport(msgspec.Struct, tag="load", frozen=True, omit_defaults=True):
     """KV positions its running requests past their prompt hold."""
     decode_tokens_left: list[int] = []
     """For each of those requests, the most output tokens it may still make, ascending."""
-    num_queued_output_tokens: int = 0
-    """The output tokens the requests still in their prompt are to make, summed."""
+    prefill_queue: list[tuple[int, int, int]] = []
+    """The first requests still in their prompt, in the order the scheduler takes them:
+    (prompt tokens left, tokens computed, output tokens to make)."""
 
 
 EngineMessage = OutputBatch | Heartbeat | Ready | LoadReport

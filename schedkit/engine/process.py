@@ -278,7 +278,7 @@ class EngineCoreProc:
         report = LoadReport(self._report_seq, load.num_waiting, load.num_running, load.kv_cache_usage,
                             kv_events_to_wire(self._kv_events), load.num_prefill_tokens,
                             load.num_prefill_requests, load.prefill_attention, load.num_context_tokens,
-                            list(load.decode_tokens_left), load.num_queued_output_tokens)
+                            list(load.decode_tokens_left), list(load.prefill_queue))
         self._report_seq += 1
         self._kv_events = []
         self._last_load, self._last_report_t = load, now

@@ -407,8 +407,9 @@ class SLOHeadroom:
         best = min(latency.estimate(request, r).ttft_s for r in replicas)
         if best * (1.0 + self.margin) <= slo.ttft_s:
             return None
+        margin = f" with a {self.margin:.0%} margin" if self.margin else ""
         return RouteAdmission(self.on_miss, f"no replica is predicted to meet SLO class "
-                                            f"{request.hints.slo_class!r}'s TTFT target of {slo.ttft_s:g} s "
+                                            f"{request.hints.slo_class!r}'s TTFT target of {slo.ttft_s:g} s{margin} "
                                             f"(the best of {len(replicas)} predicts {best:.3g} s)")
 
     @hookimpl

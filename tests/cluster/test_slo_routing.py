@@ -104,7 +104,7 @@ def test_cached_prefix_chunk_cap_and_attention():
     est = linear(per_prefill_attention_s=att).predict(ReplicaState(0), 250, 0, now=0.0)
     chunks = 100 * 50 + 100 * 150 + 50 * 225  # n * (computed + n / 2) per step: 250**2 / 2
     assert est.ttft_s == pytest.approx(step(250) + 2 * BASE + att * chunks)
-    assert prefill_work(100, 100)[:2] == (1, 99.5)  # a whole-prompt hit recomputes its last token
+    assert prefill_work(100, 100)[:2] == (1, 99)  # a whole-prompt hit recomputes its last token
 
 
 def test_requests_routed_since_the_report_count_ahead(tmp_path):
@@ -144,8 +144,9 @@ def test_engine_load_figures():
     assert (f.num_waiting, f.num_running, f.num_prefill_tokens, f.num_prefill_requests) == (1, 2, 56, 2)
     assert f.prefill_attention == 26 * (24 + 13) + 30 * 15
     assert f.num_context_tokens == 40  # r0 decodes
-    assert (f.decode_tokens_left, f.num_queued_output_tokens) == ((4,), 10)  # r0 has 4 of 5 to go
-    assert load_figures(engine.scheduler, detail=False)[3:] == (0, 0, 0.0, 0, (), 0)
+    assert f.decode_tokens_left == (4,)  # r0 has 4 of its 5 tokens to make
+    assert f.prefill_queue == ((26, 24, 5), (30, 0, 5))  # r1 running, then r2 waiting
+    assert load_figures(engine.scheduler, detail=False)[3:] == (0, 0, 0.0, 0, (), ())
 
 
 # ------------------------------------------------------------------ admission

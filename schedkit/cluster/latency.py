@@ -3,36 +3,34 @@
 :class:`LatencyPredictor` replays, step by step on the replica's last load report, what
 its scheduler will do, each step's duration from the simulator's
 :class:`~schedkit.runners.cost_model.CostModel` (the profile the replicas were fitted
-to). The picture it steps is what a report gives: the prompt tokens queued (waiting and
-running requests' prompts left, with their prefill attention work and the outputs they
-will then make), the requests they belong to, and the running requests past their
-prompt (how many output tokens each may still make, and the KV positions they read).
-Each step, as the scheduler goes:
+to), on a :class:`~schedkit.cluster.replica_model.ReplicaModel` of what the report
+gives: the requests still in their prompt in scheduling order (the first 256 one by one,
+with the tokens each has left and computed and the outputs it is to make; the rest as a
+run of their mean size), and the running requests past their prompt (the output tokens
+each may still make, and the KV positions they read). Each step, as the scheduler goes:
 
 * every decoding request takes one token of ``max_num_batched_tokens``, and leaves when
-  it has made its last (its ``max_tokens``: an answer that stops early ends sooner);
-* the queued prompts take what is left, head first, at most
-  ``long_prefill_token_threshold`` tokens per request (when set), each request once it
-  holds one of ``max_num_seqs`` sequence slots; requests finishing their prompt join
-  the decoding ones;
+  it has made its last (``max_tokens``, or its ``expected_output_tokens`` hint within it);
+* the queued prompts holding one of ``max_num_seqs`` sequence slots take what is left,
+  in order, at most ``long_prefill_token_threshold`` tokens each (when set, and not
+  alone in the scheduler); requests finishing their prompt decode from the next step;
 * the request being routed, queued behind all of those (FCFS), takes what is left after
   them once it holds a slot; its first token comes at the end of the step that
   computes its prompt's last token. Stretches of decode-only steps (the queue waiting
   for slots) are summed at once.
 
 The steps that began before the decision (the one in progress when the report was
-sent, and any since) run without the request and without the requests routed to the
-replica since its report (``unreported``), which then join the queue ahead of it. The
-prediction's TTFT is the time from the decision to that step's end; its TPOT is the
-duration of the next step, with the request decoding in it.
+sent, and any since) run without the request; the requests routed to the replica since
+its report (``unreported``) join the queue at the first step that began after each was
+routed. The prediction's TTFT is the time from the decision to that step's end; its
+TPOT is the duration of the next step, with the request decoding in it.
 
-Queued prompts are taken to be of equal size but the first (whose tokens left are the
-queue's mean when reported), every row to sample with a temperature (the API's
-default) and none with top-k or top-p. Not modelled: requests that arrive after this
-one (they take what its steps leave of the budget, and lengthen those steps: the
-largest error under load, for prompts longer than ``long_prefill_token_threshold``),
-waiting for KV blocks (preemption), prefix-cache hits of requests still waiting (their
-prompts count whole) and answers that stop before ``max_tokens``.
+Every row is taken to sample with a temperature (the API's default), none with top-k
+or top-p. Not modelled: requests that arrive after this one (they take what its steps
+leave of the budget, and lengthen those steps: the largest error under load, for
+prompts longer than ``long_prefill_token_threshold``), waiting for KV blocks
+(preemption), prefix-cache hits of requests still waiting (their prompts count whole),
+answers that stop before ``max_tokens``, and engine policies other than FCFS.
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ from schedkit.core.request import Request, SamplingParams
 from schedkit.core.routing import ReplicaState, RouteAdmission, RouteVerdict
 from schedkit.engine.core import EngineCore
 from schedkit.engine.load import load_figures
+from schedkit.engine.messages import LoadReport, engine_decoder, engine_encoder
 from schedkit.errors import RouteRefusedError
+from schedkit.lab.cluster_sim import run_cluster_workload, summarize_cluster
+from schedkit.lab.workloads import WorkloadRequest
 from schedkit.runners.cost_model import CostModel
 
 BASE, PER_TOKEN = 0.01, 0.001
@@ -298,3 +301,73 @@ def test_latency_needs_a_profile_and_settings_are_checked(tmp_path):
     sim = config_from_dict({"replicas": {"count": 2}, "runner": {"kind": "simulated"},
                             "router": {"policy": "slo-headroom"}})
     assert Router(sim).latency_predictor is not None  # the simulated runner's profile
+
+
+# ------------------------------------------------------------------ the reports and the simulation
+def test_a_load_report_carries_the_figures_over_the_wire(tmp_path):
+    report = LoadReport(3, 1, 2, 0.5, [], 180, 2, 9000.0, 77, [4, 9], [(100, 20, 8), (80, 0, 16)])
+    back = engine_decoder.decode(engine_encoder.encode(report))
+    assert back == report
+    router = make_router(tmp_path, n=1)
+    router.update_load(0, num_waiting=back.num_waiting, num_running=back.num_running,
+                       kv_cache_usage=back.kv_cache_usage, num_prefill_tokens=back.num_prefill_tokens,
+                       num_prefill_requests=back.num_prefill_requests, prefill_attention=back.prefill_attention,
+                       num_context_tokens=back.num_context_tokens, decode_tokens_left=back.decode_tokens_left,
+                       prefill_queue=back.prefill_queue, now=2.0)
+    r = router.replicas[0]
+    assert r.decode_tokens_left == (4, 9) and r.prefill_queue == ((100, 20, 8), (80, 0, 16))
+
+
+class Predictions:
+    """Record the prediction for the replica each request went to."""
+
+    def __init__(self):
+        self.seen = {}
+        self.chosen = {}
+
+    @hookimpl
+    def schedkit_router_score(self, request, replicas, latency):
+        self.seen = {r.index: latency.estimate(request, r) for r in replicas}
+
+    @hookimpl
+    def schedkit_on_route_event(self, event):
+        if event.kind.value == "routed":
+            self.chosen[event.request.request_id] = self.seen[event.replica.index]
+
+
+def sim_config(**more):
+    return config_from_dict({"runner": {"kind": "simulated", "profile": "cpu-tiny-llama"},
+                             "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 8},
+                             "cache": {"enable_prefix_caching": False}, **more})
+
+
+def test_predictions_equal_the_simulator_when_no_request_arrives_later():
+    """Each request arrives while the ones before it decode (a step in progress), and
+    the next arrives after its first token: the replay is the simulator's own."""
+    workload = [WorkloadRequest(f"r{i}", 0.3 * i, [(7 * i + k) % 500 + 1 for k in range(100 + 40 * i)], 400)
+                for i in range(6)]
+    rec = Predictions()
+    run = run_cluster_workload(sim_config(replicas={"count": 1}, router={"policy": "least-outstanding"}),
+                               workload, router_extra_plugins=[rec])
+    assert len(run.metrics) == 6 and all(m.ttft is not None for m in run.metrics)
+    for m in run.metrics:
+        assert rec.chosen[m.request_id].ttft_s == pytest.approx(m.ttft, rel=1e-9, abs=1e-12), m.request_id
+    assert run.metrics[-1].num_output_tokens == 400  # they overlapped: the last one ran alone at the end
+
+
+def test_the_simulation_gives_tenants_their_class_and_counts_refusals():
+    config = sim_config(
+        replicas={"count": 2}, slo_classes={"instant": {"ttft_s": 1e-6}, "relaxed": {"ttft_s": 60}},
+        router={"policy": "slo-headroom", "plugins": [{"name": "slo-headroom", "settings": {"on_miss": "refuse"}}]},
+        workload={"kind": "poisson", "rate": 50, "num_requests": 40, "output_len": [4, 16],
+                  "tenants": [{"name": "a", "slo_class": "instant"}, {"name": "b", "slo_class": "relaxed"}],
+                  "slo": {"by_tenant": {"a": {"ttft_s": 1e-6}, "b": {"ttft_s": 60}}}})
+    run = run_cluster_workload(config)
+    summary = summarize_cluster(config, run)
+    by_tenant = {t: [m for m in run.metrics if m.tenant == t] for t in ("a", "b")}
+    assert by_tenant["a"] and by_tenant["b"]
+    assert all(m.rejected and m.rejected_by == "slo-headroom" for m in by_tenant["a"])
+    assert all(m.ttft is not None for m in by_tenant["b"])
+    assert summary["router"]["num_refused"] == {"instant": len(by_tenant["a"])}
+    assert summary["overall"]["by_tenant"]["b"]["slo_attainment"] == 1.0
+    assert sum(r["requests"] for r in summary["replicas"]) == len(by_tenant["b"])

@@ -29,7 +29,17 @@ from schedkit.core.outputs import (
 )
 from schedkit.core.queues import BaseRequestQueue, FCFSQueue, KeyedQueue, RequestQueue
 from schedkit.core.request import EventType, FinishReason, Request, RequestStatus, SamplingParams
-from schedkit.core.routing import Migration, ReplicaState, RouteEvent, RouteEventKind, RouteRequest
+from schedkit.core.routing import (
+    LatencyEstimate,
+    Migration,
+    ReplicaState,
+    RouteAdmission,
+    RouteEvent,
+    RouteEventKind,
+    RouteLatency,
+    RouteRequest,
+    RouteVerdict,
+)
 from schedkit.core.structured_output import GrammarBitmask, StructuredOutputBackend
 from schedkit.errors import (
     ConfigError,
@@ -37,6 +47,7 @@ from schedkit.errors import (
     EngineDeadError,
     PluginError,
     RequestError,
+    RouteRefusedError,
     SchedkitError,
 )
 from schedkit.hookspecs import hookimpl
@@ -59,6 +70,10 @@ __all__ = [
     "RouteEvent",
     "RouteEventKind",
     "Migration",
+    "RouteAdmission",
+    "RouteVerdict",
+    "RouteLatency",
+    "LatencyEstimate",
     # requests
     "Request",
     "RequestStatus",
@@ -103,6 +118,7 @@ __all__ = [
     "PluginError",
     "RequestError",
     "EngineBusyError",
+    "RouteRefusedError",
     "EngineDeadError",
     # clients (imported on first use)
     "LLM",

@@ -60,6 +60,26 @@ class EngineBusyError(RequestError):
     the same request may succeed later (the HTTP server answers 429 with Retry-After)."""
 
 
+class RouteRefusedError(EngineBusyError):
+    """A request the router refused to route (a ``schedkit_router_admit`` plugin answered
+    REFUSE): no replica can serve it as its SLO class asks right now. The HTTP server
+    answers 429 with Retry-After, as for any busy engine; the message names the plugin,
+    the request's SLO class and the reason.
+
+    Attributes:
+        plugin: The router plugin that refused it.
+        slo_class: The request's SLO class (None when it has none).
+        reason: The plugin's reason.
+    """
+
+    def __init__(self, message: str, *, request_id: str | None = None, plugin: str = "",
+                 slo_class: str | None = None, reason: str = ""):
+        super().__init__(message, request_id=request_id)
+        self.plugin = plugin
+        self.slo_class = slo_class
+        self.reason = reason
+
+
 class EngineDeadError(SchedkitError):
     """The engine-core process died; every pending client call raises this."""
 

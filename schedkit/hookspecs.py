@@ -27,7 +27,14 @@ if TYPE_CHECKING:
     from schedkit.core.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
     from schedkit.core.queues import RequestQueue
     from schedkit.core.request import Request
-    from schedkit.core.routing import Migration, ReplicaState, RouteEvent, RouteRequest
+    from schedkit.core.routing import (
+        Migration,
+        ReplicaState,
+        RouteAdmission,
+        RouteEvent,
+        RouteLatency,
+        RouteRequest,
+    )
     from schedkit.core.structured_output import StructuredOutputBackend
     from schedkit.kv.connector import KVConnectorBase, KVConnectorRole
     from schedkit.kv.kv_cache_manager import KVCacheManager
@@ -601,9 +608,55 @@ def schedkit_router_migrate(replicas: Sequence[ReplicaState],
     """
 
 
+@hookspec(firstresult=True)
+def schedkit_router_admit(request: RouteRequest, replicas: Sequence[ReplicaState],
+                          latency: RouteLatency | None) -> RouteAdmission | None:
+    """Decide whether the router takes ``request`` at all: SLO-aware admission. When no
+    replica can give the request what its SLO class asks, refuse it at once (the client
+    retries, or goes elsewhere) or take it best effort, counted.
+
+    Called:
+        In the router's process, once per request, before its routing decision (with
+        ``replicas.roles``: after ``schedkit_router_disaggregate``), never for a request
+        routed again because its replica died.
+
+    Args:
+        request: The request to place (``hints.slo_class``, and ``slo``: its class's
+            targets from the config's ``slo_classes``, None without a class). Do not
+            mutate.
+        replicas: The replicas that may take it, in index order. Do not mutate.
+        latency: The router's latency predictions for this decision
+            (``latency.estimate(request, replica)`` -> ``LatencyEstimate(ttft_s,
+            tpot_s)``: the request's predicted TTFT and TPOT there, from the cost model
+            and what the replica last reported), or None when the router has no cost
+            model (``router.latency_profile``; a plugin that takes ``latency`` makes the
+            router require one).
+
+    Returns:
+        ``RouteAdmission(verdict, reason)``: ADMIT to route it, DOWNGRADE to route it
+        best effort (counted in the router's ``num_downgraded``, by SLO class), REFUSE
+        to refuse it (``num_refused``): ``Router.route`` raises ``RouteRefusedError``,
+        naming the plugin and its ``reason``, and the HTTP server answers 429 with
+        Retry-After. None leaves it to the next plugin; with no answer it is admitted.
+
+    Errors:
+        An exception or an answer that is not a ``RouteAdmission`` (with a
+        ``RouteVerdict`` and a string reason) is ignored: counted in the router's
+        ``num_hook_errors``, logged (at most a line per 10 s), and the next plugin is
+        asked. Should every plugin fail, the request is admitted.
+
+    Built-in:
+        None. Bundled: ``slo-headroom``, which refuses (``on_miss: refuse``) or
+        downgrades (``on_miss: downgrade``, the default) a request of an SLO class with a
+        TTFT target that no candidate is predicted to meet.
+
+    .. versionadded:: 0.4
+    """
+
+
 @hookspec
-def schedkit_router_filter(request: RouteRequest,
-                           replicas: Sequence[ReplicaState]) -> Sequence[ReplicaState] | None:
+def schedkit_router_filter(request: RouteRequest, replicas: Sequence[ReplicaState],
+                           latency: RouteLatency | None) -> Sequence[ReplicaState] | None:
     """Narrow the replicas that may take ``request``: keep requests off overloaded
     replicas, pin a tenant to a subset, drain a replica.
 
@@ -619,6 +672,12 @@ def schedkit_router_filter(request: RouteRequest,
             PREFILL or DECODE). Do not mutate.
         replicas: The candidates: healthy replicas whose role takes ``request.stage``,
             in index order, less those earlier filters dropped. Do not mutate.
+        latency: The router's latency predictions for this decision
+            (``latency.estimate(request, replica)`` -> ``LatencyEstimate(ttft_s,
+            tpot_s)``: the request's predicted TTFT and TPOT there, from the cost model
+            and what the replica last reported), or None when the router has no cost
+            model (``router.latency_profile``; a plugin that takes ``latency`` makes the
+            router require one).
 
     Returns:
         The members of ``replicas`` that may take it, or None for no opinion.
@@ -639,7 +698,8 @@ def schedkit_router_filter(request: RouteRequest,
 
 
 @hookspec
-def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState]) -> Sequence[float] | None:
+def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState],
+                          latency: RouteLatency | None) -> Sequence[float] | None:
     """Score each candidate replica for ``request``, higher is better; the router weighs
     and adds the scores of every scoring plugin.
 
@@ -653,6 +713,12 @@ def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState
         request: The request to place (``request.stage``: the part being placed). Do
             not mutate.
         replicas: The candidates left by the filters, in index order. Do not mutate.
+        latency: The router's latency predictions for this decision
+            (``latency.estimate(request, replica)`` -> ``LatencyEstimate(ttft_s,
+            tpot_s)``: the request's predicted TTFT and TPOT there, from the cost model
+            and what the replica last reported), or None when the router has no cost
+            model (``router.latency_profile``; a plugin that takes ``latency`` makes the
+            router require one).
 
     Returns:
         One finite number per candidate, in order (the built-ins give 0 to 1), or None
@@ -665,16 +731,16 @@ def schedkit_router_score(request: RouteRequest, replicas: Sequence[ReplicaState
 
     Built-in:
         ``least-outstanding``, ``kv-usage``, ``prefix-affinity``, ``session-affinity``,
-        ``weighted``; with none of them on every score is 0 and the picker's rotation
-        decides.
+        ``weighted``, ``slo-headroom``; with none of them on every score is 0 and the
+        picker's rotation decides.
 
     .. versionadded:: 0.2
     """
 
 
 @hookspec(firstresult=True)
-def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState],
-                         scores: Sequence[float]) -> ReplicaState | None:
+def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState], scores: Sequence[float],
+                         latency: RouteLatency | None) -> ReplicaState | None:
     """Choose the replica that gets ``request``.
 
     Called:
@@ -686,6 +752,12 @@ def schedkit_router_pick(request: RouteRequest, replicas: Sequence[ReplicaState]
             not mutate.
         replicas: The candidates left by the filters, in index order. Do not mutate.
         scores: Their weighted total scores, in the same order (all 0 without scorers).
+        latency: The router's latency predictions for this decision
+            (``latency.estimate(request, replica)`` -> ``LatencyEstimate(ttft_s,
+            tpot_s)``: the request's predicted TTFT and TPOT there, from the cost model
+            and what the replica last reported), or None when the router has no cost
+            model (``router.latency_profile``; a plugin that takes ``latency`` makes the
+            router require one).
 
     Returns:
         A member of ``replicas``, or None to leave the choice to the next picker.
@@ -815,8 +887,8 @@ def schedkit_flow_pick_tenant(band: int, queues: Sequence[TenantQueue], now: flo
 
 
 ROUTER_HOOK_NAMES: tuple[str, ...] = (
-    "schedkit_router_disaggregate", "schedkit_router_migrate", "schedkit_router_filter", "schedkit_router_score",
-    "schedkit_router_pick", "schedkit_on_route_event")
+    "schedkit_router_disaggregate", "schedkit_router_migrate", "schedkit_router_admit", "schedkit_router_filter",
+    "schedkit_router_score", "schedkit_router_pick", "schedkit_on_route_event")
 """The hooks a router plugin implements (they run in the router's process)."""
 FLOW_HOOK_NAMES: tuple[str, ...] = ("schedkit_flow_saturated", "schedkit_flow_pick_tenant")
 """The hooks a flow-control plugin implements (they run in the front end's process)."""

@@ -205,7 +205,9 @@ class AsyncLLM:
 
         Raises:
             RequestError: Invalid input (naming the field), an id already streaming in
-                this client, or the engine rejected the request.
+                this client, or the engine rejected the request; ``EngineBusyError`` when
+                it may succeed later (a full queue; ``RouteRefusedError``: the router
+                found no replica that can meet its SLO class now).
             EngineDeadError: The engine died (with replicas: every replica died, or the
                 request's replica died before it produced a token and none is left).
         """

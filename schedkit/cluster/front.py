@@ -164,7 +164,12 @@ class ClusterClient:
         self._next_seq[index] = report.seq + 1
         router = self.router
         router.update_load(index, num_waiting=report.num_waiting, num_running=report.num_running,
-                           kv_cache_usage=report.kv_cache_usage)
+                           kv_cache_usage=report.kv_cache_usage, num_prefill_tokens=report.num_prefill_tokens,
+                           num_prefill_requests=report.num_prefill_requests,
+                           prefill_attention=report.prefill_attention,
+                           num_context_tokens=report.num_context_tokens,
+                           decode_tokens_left=tuple(report.decode_tokens_left),
+                           prefill_queue=tuple(report.prefill_queue))
         if report.kv_events:
             router.apply_kv_events(index, kv_events_from_wire(report.kv_events))
         for listener in self.load_listeners:
@@ -203,6 +208,8 @@ class ClusterClient:
         Raises:
             EngineDeadError: No replica is left to take it.
             RequestError: Its id is already streaming in this client.
+            RouteRefusedError: A router admission plugin refused it (its SLO class
+                cannot be met now: ``slo-headroom`` with ``on_miss: refuse``).
         """
         rid = request.request_id
         if rid in self._active:

@@ -1,13 +1,17 @@
 """The router: which replica gets each request, through the router hooks.
 
-One decision: the healthy replicas -> every filter in turn -> every scorer (each
-plugin's scores times its ``router.weights`` entry, summed per replica) -> the picker
-(first answer; the built-in ``BestScore`` last). With ``replicas.roles`` a request is
+One decision: the open replicas -> the admission plugins (``schedkit_router_admit``:
+refuse the request, or take it best effort, when its SLO class cannot be met) -> every
+filter in turn -> every scorer (each plugin's scores times its ``router.weights`` entry,
+summed per replica) -> the picker (first answer; the built-in ``BestScore`` last). With ``replicas.roles`` a request is
 first either disaggregated or not (``schedkit_router_disaggregate``); a disaggregated
 one then takes two such decisions, its prefill stage over the replicas that prefill and
 its decode stage over those that decode (:meth:`Router.place`). The router keeps each replica's
 :class:`~schedkit.core.routing.ReplicaState`: its outstanding requests (exact), its
-queue lengths and KV usage (as reported), and its prefix cache (from its KV events).
+queue lengths, KV usage and queued prefill work (as reported), and its prefix cache
+(from its KV events). With a cost model (``router.latency_profile``, or the simulated
+runner's profile) the hooks that take ``latency`` get the predicted TTFT and TPOT of the
+request on each replica (:mod:`schedkit.cluster.latency`).
 
 A router plugin that raises or answers nonsense never fails a request: its answer is
 dropped for that decision, counted in :attr:`Router.errors` and logged (rate-limited),
@@ -20,24 +24,29 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from schedkit.config import Config, PluginConfig
+from schedkit.cluster.latency import LatencyPredictor, RouterLatency
+from schedkit.config import Config, PluginConfig, SLOTargets
 from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.core.routing import (
+    LatencyEstimate,
     Migration,
     Placement,
     ReplicaRole,
     ReplicaState,
+    RouteAdmission,
     RouteEvent,
     RouteEventKind,
     RouteRequest,
     RouteStage,
+    RouteVerdict,
 )
 from schedkit.engine.logs import RateLimitedLog
-from schedkit.errors import ConfigError, EngineDeadError
+from schedkit.errors import ConfigError, EngineDeadError, RouteRefusedError
 from schedkit.hookspecs import ROUTER_HOOK_NAMES
 from schedkit.kv.events import KVCacheEvent
 from schedkit.kv.hashing import BlockHasher
@@ -48,6 +57,9 @@ log = logging.getLogger("schedkit.router")
 ERROR_LOG_INTERVAL_S = 10.0
 
 _Impl = tuple[Any, tuple[str, ...], str]
+
+MAX_REASON_CHARS = 512
+"""An admission plugin's reason is cut to this many characters."""
 
 
 def _describe(answer: object) -> str:
@@ -121,6 +133,21 @@ class Router:
         """Requests placed on a prefill and a decode replica."""
         self.num_migrated = 0
         """Requests moved, running, to another replica."""
+        self.num_refused: Counter[str] = Counter()
+        """Requests an admission plugin refused, by SLO class (``-``: none)."""
+        self.num_downgraded: Counter[str] = Counter()
+        """Requests an admission plugin routed best effort, by SLO class."""
+        self.latency_predictor = LatencyPredictor.from_config(config)
+        """Predicts each replica's TTFT and TPOT (None without a cost-model profile)."""
+        asking = sorted({plugin for impls in self._impls.values() for _, names, plugin in impls if "latency" in names})
+        if asking and self.latency_predictor is None:
+            raise ConfigError(f"router plugins {asking} predict latency (their hooks take `latency`), which needs a "
+                              "cost-model profile: set router.latency_profile (a bundled profile such as "
+                              "cpu-smollm2-135m, or a file fitted by `schedkit calibrate`)")
+        self.predicts = bool(asking)
+        """A plugin asks for latency predictions: the replicas' reports should carry
+        their queued prefill work (the cluster simulation reads it only then)."""
+        self._latency = RouterLatency(self.latency_predictor, n) if self.latency_predictor is not None else None
 
     # -- requests ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
@@ -133,7 +160,8 @@ class Router:
         hasher = self._hasher
         if hasher is None:
             return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
-                                max_tokens=max_tokens, session_id=session_id, hints=hints)
+                                max_tokens=max_tokens, session_id=session_id, hints=hints,
+                                slo=self._slo(hints))
 
         def hashes(tokens: Sequence[int]) -> list[bytes]:
             if block_hashes is not None:
@@ -144,15 +172,27 @@ class Router:
 
         return RouteRequest(request_id, prompt_token_ids, tenant=tenant, priority=priority,
                             max_tokens=max_tokens, session_id=session_id, hash_fn=hashes,
-                            block_size=hasher.block_size, hints=hints)
+                            block_size=hasher.block_size, hints=hints, slo=self._slo(hints))
 
-    def route(self, request: RouteRequest) -> ReplicaState:
+    def _slo(self, hints: RequestHints) -> SLOTargets | None:
+        return self.config.slo_classes.get(hints.slo_class) if hints.slo_class is not None else None
+
+    def route(self, request: RouteRequest, *, now: float | None = None) -> ReplicaState:
         """Choose a healthy replica for the whole of ``request`` (never disaggregated:
         with roles, among the replicas that decode) and count it as outstanding there.
+        ``now``: the decision's time on the router's clock, as the replicas' reports
+        are stamped (default ``time.monotonic()``; the cluster simulation's virtual
+        clock). The admission plugins are asked first, unless the request is routed
+        again (its replica died).
 
         Raises:
             EngineDeadError: No replica is healthy.
+            RouteRefusedError: An admission plugin refused it.
         """
+        self._begin(request, now)
+        return self._route_whole(request, admit=request.attempt == 0)
+
+    def _route_whole(self, request: RouteRequest, *, admit: bool) -> ReplicaState:
         assert request.request_id not in self._placed, f"{request.request_id} is already routed"
         candidates = self._open() or [r for r in self.replicas if r.healthy]
         if not candidates:
@@ -160,28 +200,52 @@ class Router:
                                   f"all {len(self.replicas)} died")
         if self.has_roles:
             candidates = [r for r in candidates if r.role.can_decode] or candidates
+        if admit:
+            self._admit(request, candidates)
         return self._decide(request, RouteStage.WHOLE, candidates)
 
-    def place(self, request: RouteRequest) -> Placement:
+    def _begin(self, request: RouteRequest, now: float | None) -> None:
+        """A decision about ``request`` starts at ``now``: fresh latency predictions."""
+        if self._latency is not None:
+            self._latency.begin(request, time.monotonic() if now is None else now)
+
+    def estimate(self, request: RouteRequest, index: int, *, now: float | None = None) -> LatencyEstimate:
+        """The TTFT and TPOT ``request`` is predicted to get on replica ``index`` if it
+        is routed there at ``now`` (default ``time.monotonic()``), as the hooks'
+        ``latency`` answers it.
+
+        Raises:
+            ConfigError: The router has no cost model (``router.latency_profile``).
+        """
+        if self._latency is None:
+            raise ConfigError("latency predictions need a cost-model profile: set router.latency_profile")
+        self._latency.begin(request, time.monotonic() if now is None else now)
+        return self._latency.estimate(request, self.replicas[index])
+
+    def place(self, request: RouteRequest, *, now: float | None = None) -> Placement:
         """Place ``request``: without roles as :meth:`route`; with roles, first decide
         whether it is disaggregated (``schedkit_router_disaggregate``), then choose its
         prefill replica (stage PREFILL, among the replicas that prefill) and its decode
         replica (stage DECODE, among those that decode, less the prefill one), or the one
         replica that serves it whole. Each chosen replica counts it as outstanding: the
         prefill replica until :meth:`prefill_done`, the other until :meth:`finished`.
+        ``now`` and the admission plugins as for :meth:`route`.
 
         Raises:
             EngineDeadError: No replica is healthy.
+            RouteRefusedError: An admission plugin refused it.
         """
         if not self.has_roles:
-            return Placement(self.route(request))
+            return Placement(self.route(request, now=now))
+        self._begin(request, now)
         healthy = self._open()
         decode = [r for r in healthy if r.role.can_decode]
         # the one replica left to decode (a ``both`` one) cannot also be the prefill one
         prefill = [r for r in healthy if r.role.can_prefill and not (len(decode) == 1 and r is decode[0])]
         if not (prefill and decode and self._disaggregate(request, prefill, decode)):
-            return Placement(self.route(request))
+            return Placement(self._route_whole(request, admit=request.attempt == 0))
         assert request.request_id not in self._placed, f"{request.request_id} is already routed"
+        self._admit(request, healthy)
         first = self._decide(request, RouteStage.PREFILL, prefill)
         self.num_disaggregated += 1
         return Placement(self._decide(request, RouteStage.DECODE, [r for r in decode if r is not first]), first)
@@ -199,6 +263,9 @@ class Router:
         replica = self._pick(request, candidates, scores)
         replica.num_outstanding += 1
         replica.num_routed += 1
+        if self.predicts:
+            assert self._latency is not None
+            self._latency.routed(request, replica, stage)
         table = self._prefilling if stage is RouteStage.PREFILL else self._placed
         table[request.request_id] = (request, replica.index)
         self._emit(RouteEvent(RouteEventKind.ROUTED, request, replica,
@@ -332,9 +399,19 @@ class Router:
         self.replicas[index].draining = True
 
     # -- what replicas report ------------------------------------------------------------
-    def update_load(self, index: int, *, num_waiting: int, num_running: int, kv_cache_usage: float) -> None:
+    def update_load(self, index: int, *, num_waiting: int, num_running: int, kv_cache_usage: float,
+                    num_prefill_tokens: int = 0, num_prefill_requests: int = 0, prefill_attention: float = 0.0,
+                    num_context_tokens: int = 0, decode_tokens_left: Sequence[int] = (),
+                    prefill_queue: Sequence[tuple[int, int, int]] = (), now: float | None = None) -> None:
+        """Replica ``index``'s load report (:class:`~schedkit.engine.load.LoadFigures`),
+        received at ``now`` on the router's clock (default ``time.monotonic()``; the
+        cluster simulation: the end of the step it reports)."""
         r = self.replicas[index]
         r.num_waiting, r.num_running, r.kv_cache_usage = num_waiting, num_running, kv_cache_usage
+        r.num_prefill_tokens, r.num_prefill_requests = num_prefill_tokens, num_prefill_requests
+        r.prefill_attention, r.num_context_tokens = prefill_attention, num_context_tokens
+        r.decode_tokens_left, r.prefill_queue = tuple(decode_tokens_left), tuple(prefill_queue)
+        r.reported_at = time.monotonic() if now is None else now
 
     def apply_kv_events(self, index: int, events: Iterable[KVCacheEvent]) -> None:
         """Fold a replica's KV cache events into its prefix-cache view (ignored once the
@@ -368,6 +445,34 @@ class Router:
                                     f"({type(e).__name__}: {e})")
             return None
 
+    def _admit(self, request: RouteRequest, candidates: list[ReplicaState]) -> None:
+        """Ask the admission plugins about ``request``: the first answer decides (none:
+        admitted).
+
+        Raises:
+            RouteRefusedError: A plugin answered REFUSE.
+        """
+        hook = "schedkit_router_admit"
+        kwargs = {"request": request, "replicas": candidates, "latency": self._latency}
+        for fn, argnames, plugin in self._impls[hook]:
+            ok, answer = self._call(fn, argnames, plugin, hook, kwargs)
+            if not ok or answer is None:
+                continue
+            if not (isinstance(answer, RouteAdmission) and isinstance(answer.verdict, RouteVerdict)
+                    and isinstance(answer.reason, str)):
+                self._bad(plugin, hook, f"answered {_describe(answer)}, not a RouteAdmission or None")
+                continue
+            slo_class = request.hints.slo_class
+            if answer.verdict is RouteVerdict.REFUSE:
+                self.num_refused[slo_class or "-"] += 1
+                reason = answer.reason[:MAX_REASON_CHARS] or "it gave no reason"
+                raise RouteRefusedError(f"request {request.request_id!r} refused by router plugin {plugin!r}: "
+                                        f"{reason}", request_id=request.request_id, plugin=plugin,
+                                        slo_class=slo_class, reason=reason)
+            if answer.verdict is RouteVerdict.DOWNGRADE:
+                self.num_downgraded[slo_class or "-"] += 1
+            return
+
     def _disaggregate(self, request: RouteRequest, prefill: list[ReplicaState],
                       decode: list[ReplicaState]) -> bool:
         """The first bool a ``schedkit_router_disaggregate`` plugin answers (False when
@@ -386,7 +491,8 @@ class Router:
     def _filter(self, request: RouteRequest, candidates: list[ReplicaState]) -> list[ReplicaState]:
         hook = "schedkit_router_filter"
         for fn, argnames, plugin in self._impls[hook]:
-            ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
+            ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates,
+                                                                 "latency": self._latency})
             if not ok or answer is None:
                 continue
             kept = self._listed(plugin, hook, answer, "replicas")
@@ -409,7 +515,8 @@ class Router:
             weight = self.weights.get(plugin, 1.0)
             if not weight:
                 continue
-            ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates})
+            ok, answer = self._call(fn, argnames, plugin, hook, {"request": request, "replicas": candidates,
+                                                                 "latency": self._latency})
             if not ok or answer is None:
                 continue
             try:  # a generator, or an object's __float__, runs plugin code here
@@ -428,7 +535,7 @@ class Router:
 
     def _pick(self, request: RouteRequest, candidates: list[ReplicaState], scores: list[float]) -> ReplicaState:
         hook = "schedkit_router_pick"
-        kwargs = {"request": request, "replicas": candidates, "scores": scores}
+        kwargs = {"request": request, "replicas": candidates, "scores": scores, "latency": self._latency}
         allowed = {id(r) for r in candidates}
         for fn, argnames, plugin in self._impls[hook]:
             ok, answer = self._call(fn, argnames, plugin, hook, kwargs)
@@ -460,10 +567,14 @@ class Router:
                           "num_outstanding": r.num_outstanding,
                           "num_routed": r.num_routed, "num_waiting": r.num_waiting,
                           "num_running": r.num_running, "kv_cache_usage": r.kv_cache_usage,
+                          "num_prefill_tokens": r.num_prefill_tokens,
                           "num_cached_blocks": len(r.cached_blocks)} for r in self.replicas],
             "num_rerouted": self.num_rerouted,
             "num_failed_by_death": self.num_failed_by_death,
             "num_disaggregated": self.num_disaggregated,
             "num_migrated": self.num_migrated,
+            "num_refused": dict(sorted(self.num_refused.items())),
+            "num_downgraded": dict(sorted(self.num_downgraded.items())),
+            "latency_profile": self.latency_predictor.cost_model.name if self.latency_predictor is not None else None,
             "num_hook_errors": [[p, h, n] for (p, h), n in self.errors.items()],
         }

@@ -120,7 +120,8 @@ class RouterConfig(StrictModel):
     policy: str = "weighted"
     """The router plugin: ``round-robin``, ``least-outstanding``, ``kv-usage``,
     ``prefix-affinity``, ``session-affinity``, ``weighted`` (queue depth plus prefix
-    hits, like llm-d's default) or an installed router plugin's entry-point name."""
+    hits, like llm-d's default), ``slo-headroom`` (predicted latency against the
+    request's SLO class) or an installed router plugin's entry-point name."""
     plugins: list[PluginConfig] = Field(default_factory=list)
     """More router plugins to switch on (filters, scorers, observers), with settings; an
     entry naming the policy gives the policy its settings."""
@@ -129,6 +130,11 @@ class RouterConfig(StrictModel):
     migration_interval_s: float = Field(default=0.5, gt=0)
     """How often a migration plugin (``schedkit_router_migrate``: ``rebalance``,
     ``drain``) is asked which running requests to move."""
+    latency_profile: str | None = Field(default=None, min_length=1)
+    """The cost-model profile (a bundled name or a JSON file path, as ``runner.profile``)
+    the router predicts each replica's TTFT and TPOT with, for the router plugins whose
+    hooks take ``latency`` (``slo-headroom``). Default: ``runner.profile`` with the
+    simulated runner; a real runner needs one fitted to it (``schedkit calibrate``)."""
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:

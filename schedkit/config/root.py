@@ -79,6 +79,16 @@ class Config(StrictModel):
         return check_slo_class_names(value)
 
     @model_validator(mode="after")
+    def _check_tenant_slo_classes(self) -> Config:
+        for i, tenant in enumerate(self.workload.tenants):
+            if tenant.slo_class is not None and tenant.slo_class not in self.slo_classes:
+                known = ", ".join(sorted(self.slo_classes)) or "none: the config names no slo_classes"
+                raise LocatedValueError(f"tenant {tenant.name!r}: slo_class {tenant.slo_class!r} is not one of "
+                                        f"the config's slo_classes ({known})",
+                                        ("workload", "tenants", i, "slo_class"), tenant.slo_class)
+        return self
+
+    @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:
         check_listed_once(self.plugins, "plugin")
         for k, profile in enumerate(self.compare.profiles if self.compare is not None else ()):

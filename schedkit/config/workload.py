@@ -54,6 +54,10 @@ class TenantConfig(StrictModel):
     share: float = Field(default=1.0, gt=0)
     """The tenant's entitled share of service, by which the lab's fairness metrics divide
     its service (the role of ``vtc``'s ``tenant_weights``)."""
+    slo_class: str | None = None
+    """The SLO class (a name of the config's ``slo_classes``) its requests carry as their
+    hint in the cluster simulation, as a client would send it (``slo_class``); judge the
+    class with ``slo.by_tenant``."""
 
 
 class PriorityClassConfig(StrictModel):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
+from schedkit.config.workload import SLOTargets
 from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.kv.prefix_index import CachedPrefixIndex
 
@@ -64,6 +66,8 @@ class RouteRequest:
             None (the cluster simulation's traces carry none).
         hints: The request's hints (:class:`~schedkit.core.hints.RequestHints`: SLO
             class, deadline, expected output length, session).
+        slo: The targets of its SLO class (the config's ``slo_classes`` entry named by
+            ``hints.slo_class``), or None when it has no class the config names.
         num_prompt_tokens: ``len(prompt_token_ids)``.
         attempt: 0 when first routed; 1, 2... when re-routed after its replica died.
         block_size: Tokens per block of :attr:`block_hashes` (the replicas' KV block
@@ -74,12 +78,13 @@ class RouteRequest:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "tenant", "priority", "max_tokens", "session_id",
-                 "hints", "num_prompt_tokens", "attempt", "block_size", "stage", "_hashes", "_hash_fn")
+                 "hints", "slo", "num_prompt_tokens", "attempt", "block_size", "stage", "_hashes",
+                 "_hash_fn")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str = "default",
                  priority: int = 0, max_tokens: int | None = None, session_id: str | None = None,
                  hash_fn: Callable[[Sequence[int]], list[bytes]] | None = None,
-                 block_size: int = 0, hints: RequestHints = NO_HINTS) -> None:
+                 block_size: int = 0, hints: RequestHints = NO_HINTS, slo: SLOTargets | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.tenant = tenant
@@ -87,6 +92,7 @@ class RouteRequest:
         self.max_tokens = max_tokens
         self.session_id = session_id if session_id is not None else hints.session_id
         self.hints = hints
+        self.slo = slo
         self.num_prompt_tokens = len(prompt_token_ids)
         self.attempt = 0
         self.block_size = block_size if hash_fn is not None else 0
@@ -126,6 +132,23 @@ class ReplicaState:
             the stages its role takes.
         draining: Being emptied for shutdown: offered to no new request, and the
             migration hook is asked to move its requests away.
+        num_prefill_tokens: Prompt tokens its waiting and running requests have still
+            to compute, as last reported (a waiting request's prefix-cache hit is not
+            known before it is scheduled: counted whole).
+        num_prefill_requests: The requests those tokens belong to.
+        prefill_attention: Their prefill's attention work left, as the cost model counts
+            it: the sum over those requests of ``left * (computed + left / 2)``.
+        num_context_tokens: KV positions held by its running requests that are past
+            their prompt (what a decode step's attention reads), as last reported.
+        decode_tokens_left: For each of those requests, the most output tokens it may
+            still make (``max_tokens``, or the ``expected_output_tokens`` hint within it,
+            less those made), ascending, as last reported.
+        prefill_queue: The requests still in their prompt, in the order its scheduler
+            takes them (running ones first), as last reported: ``(prompt tokens left,
+            tokens computed, output tokens to make)`` each (the first
+            256 of them; the totals above count every one).
+        reported_at: When its last load report arrived, on the router's clock (None
+            before the first).
     """
 
     index: int
@@ -135,6 +158,13 @@ class ReplicaState:
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
+    num_prefill_tokens: int = 0
+    num_prefill_requests: int = 0
+    prefill_attention: float = 0.0
+    num_context_tokens: int = 0
+    decode_tokens_left: tuple[int, ...] = ()
+    prefill_queue: tuple[tuple[int, int, int], ...] = ()
+    reported_at: float | None = None
     cached_blocks: CachedPrefixIndex = field(default_factory=CachedPrefixIndex)
     num_routed: int = 0
     role: ReplicaRole = ReplicaRole.BOTH
@@ -211,3 +241,47 @@ class Placement:
     @property
     def is_disaggregated(self) -> bool:
         return self.prefill is not None
+
+
+class LatencyEstimate(NamedTuple):
+    """What a replica is predicted to give a request: its time to first token and its
+    time per output token, in seconds."""
+
+    ttft_s: float
+    """From now (the routing decision) to its first token, if it goes there now."""
+    tpot_s: float
+    """Mean time between its later tokens, at the batch it would join."""
+
+
+class RouteLatency(Protocol):
+    """The router's latency predictions for the decision under way: the router hooks'
+    ``latency`` argument (None when the router has no cost model:
+    ``router.latency_profile``). Router plugins call it; it never raises."""
+
+    def estimate(self, request: RouteRequest, replica: ReplicaState) -> LatencyEstimate:
+        """The TTFT and TPOT ``request`` is predicted to get on ``replica`` if it is sent
+        there now, from what the replica last reported, the requests routed there since,
+        and how much of the prompt its prefix cache holds. Computed once per replica and
+        decision (later calls return the same answer); mutates nothing."""
+        ...
+
+
+class RouteVerdict(enum.Enum):
+    """A router admission plugin's decision (``schedkit_router_admit``)."""
+
+    ADMIT = "admit"
+    """Route it (the plugins after this one are not asked)."""
+    DOWNGRADE = "downgrade"
+    """Route it best effort: its SLO class cannot be met now (counted per class in the
+    router's stats, ``num_downgraded``)."""
+    REFUSE = "refuse"
+    """Refuse it: the client gets :class:`~schedkit.errors.RouteRefusedError` (HTTP 429
+    with Retry-After) with the reason; counted per class (``num_refused``)."""
+
+
+class RouteAdmission(NamedTuple):
+    """A ``schedkit_router_admit`` answer: the verdict and why (one sentence for the
+    client and the log; the plugin names the SLO class it could not meet)."""
+
+    verdict: RouteVerdict
+    reason: str = ""

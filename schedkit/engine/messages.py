@@ -275,6 +275,19 @@ class LoadReport(msgspec.Struct, tag="load", frozen=True, omit_defaults=True):
     num_running: int
     kv_cache_usage: float
     kv_events: list[WireKVEvent] = []
+    num_prefill_tokens: int = 0
+    """Prompt tokens its waiting and running requests have still to compute."""
+    num_prefill_requests: int = 0
+    """Requests with such tokens."""
+    prefill_attention: float = 0.0
+    """Their prefill attention work left (:class:`~schedkit.engine.load.LoadFigures`)."""
+    num_context_tokens: int = 0
+    """KV positions its running requests past their prompt hold."""
+    decode_tokens_left: list[int] = []
+    """For each of those requests, the most output tokens it may still make, ascending."""
+    prefill_queue: list[tuple[int, int, int]] = []
+    """The first requests still in their prompt, in the order the scheduler takes them:
+    (prompt tokens left, tokens computed, output tokens to make)."""
 
 
 EngineMessage = OutputBatch | Heartbeat | Ready | LoadReport

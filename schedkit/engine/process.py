@@ -15,7 +15,8 @@ Threads of the engine process:
   engine from a slow one.
 
 A client whose ``Hello`` asks for load reports (the cluster front end) also gets a
-``LoadReport`` (queue lengths, KV usage, the KV cache events since the last one) from the
+``LoadReport`` (queue lengths, KV usage, the prefill work queued and the decode context
+held, :mod:`schedkit.engine.load`; the KV cache events since the last one) from the
 busy loop, at most every ``LOAD_REPORT_INTERVAL_S`` and only when something changed;
 reports share the output queue with the outputs, so nothing is lost or reordered.
 
@@ -62,6 +63,7 @@ from schedkit.engine.auth import EngineGuard, EngineKeys
 from schedkit.engine.core import EngineCore, refusal_stop_reason
 from schedkit.engine.gc_heap import freeze_startup_heap
 from schedkit.engine.kv_handoff import KV_METHODS, KVHandoffs
+from schedkit.engine.load import LoadFigures, load_figures
 from schedkit.engine.logs import RateLimitedLog
 from schedkit.engine.messages import (
     AbortRequests,
@@ -148,7 +150,7 @@ class EngineCoreProc:
         self._kv_events: list[Any] = []
         self._report_seq = 0
         self._last_report_t = float("-inf")
-        self._last_load: tuple[int, int, float] | None = None
+        self._last_load: LoadFigures | None = None
         self.num_malformed = 0
         self._malformed_log = RateLimitedLog(log, MALFORMED_LOG_INTERVAL_S)
         self._in_sock = self._bind(input_addr, "input")
@@ -270,11 +272,13 @@ class EngineCoreProc:
         now = time.monotonic()
         if now - self._last_report_t < LOAD_REPORT_INTERVAL_S:
             return
-        load = (len(sched.waiting), len(sched.running), kv.usage)
+        load = load_figures(sched)
         if not self._kv_events and load == self._last_load:
             return
-        report = LoadReport(self._report_seq, load[0], load[1], load[2],
-                            kv_events_to_wire(self._kv_events))
+        report = LoadReport(self._report_seq, load.num_waiting, load.num_running, load.kv_cache_usage,
+                            kv_events_to_wire(self._kv_events), load.num_prefill_tokens,
+                            load.num_prefill_requests, load.prefill_attention, load.num_context_tokens,
+                            list(load.decode_tokens_left), list(load.prefill_queue))
         self._report_seq += 1
         self._kv_events = []
         self._last_load, self._last_report_t = load, now

@@ -74,12 +74,20 @@ from schedkit.cluster.flow import FlowController, FlowTicket
 from schedkit.cluster.router import Router, replica_config
 from schedkit.cluster.transfer import KVTransfer
 from schedkit.config import Config
+from schedkit.core.hints import NO_HINTS, RequestHints
 from schedkit.core.outputs import EngineCoreOutput
 from schedkit.core.request import EventType, Request, SamplingParams
 from schedkit.core.routing import RouteRequest
 from schedkit.engine.core import EngineCore
 from schedkit.engine.kv_handoff import KVHandoffs
-from schedkit.errors import ConfigError, EngineBusyError, RequestError, SchedkitError
+from schedkit.engine.load import LoadFigures, load_figures
+from schedkit.errors import (
+    ConfigError,
+    EngineBusyError,
+    RequestError,
+    RouteRefusedError,
+    SchedkitError,
+)
 from schedkit.kv.hashing import BlockHasher
 from schedkit.lab.cluster_handoffs import Handoffs
 from schedkit.lab.cluster_summary import ClusterRunResult, summarize_cluster
@@ -178,9 +186,7 @@ class _Report(NamedTuple):
     time: float
     seq: int
     replica: int
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
+    load: LoadFigures
     kv_events: list[Any]
     finished: list[tuple[str, bool]]
     """(request_id, failed) of each request that finished in the step."""
@@ -234,6 +240,9 @@ class _ClusterRun:
         """Tickets the front door let through, to be routed now."""
         self.timeouts: list[tuple[float, int, FlowTicket]] = []
         """(when its queue timeout passes, seq, ticket) of each held request (a heap)."""
+        self.tenant_hints = {t.name: RequestHints(slo_class=t.slo_class)
+                             for t in config.workload.tenants if t.slo_class is not None}
+        """The hints of each tenant's requests (``workload.tenants[i].slo_class``)."""
         self.workload = workload
         self.order = sorted(range(len(workload)), key=lambda k: workload[k].arrival_time)
         self.arrivals = [self.start + workload[k].arrival_time for k in self.order]
@@ -466,9 +475,9 @@ class _ClusterRun:
         rep.max_waiting = max(rep.max_waiting, len(sched.waiting))
         kv = sched.kv_cache_manager
         self.num_reports += 1
-        heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index, len(sched.waiting),
-                                             len(sched.running), kv.usage, kv.take_events(),
-                                             finished, prefilled))
+        heapq.heappush(self.reports, _Report(now, self.num_reports, rep.index,
+                                             load_figures(sched, detail=self.router.predicts),
+                                             kv.take_events(), finished, prefilled))
         self._schedule(rep)
 
     def _prefill_output(self, o: EngineCoreOutput, index: int, now: float,
@@ -519,8 +528,7 @@ class _ClusterRun:
         while reports and reports[0].time <= upto:
             r = heapq.heappop(reports)
             self.now = r.time
-            router.update_load(r.replica, num_waiting=r.num_waiting, num_running=r.num_running,
-                               kv_cache_usage=r.kv_cache_usage)
+            router.update_load(r.replica, **r.load._asdict(), now=r.time)
             if r.kv_events:
                 router.apply_kv_events(r.replica, r.kv_events)
             for rid, bad in r.finished:
@@ -549,7 +557,8 @@ class _ClusterRun:
         req = Request(w.request_id, w.prompt_token_ids,
                       SamplingParams(max_tokens=w.max_tokens, eos_token_id=self.eos),
                       arrival_time=t, priority=w.priority, tenant=w.tenant,
-                      ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority))
+                      ttft_slo_s=self.slo.class_target("ttft_s", w.tenant, w.priority),
+                      hints=self.tenant_hints.get(w.tenant, NO_HINTS))
         if self.flow is not None:
             self._admit(req, w, t)
         else:
@@ -560,7 +569,14 @@ class _ClusterRun:
         request held at the front door (it arrived before ``t``) keeps its arrival time;
         its replica's clock, if behind, first catches up with ``t`` (nothing ran there
         since: no replica runs ahead of an event that could reach it)."""
-        placement = self.router.place(self._route_request(w, req))
+        try:
+            placement = self.router.place(self._route_request(w, req), now=t)
+        except RouteRefusedError as err:  # an admission plugin refused it
+            self.failed[w.request_id] = str(err)
+            self.metrics.append(replace(_refused(req, self.start, str(err)), rejected_by=err.plugin))
+            if self.flow is not None:
+                self._left(w.request_id)
+            return
         j = placement.replica.index
         self.replica_of[w.request_id] = j
         first = j if placement.prefill is None else placement.prefill.index

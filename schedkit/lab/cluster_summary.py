@@ -25,8 +25,9 @@ class ClusterRunResult(RunResult):
 
     num_replicas: int = 1
     replica_of: dict[str, int] = field(default_factory=dict)
-    """request_id -> the replica the router chose (every request, refused ones too); for
-    a disaggregated request, its decode replica."""
+    """request_id -> the replica the router chose (every request the router routed, those
+    the engine refused too, not those a router admission plugin refused); for a
+    disaggregated request, its decode replica."""
     replica_steps: list[int] = field(default_factory=list)
     """Steps each replica ran."""
     replica_busy_s: list[float] = field(default_factory=list)
@@ -136,7 +137,10 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
     ``prefix_hit_rate`` (prefix-cache hit tokens / prompt tokens of the requests served,
     from each request's ``num_cached_tokens``; the same as ``overall``'s),
     ``router`` (policy, ``num_rerouted``, ``num_failed_by_death``, ``num_hook_errors``,
-    requests routed to each replica) and ``num_replicas``, ``num_steps``.
+    requests routed to each replica, and by SLO class the requests an admission plugin
+    refused, ``num_refused``, or routed best effort, ``num_downgraded``) and
+    ``num_replicas``, ``num_steps``. A refused request counts in ``overall`` (rejected)
+    but in no replica's entry.
 
     With ``replicas.roles``, besides: each ``replicas`` entry has its ``role``,
     ``prefills`` (disaggregated requests it prefilled) and ``queue_depth_mean``; a
@@ -163,8 +167,9 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
     per: list[list[RequestMetrics]] = [[] for _ in range(run.num_replicas)]
     where = run.replica_of
     for m in run.metrics:
-        if m.request_id in where:  # else refused at the front door
-            per[where[m.request_id]].append(m)
+        index = where.get(m.request_id)
+        if index is not None:  # None: refused at the front door or by the router's admission
+            per[index].append(m)
     replicas = [_replica_summary(ms, run.replica_steps[i], run.replica_busy_s[i],
                                  run.engine_prefix_cache[i]) for i, ms in enumerate(per)]
     has_roles = config.replicas.roles is not None
@@ -190,6 +195,8 @@ def summarize_cluster(config: Config, run: ClusterRunResult) -> dict[str, Any]:
             "num_failed_by_death": stats.get("num_failed_by_death", 0),
             "num_hook_errors": stats.get("num_hook_errors", []),
             "num_routed": [r["num_routed"] for r in stats.get("replicas", [])],
+            "num_refused": stats.get("num_refused", {}),
+            "num_downgraded": stats.get("num_downgraded", {}),
         },
     }
     if has_roles:

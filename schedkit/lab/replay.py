@@ -71,6 +71,12 @@ def record_run(config: Config, workload: list[WorkloadRequest] | None = None, *,
                               w.priority, w.tenant) for w in workload]
     if config.replicas.count > 1:
         cluster = run_cluster_workload(config, workload)
+        refused = [w.request_id for w in workload if w.request_id not in cluster.replica_of]
+        if refused:
+            raise ReplayError(f"{len(refused)} requests were never routed (e.g. {refused[0]!r}: "
+                              f"{cluster.failed.get(refused[0])}); a recording needs every request routed: "
+                              "record without the router's admission plugin (schedkit_router_admit) and "
+                              "without flow control", request_id=refused[0])
         routes = list(cluster.replica_of.items())  # in the order they were routed
         rec = Recording("cluster", config, config.cache.num_blocks, True, requests, routes=routes,
                         run_steps=cluster.num_steps)

@@ -287,6 +287,7 @@ BUILTIN_ROUTERS: Mapping[str, str] = {
     "selective-pd": "schedkit.policies.routers:SelectivePD",
     "rebalance": "schedkit.policies.routers:Rebalance",
     "drain": "schedkit.policies.routers:Drain",
+    "slo-headroom": "schedkit.policies.routers:SLOHeadroom",
 }
 """The built-in router plugins, by the name ``router.policy`` / ``router.plugins`` use."""
 ROUTER_DEFAULT = ("best-score", "schedkit.policies.routers:BestScore")

@@ -13,6 +13,11 @@ rather than the queue lengths a replica reports now and then.
 ``Rebalance`` and ``Drain`` move running requests between replicas (live migration,
 ``schedkit_router_migrate``).
 
+``SLOHeadroom`` routes by the router's latency predictions (the hooks' ``latency``
+argument: each replica's predicted TTFT and TPOT for the request, from the cost model)
+against the request's SLO class, and refuses or downgrades a request whose class no
+replica can meet (``schedkit_router_admit``).
+
 With ``replicas.roles``, ``SelectivePD`` decides which requests are disaggregated, and
 the rotations (``BestScore``'s ties, ``RoundRobin``, ``SessionAffinity``'s homes) keep
 prefill stages apart from the rest: prefill replicas and decode replicas each take
@@ -24,19 +29,24 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from schedkit.config import SLOTargets
 from schedkit.core.routing import (
+    LatencyEstimate,
     Migration,
     ReplicaState,
+    RouteAdmission,
     RouteEvent,
     RouteEventKind,
+    RouteLatency,
     RouteRequest,
     RouteStage,
+    RouteVerdict,
 )
 from schedkit.hookspecs import hookimpl
 from schedkit.policies.common import check_int, check_number
 
 __all__ = ["BestScore", "Drain", "KVUsage", "LeastOutstanding", "PrefixAffinity", "Rebalance", "RoundRobin",
-           "SelectivePD", "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "num_uncached_tokens",
+           "SLOHeadroom", "SelectivePD", "SessionAffinity", "Weighted", "free_kv_scores", "least_outstanding_scores", "num_uncached_tokens",
            "prefix_scores"]
 
 
@@ -341,3 +351,88 @@ class Drain:
                 load[target] += 1
                 moves.append(Migration(q.request_id, target, f"drain {r.name}"))
         return moves
+
+
+class SLOHeadroom:
+    """Route by SLO headroom: each candidate's predicted TTFT and TPOT for the request
+    (the router's ``latency``, from the cost model; the router then requires
+    ``router.latency_profile`` or the simulated runner's profile) against the targets of
+    the request's SLO class (``slo_classes``). A replica *meets* the class when every
+    target the class sets holds with ``margin`` to spare. Replicas that meet it score
+    0.5 to 1: by default the least loaded of them (outstanding requests) highest; with
+    ``prefer: least-headroom`` the one closest to its targets (packing: a loose class
+    fills the replicas a tight class could not use, leaving the others free for it). The
+    others score below 0.5, the closer to their targets the higher (best effort). A
+    request without an SLO class, or of a class without TTFT or TPOT targets, is scored
+    as by ``least-outstanding``.
+
+    Admission (``schedkit_router_admit``): when the class sets a TTFT target that no
+    candidate is predicted to meet, the request is refused (``on_miss: refuse``: the
+    client gets ``RouteRefusedError``, HTTP 429, naming the class) or routed best effort
+    (``on_miss: downgrade``); the router counts either per class (``num_refused``,
+    ``num_downgraded`` in its stats).
+
+    Settings:
+        on_miss: ``downgrade`` (default) or ``refuse``.
+        prefer: Among the replicas that meet the class: ``least-loaded`` (default) or
+            ``least-headroom``.
+        margin: Fraction of each target kept in reserve: a replica meets a target when
+            its prediction times ``1 + margin`` is within it (default 0).
+    """
+
+    def __init__(self, on_miss: str = "downgrade", prefer: str = "least-loaded", margin: float = 0.0) -> None:
+        if on_miss not in ("downgrade", "refuse"):
+            raise ValueError(f"on_miss must be 'downgrade' or 'refuse', got {on_miss!r}")
+        if prefer not in ("least-loaded", "least-headroom"):
+            raise ValueError(f"prefer must be 'least-loaded' or 'least-headroom', got {prefer!r}")
+        self.on_miss = RouteVerdict.REFUSE if on_miss == "refuse" else RouteVerdict.DOWNGRADE
+        self.packs = prefer == "least-headroom"
+        self.margin = check_number("margin", margin)
+
+    def _ratio(self, slo: SLOTargets, estimate: LatencyEstimate) -> float:
+        """The prediction over the target, the worst of TTFT and TPOT (margin included):
+        at most 1 when the replica meets the class."""
+        ratio = 0.0
+        for target, value in ((slo.ttft_s, estimate.ttft_s), (slo.tpot_s, estimate.tpot_s)):
+            if target is not None:
+                ratio = max(ratio, value * (1.0 + self.margin) / target)
+        return ratio
+
+    @hookimpl
+    def schedkit_router_admit(self, request: RouteRequest, replicas: Sequence[ReplicaState],
+                              latency: RouteLatency | None) -> RouteAdmission | None:
+        slo = request.slo
+        if slo is None or slo.ttft_s is None or latency is None or not replicas:
+            return None
+        best = min(latency.estimate(request, r).ttft_s for r in replicas)
+        if best * (1.0 + self.margin) <= slo.ttft_s:
+            return None
+        margin = f" with a {self.margin:.0%} margin" if self.margin else ""
+        return RouteAdmission(self.on_miss, f"no replica is predicted to meet SLO class "
+                                            f"{request.hints.slo_class!r}'s TTFT target of {slo.ttft_s:g} s{margin} "
+                                            f"(the best of {len(replicas)} predicts {best:.3g} s)")
+
+    @hookimpl
+    def schedkit_router_score(self, request: RouteRequest, replicas: Sequence[ReplicaState],
+                              latency: RouteLatency | None) -> list[float]:
+        slo = request.slo
+        if slo is None or latency is None or (slo.ttft_s is None and slo.tpot_s is None):
+            return least_outstanding_scores(replicas)
+        ratios = [self._ratio(slo, latency.estimate(request, r)) for r in replicas]
+        meeting = [r for r, x in zip(replicas, ratios, strict=True) if x <= 1.0]
+        scores = [0.0] * len(replicas)
+        if meeting:
+            met = [x for x in ratios if x <= 1.0]
+            lo, hi = min(met), max(met)
+            ranks = iter([(x - lo) / (hi - lo) if hi > lo else 1.0 for x in met] if self.packs
+                         else least_outstanding_scores(meeting))
+            for i, x in enumerate(ratios):
+                if x <= 1.0:
+                    scores[i] = 0.5 + 0.5 * next(ranks)
+        missing = [x for x in ratios if x > 1.0]
+        if missing:
+            closest = min(missing)
+            for i, x in enumerate(ratios):
+                if x > 1.0:
+                    scores[i] = 0.49 * closest / x
+        return scores

@@ -169,3 +169,36 @@ def test_cluster_counters_keep_a_dead_replicas_counts():
             assert after["num_running"] == 0
 
     asyncio.run(main())
+
+
+def test_an_slo_refusal_reaches_the_caller_and_the_reports_feed_the_predictor():
+    """A class no replica can meet is refused with RouteRefusedError (the server's 429);
+    the replicas' load reports carry what the latency predictor replays."""
+    from schedkit.core.hints import RequestHints
+    from schedkit.errors import EngineBusyError, RouteRefusedError
+
+    async def main():
+        config = cfg("slo-headroom", slo_classes={"instant": {"ttft_s": 1e-6}, "relaxed": {"ttft_s": 60}},
+                     router={"policy": "slo-headroom", "latency_profile": "cpu-tiny-llama",
+                             "plugins": [{"name": "slo-headroom", "settings": {"on_miss": "refuse"}}]})
+        async with await AsyncLLM.create(config) as llm:
+            router = llm.core.router
+            long = [llm.generate([1, 2, i], LONG, request_id=f"r{i}", hints=RequestHints(slo_class="relaxed"))
+                    for i in range(2)]
+            for g in long:
+                await g.__anext__()
+            for _ in range(100):  # the decoding requests show in the next reports
+                if all(r.decode_tokens_left for r in router.replicas):
+                    break
+                await asyncio.sleep(0.02)
+            assert [len(r.decode_tokens_left) for r in router.replicas] == [1, 1]
+            assert all(r.reported_at is not None and r.num_context_tokens >= 3 for r in router.replicas)
+            with pytest.raises(RouteRefusedError, match="SLO class 'instant'") as info:
+                await drain(llm.generate([5, 6, 7], SamplingParams(max_tokens=2), request_id="now",
+                                         hints=RequestHints(slo_class="instant")))
+            assert isinstance(info.value, EngineBusyError) and info.value.slo_class == "instant"
+            assert router.stats()["num_refused"] == {"instant": 1}
+            for g in long:
+                await g.aclose()
+
+    asyncio.run(main())

@@ -334,6 +334,10 @@ class RaisingEverywhere:
         raise RuntimeError("migration bug")
 
     @hookimpl
+    def schedkit_router_admit(self, request):
+        raise RuntimeError("admission bug")
+
+    @hookimpl
     def schedkit_router_filter(self, replicas):
         raise RuntimeError("filter bug")
 
@@ -361,6 +365,10 @@ class Nonsense:
     @hookimpl
     def schedkit_router_migrate(self, requests):
         return [Migration("no-such-request", 1), "a move"]
+
+    @hookimpl
+    def schedkit_router_admit(self, request):
+        return "refuse"
 
     @hookimpl
     def schedkit_router_filter(self, replicas):
@@ -407,6 +415,10 @@ class LazyBugs:
     @hookimpl
     def schedkit_router_migrate(self, requests):
         return (1 / 0 for _ in requests)
+
+    @hookimpl
+    def schedkit_router_admit(self, request):
+        return BadRepr()
 
     @hookimpl
     def schedkit_router_filter(self, replicas):

@@ -43,8 +43,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from schedkit.config import Config, ProfileConfig, load_config, profile_scheduler  # noqa: E402
+from schedkit.config import Config, ProfileConfig, load_config  # noqa: E402
 from schedkit.lab.cluster_sim import run_cluster_workload, summarize_cluster  # noqa: E402
+from schedkit.lab.compare import profile_config  # noqa: E402
 from schedkit.lab.workloads import WorkloadRequest, generate, repeat_workload  # noqa: E402
 
 TRACES = {"mooncake": "configs/cluster-mooncake.yaml", "azure": "configs/cluster-azure-conv.yaml"}
@@ -57,13 +58,8 @@ _WORKLOADS: dict[str, list[WorkloadRequest]] = {}
 def router_config(config: Config, profile: ProfileConfig, replicas: int) -> Config:
     """The config with the profile's router (and policy, plugins, scheduler keys) and
     ``replicas`` engines."""
-    return config.model_copy(update={
-        "scheduler": profile_scheduler(config.scheduler, profile),
-        "plugins": [*config.plugins, *profile.plugins],
-        "router": profile.router or config.router,
-        "flow_control": profile.flow_control or config.flow_control,
-        "replicas": config.replicas.model_copy(update={"count": replicas}),
-    })
+    config = profile_config(config, profile)
+    return config.model_copy(update={"replicas": config.replicas.model_copy(update={"count": replicas})})
 
 
 def _run(trace: str, config: Config) -> dict[str, Any]:

@@ -42,9 +42,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from schedkit.config import Config, load_config, profile_scheduler  # noqa: E402
+from schedkit.config import Config, load_config  # noqa: E402
 from schedkit.lab.cluster_sim import run_cluster_workload  # noqa: E402
 from schedkit.lab.cluster_summary import ClusterRunResult  # noqa: E402
+from schedkit.lab.compare import profile_config  # noqa: E402
 from schedkit.lab.metrics import RequestMetrics, percentile  # noqa: E402
 from schedkit.lab.workloads import WorkloadRequest, generate, repeat_workload  # noqa: E402
 
@@ -84,14 +85,8 @@ def outcome(config: Config, run: ClusterRunResult, wall_s: float) -> dict[str, A
             "num_steps": run.num_steps, "wall_s": wall_s}
 
 
-def profile_config(config: Config, profile: Any, replicas: int) -> Config:
-    return config.model_copy(update={
-        "scheduler": profile_scheduler(config.scheduler, profile),
-        "plugins": [*config.plugins, *profile.plugins],
-        "router": profile.router or config.router,
-        "flow_control": profile.flow_control or config.flow_control,
-        "replicas": config.replicas.model_copy(update={"count": replicas}),
-    })
+def with_replicas(config: Config, replicas: int) -> Config:
+    return config.model_copy(update={"replicas": config.replicas.model_copy(update={"count": replicas})})
 
 
 def _s(x: float | None, scale: float = 1e3, fmt: str = ",.0f") -> str:
@@ -127,10 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     base = generate(config.workload, config.runner.vocab_size, ROOT)
     workload = repeat_workload(base, args.requests, vocab_size=config.runner.vocab_size)
     runs: list[tuple[str, Config, list[WorkloadRequest]]] = [
-        ("share", config.model_copy(update={"replicas": config.replicas.model_copy(
-            update={"count": args.replicas})}), thinned(workload, 20))]
+        ("share", with_replicas(config, args.replicas), thinned(workload, 20))]
     for excess, keep in (("10x", 2), ("20x", 1)):
-        runs += [(f"{excess} {p.name}", profile_config(config, p, args.replicas), thinned(workload, keep))
+        runs += [(f"{excess} {p.name}", with_replicas(profile_config(config, p), args.replicas), thinned(workload, keep))
                  for p in config.compare.profiles]
     results: dict[str, dict[str, Any]] = {}
     for name, cfg, wl in runs:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from tests.cluster.test_flow_control_attacks import BROKEN_FLOW
 from tests.server.conftest import server_config, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -267,36 +268,6 @@ def test_a_flooding_tenant_meets_the_door_not_the_pending_limit(serve):
         if r.status_code == 429:
             assert "flow_control.max_queued" in r.json()["error"]["message"]
             assert r.headers["retry-after"] == "1"
-
-
-BROKEN_FLOW = '''
-from schedkit import hookimpl
-
-
-class Raises:
-    @hookimpl
-    def schedkit_flow_saturated(self, replicas, num_outstanding, num_queued, max_num_seqs):
-        raise RuntimeError("boom")
-
-    @hookimpl
-    def schedkit_flow_pick_tenant(self, band, queues, now):
-        raise RuntimeError("boom")
-
-
-class Garbage:
-    def __init__(self):
-        self.n = 0
-
-    @hookimpl
-    def schedkit_flow_saturated(self, replicas, num_outstanding, num_queued, max_num_seqs):
-        self.n += 1
-        return ["yes", 1, float("nan"), object()][self.n % 4]
-
-    @hookimpl
-    def schedkit_flow_pick_tenant(self, band, queues, now):
-        self.n += 1
-        return [["a"], "nobody", 0, queues[0]][self.n % 4]
-'''
 
 
 def test_broken_flow_plugins_fail_no_request(serve, install_plugin):

@@ -14,10 +14,28 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.cluster.test_flow_control_attacks import BROKEN_FLOW
+from tests.cluster.test_flow_control_attacks import BROKEN_FLOW as RAISING_FLOW
 from tests.server.conftest import server_config, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(120)
+
+BROKEN_FLOW = RAISING_FLOW + '''
+
+class Garbage:
+    def __init__(self):
+        self.n = 0
+
+    @hookimpl
+    def schedkit_flow_saturated(self, replicas, num_outstanding, num_queued, max_num_seqs):
+        self.n += 1
+        return ["yes", 1, float("nan"), object()][self.n % 4]
+
+    @hookimpl
+    def schedkit_flow_pick_tenant(self, band, queues, now):
+        self.n += 1
+        return [["a"], "nobody", 0, queues[0]][self.n % 4]
+'''
+
 
 CLASSES = {"interactive": {"ttft_s": 0.5, "tpot_s": 0.05}}
 BODY = {"model": "word-model", "prompt": [7, 8, 9], "max_tokens": 2}

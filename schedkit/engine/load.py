@@ -8,6 +8,7 @@ and the router's latency predictor (:mod:`schedkit.cluster.latency`) works from 
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 from schedkit.core.request import Request
@@ -54,19 +55,14 @@ def load_figures(scheduler: Scheduler, *, detail: bool = True) -> LoadFigures:
     attention = 0.0
     lefts: list[int] = []
     queue: list[tuple[int, int, int]] = []
+    prefilling: list[Request] = []
     for req in running:
-        computed = req.num_computed_tokens
-        left = req.num_tokens - computed
-        if left > 1 or not req.output_token_ids:  # still in its prompt (or recomputing)
-            tokens += left
-            num_prefill += 1
-            attention += left * (computed + left / 2)
-            if len(queue) < MAX_LISTED_PREFILLS:
-                queue.append((left, computed, _outputs_left(req)))
-        else:
-            context += computed
+        if req.num_tokens - req.num_computed_tokens > 1 or not req.output_token_ids:
+            prefilling.append(req)
+        else:  # past its prompt
+            context += req.num_computed_tokens
             lefts.append(_outputs_left(req))
-    for req in waiting:
+    for req in itertools.chain(prefilling, waiting):  # still in their prompt (or recomputing)
         computed = req.num_computed_tokens
         left = req.num_tokens - computed
         tokens += left

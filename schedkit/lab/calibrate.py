@@ -105,6 +105,18 @@ def _fits(config: Config, batch: int, prompt_len: int, output_len: int) -> bool:
             and batch * (prompt_len + output_len + cc.block_size) <= 0.8 * cc.num_blocks * cc.block_size)
 
 
+def _fits_shared(config: Config, batch: int, prefix_len: int, own_len: int) -> bool:
+    """``batch`` requests of one cached ``prefix_len``-token prefix and ``own_len`` tokens
+    each of their own fit the model length and the KV cache (the prefix held once)."""
+    cc = config.cache
+    return (prefix_len + own_len <= config.scheduler.max_model_len
+            and prefix_len + batch * (own_len + cc.block_size) <= 0.8 * cc.num_blocks * cc.block_size)
+
+
+BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
+SHARED_BATCH_SIZES = (4, 16, 64, 256)
+
+
 def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int] | None = None,
                 batch_sizes: Sequence[int] | None = None) -> list[Phase]:
     """Bursts of ``b`` distinct prompts of ``p`` tokens arriving together, for every
@@ -112,12 +124,14 @@ def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int]
     prefill (and mixed) steps of up to the token budget, then decode steps at batch
     ``b`` over context ``p``. With prefix caching on, also bursts of ``b`` prompts that
     share a ``p``-token prefix (``p`` of 256 or more, ``b`` above 1): decode steps whose
-    requests read the same blocks. Defaults: batch sizes 1, 4, 16, 64, 256 up to
-    ``max_num_seqs`` (and ``max_num_seqs`` itself); prompt lengths 32, 256, 1024, 4096
-    up to the model length."""
+    requests read the same blocks (batch sizes 4, 16, 64, 256 and ``max_num_seqs``).
+    Defaults: batch sizes 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256 up to
+    ``max_num_seqs`` (and ``max_num_seqs`` itself), so that every small batch, where
+    the attention kernel's threads are unevenly loaded, is measured at every context;
+    prompt lengths 32, 256, 1024, 4096 up to the model length."""
     sc = config.scheduler
     if batch_sizes is None:
-        batch_sizes = sorted({b for b in (1, 4, 16, 64, 256) if b < sc.max_num_seqs} | {sc.max_num_seqs})
+        batch_sizes = sorted({b for b in BATCH_SIZES if b < sc.max_num_seqs} | {sc.max_num_seqs})
     if prompt_lens is None:
         prompt_lens = [p for p in (32, 256, 1024, 4096) if p + output_len <= sc.max_model_len]
     key = 1 << 40
@@ -130,7 +144,8 @@ def grid_phases(config: Config, output_len: int = 16, prompt_lens: Sequence[int]
     if config.cache.enable_prefix_caching:
         for p in prompt_lens:
             for b in batch_sizes:
-                if p >= 256 and b > 1 and _fits(config, b, p + 16, output_len):
+                if p >= 256 and b > 1 and (b in SHARED_BATCH_SIZES or b == sc.max_num_seqs) \
+                        and _fits_shared(config, b, p, 16 + output_len):
                     phases.append(_shared_burst(f"shared-p{p}-b{b}", key, b, p, output_len,
                                                 config.runner.vocab_size))
                     key += b + 1
@@ -278,6 +293,7 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
 
     runner = build(config)
     device_name = getattr(runner, "device_name", None)
+    workers = int(getattr(runner, "attention_workers", 0))
     is_virtual = bool(getattr(runner, "is_virtual_clock", False))
     progress(f"runner ready after {time.monotonic() - clock.start:.1f} s")
     session = Session(config, runner)
@@ -292,7 +308,7 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
         del session, runner
         gc.collect()  # the swap phase's runner needs the memory (on a GPU, all of it)
     records += _run_swap(config, build, clock.end - fit_reserve, note)
-    model = fit(records)
+    model = fit(records, attention_workers=workers)
     return Calibration(records, model, residuals(records, model), reports, time.monotonic() - clock.start,
                        budget_s, device_name, steal_share(cpu_before, cpu_times()))
 

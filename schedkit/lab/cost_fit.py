@@ -2,7 +2,8 @@
 
 The linear part is fitted by non-negative least squares on relative error (coefficients
 that come out negative are dropped and the rest refitted); then the decode residual
-table takes the median misfit of the decode-only steps at each batch size. See
+table takes the median misfit of the decode-only steps at each batch size; the two are
+fitted in turn a few times, each to what the other leaves. See
 :mod:`schedkit.runners.cost_model` for the model itself.
 """
 
@@ -42,6 +43,8 @@ def _solve(rows: list[list[float]], ys: list[float], ridge: float = 0.0) -> list
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
+BACKFIT_ROUNDS = 5
+"""Rounds of fitting the linear part and the decode residual table in turn."""
 OUTLIER_FACTOR = 5.0
 OUTLIER_FLOOR = 0.25
 """A step whose relative error under the first fit exceeds ``OUTLIER_FACTOR`` times the
@@ -50,25 +53,43 @@ operating system or a garbage collection weighs, squared, as much as hundreds of
 ordinary ones."""
 
 
-def fit(records: Sequence[StepRecord], min_samples: int = 3) -> CostModel:
+def fit(records: Sequence[StepRecord], min_samples: int = 3, attention_workers: int = 0,
+        rounds: int = BACKFIT_ROUNDS) -> CostModel:
     """The simulator's cost model fitted to recorded steps: the linear part by
     :func:`fit_linear` (twice: the second time without the outliers of the first), then
     the decode residual table, the median misfit of the decode-only steps at each batch
-    size seen at least ``min_samples`` times."""
+    size seen at least ``min_samples`` times. The two are fitted in turn ``rounds``
+    times, the linear part each time to the durations less the table's residuals
+    (backfitting): a jump by batch size that a line cannot follow (a CPU matmul slower
+    at 2 rows than at 1) would otherwise bend the line's coefficients, the context one
+    above all, since a larger batch also reads more context. ``attention_workers`` is
+    what the records' imbalance feature was read with
+    (:attr:`CostModel.attention_workers`)."""
+    table: dict[int, float] = {}
+    coefficients: dict[str, float] = {}
+    for _ in range(max(1, rounds)):
+        adjusted = [(f, d - table.get(int(f[1]), 0.0) if not f[4] else d) for f, d in records]
+        coefficients = _fit_without_outliers([(f, d) for f, d in adjusted if d > 0])
+        linear = CostModel.from_coefficients(coefficients)
+        by_batch: dict[int, list[float]] = {}
+        for f, d in records:
+            if d > 0 and not f[4]:
+                by_batch.setdefault(int(f[1]), []).append(d - linear.step_time(f))
+        table = {b: statistics.median(r) for b, r in sorted(by_batch.items()) if len(r) >= min_samples}
+    return CostModel.from_coefficients(coefficients, table, attention_workers)
+
+
+def _fit_without_outliers(records: Sequence[StepRecord]) -> dict[str, float]:
+    """:func:`fit_linear`, then again without the steps the first fit misses by more than
+    ``OUTLIER_FACTOR`` times the median relative error (and ``OUTLIER_FLOOR``)."""
     coefficients = fit_linear(records)
     linear = CostModel.from_coefficients(coefficients)
-    errs = [abs(linear.step_time(f) - d) / d if d > 0 else 0.0 for f, d in records]
+    errs = [abs(linear.step_time(f) - d) / d for f, d in records]
     cut = max(OUTLIER_FLOOR, OUTLIER_FACTOR * statistics.median(errs))
     kept = [r for r, e in zip(records, errs, strict=True) if e <= cut]
     if len(FEATURES) <= len(kept) < len(records):
         coefficients = fit_linear(kept)
-        linear = CostModel.from_coefficients(coefficients)
-    by_batch: dict[int, list[float]] = {}
-    for f, d in records:
-        if d > 0 and not f[4]:
-            by_batch.setdefault(int(f[1]), []).append(d - linear.step_time(f))
-    table = {b: statistics.median(r) for b, r in sorted(by_batch.items()) if len(r) >= min_samples}
-    return CostModel.from_coefficients(coefficients, table)
+    return coefficients
 
 
 def fit_linear(records: Sequence[StepRecord]) -> dict[str, float]:

@@ -78,13 +78,19 @@ def profile_payload(name: str, calibration: Calibration, config: Config, config_
         "residuals": calibration.residuals,
         "coefficients": model.coefficients,
         "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s},
+        **_workers(model),
     }
 
 
 def minimal_payload(name: str, model: CostModel, description: str) -> dict[str, Any]:
     """A profile with coefficients only (hand-set, or fitted outside a calibration)."""
     return {"name": name, "description": description, "coefficients": model.coefficients,
-            "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s}}
+            "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s},
+            **_workers(model)}
+
+
+def _workers(model: CostModel) -> dict[str, int]:
+    return {"attention_workers": model.attention_workers} if model.attention_workers else {}
 
 
 def write_profile(path: str | Path, payload: dict[str, Any]) -> None:

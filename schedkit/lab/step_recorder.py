@@ -70,6 +70,7 @@ class StepRecorder:
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         self.shapes.block_size = block_size
+        self.shapes.workers = int(getattr(self.runner, "attention_workers", 0))
         return int(self.runner.initialize(num_blocks, block_size))
 
     def _note(self, scheduler_output: Any) -> None:

@@ -5,6 +5,7 @@ profile (``schedkit/runners/profiles/*.json``, fitted by ``schedkit calibrate``)
     t = base + per_token * tokens + per_request * requests
         + per_context_token * context tokens read + per_prefill_attention * sum(n * (computed + n / 2))
         + per_shared_context_token * context tokens read again
+        + per_idle_context_token * attention imbalance   (decode-only steps)
         + per_prefill_step * [a chunk of more than one token] + per_mixed_step * [and a one-token one]
         + per_sampled_row * rows sampled + per_random_row * rows on the random path
         + per_filtered_row * rows through top-k / top-p + per_grammar_row * rows under a grammar
@@ -17,7 +18,13 @@ scheduled requests, the KV positions their attention reads (computed + n), less 
 reads too (requests sharing a cached prefix). A block several requests read in one step
 is fetched from memory once and then found in the CPU's (or GPU's) cache, so its
 further reads cost less; a profile without the coefficient charges them as any read.
-The fifth term is the quadratic part of prefill attention. A step that computes a multi-token chunk pays
+The *attention imbalance* of a decode step is what its attention kernel's workers
+(the CPU runner's threads, :attr:`CostModel.attention_workers`) stand idle: each sequence is
+one work item of its key reads, so a batch of one keeps one thread busy and the others
+waiting, and a batch of three on two threads finishes when the thread with two is done.
+It is ``workers * makespan - sum(keys)`` with the items placed longest first, and it makes
+a long context cost about twice as much per token at batch 1 as at batch 16 on two
+threads. The fifth term is the quadratic part of prefill attention. A step that computes a multi-token chunk pays
 ``per_prefill_step`` (on CUDA it runs eagerly, where decode-only steps replay a captured
 CUDA graph), and a mixed one (chunks and one-token decodes together) ``per_mixed_step``
 besides. A sampled row is one position whose logits are computed and sampled (a request
@@ -61,7 +68,7 @@ PROFILE_DIR = Path(__file__).with_name("profiles")
 FEATURES = ("base_s", "per_token_s", "per_request_s", "per_context_token_s", "per_prefill_attention_s",
             "per_prefill_step_s", "per_mixed_step_s", "per_sampled_row_s", "per_random_row_s",
             "per_filtered_row_s", "per_grammar_row_s", "per_block_store_s", "per_block_load_s",
-            "per_shared_context_token_s")
+            "per_shared_context_token_s", "per_idle_context_token_s")
 """Coefficient names: the constant, then one per field of :class:`StepFeatures`, in order."""
 REQUIRED_FEATURES = FEATURES[:5]
 """Coefficients every profile has; the others count 0 where a profile leaves them out."""
@@ -88,6 +95,11 @@ class StepFeatures(NamedTuple):
     shared_context_tokens: float = 0.0
     """Context positions read from full KV blocks another request of the step read first
     (left out of ``context_tokens``)."""
+    idle_context_tokens: float = 0.0
+    """A decode step's attention imbalance over the runner's attention workers: ``workers
+    * makespan - sum(keys)``, the makespan of the requests' key reads placed longest
+    first on the least-loaded worker (0 without workers, and in steps with a prefill
+    chunk, whose tiles fill the idle workers)."""
 
     @property
     def kind(self) -> str:
@@ -113,6 +125,7 @@ class CostModel:
     per_block_store_s: float = 0.0
     per_block_load_s: float = 0.0
     per_shared_context_token_s: float = 0.0
+    per_idle_context_token_s: float = 0.0
     decode_batch_residual_s: tuple[tuple[int, float], ...] = ()
     """(batch size, seconds) pairs, sorted by batch size."""
     name: str = "custom"
@@ -126,6 +139,11 @@ class CostModel:
     per_block_transfer_s: float | None = None
     """The profile's ``kv_transfer.per_block_s``: seconds per KV block sent to another
     engine (None: ``per_block_store_s + per_block_load_s``)."""
+    attention_workers: int = 0
+    """The profile's ``attention_workers``: the threads the fitted runner's attention
+    kernel spread a step's sequences over (the CPU runner's ``num_threads``; 0: not
+    modelled, as on a GPU). The simulator reads each decode step's imbalance over that
+    many workers (:attr:`StepFeatures.idle_context_tokens`)."""
 
     @classmethod
     def load(cls, name_or_path: str) -> CostModel:
@@ -171,11 +189,15 @@ class CostModel:
         if unknown:
             raise ValueError(f"kv_transfer has unknown keys {unknown} (it takes latency_s, per_block_s)")
         latency, per_block = transfer.get("latency_s"), transfer.get("per_block_s")
+        workers = data.get("attention_workers") or 0
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"attention_workers must be an integer >= 0, got {workers!r}")
         values = {k: float(coef[k]) for k in FEATURES if k in coef}
         # Fitted before shared reads were told apart: they cost what any read costs.
         values.setdefault("per_shared_context_token_s", values["per_context_token_s"])
         return cls(**values,
                    decode_batch_residual_s=table, name=str(data.get("name", default_name)),
+                   attention_workers=workers,
                    fitted_async_scheduling=None if is_async is None else bool(is_async),
                    kv_transfer_latency_s=None if latency is None else _seconds("kv_transfer.latency_s", latency),
                    per_block_transfer_s=None if per_block is None else _seconds("kv_transfer.per_block_s",
@@ -183,9 +205,11 @@ class CostModel:
 
     @classmethod
     def from_coefficients(cls, coefficients: dict[str, float],
-                          decode_batch_residual_s: dict[int, float] | None = None) -> CostModel:
+                          decode_batch_residual_s: dict[int, float] | None = None,
+                          attention_workers: int = 0) -> CostModel:
         values: dict[str, Any] = {k: float(coefficients.get(k, 0.0)) for k in FEATURES}
-        return cls(**values, decode_batch_residual_s=tuple(sorted((decode_batch_residual_s or {}).items())))
+        return cls(**values, decode_batch_residual_s=tuple(sorted((decode_batch_residual_s or {}).items())),
+                   attention_workers=attention_workers)
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -209,6 +233,8 @@ class CostModel:
                   + self.per_block_load_s * f[11])
             if len(f) > 12:
                 t += self.per_shared_context_token_s * f[12]
+                if len(f) > 13:
+                    t += self.per_idle_context_token_s * f[13]
         if self.decode_batch_residual_s and not f[4]:
             t += self.decode_residual(f[1])
         return max(t, 0.0)
@@ -276,7 +302,8 @@ class _Sampling:
     """It has top-k or top-p (the batch is sorted when any row samples randomly)."""
 
 
-def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling]) -> StepFeatures:
+def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling],
+          workers: int = 0) -> StepFeatures:
     spec = so.scheduled_spec_decode_tokens
     tokens = context = attn = 0.0
     num_prefill = num_decode = rows = 0
@@ -300,6 +327,9 @@ def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling
             any_random = any_random or state.is_random
             any_filtered = any_filtered or state.is_filtered
     grammar = sum(1 + len(spec.get(rid, ())) for rid in so.structured_output_request_ids)
+    idle = 0.0
+    if workers > 1 and not num_prefill and num_decode:
+        idle = attention_idle([before[rid] + n for rid, n in so.num_scheduled_tokens.items()], workers)
     meta = so.kv_connector_metadata
     stored = loaded = 0
     if isinstance(meta, OffloadMetadata):
@@ -307,7 +337,21 @@ def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling
     return StepFeatures(tokens, float(num_prefill + num_decode), context, attn, float(num_prefill > 0),
                         float(num_prefill > 0 and num_decode > 0), float(rows),
                         float(rows if any_random else 0), float(rows if any_random and any_filtered else 0),
-                        float(grammar), float(stored), float(loaded))
+                        float(grammar), float(stored), float(loaded), 0.0, idle)
+
+
+def attention_idle(keys: list[int], workers: int) -> float:
+    """``workers * makespan - sum(keys)``: the key reads the attention kernel's idle workers
+    could have done while the busiest finished, each sequence one work item (a decode
+    step's), placed longest first on the least-loaded worker, as the CPU kernel's dynamic
+    schedule over items sorted by length does."""
+    if len(keys) == 1:
+        return float(keys[0] * (workers - 1))
+    loads = [0] * workers
+    for k in sorted(keys, reverse=True):
+        i = loads.index(min(loads))
+        loads[i] += k
+    return float(workers * max(loads) - sum(keys))
 
 
 @dataclass(slots=True)
@@ -319,6 +363,9 @@ class StepShapes:
 
     block_size: int = 16
     """The engine's KV block size (the unit in which prefixes are shared)."""
+    workers: int = 0
+    """The attention kernel's workers (:attr:`CostModel.attention_workers`; 0: the
+    imbalance feature is not read)."""
     _reqs: dict[str, _Sampling] = field(default_factory=dict)
     _blocks: dict[str, list[int]] = field(default_factory=dict)
     """Each request's KV block ids, in order."""
@@ -358,7 +405,7 @@ class StepShapes:
             state = reqs.get(rid)
             if state is not None:
                 state.sample_from = len(tokens)
-        f = _scan(so, before, reqs)
+        f = _scan(so, before, reqs, self.workers)
         shared = self._shared_reads(so) if self._hits else 0
         return f._replace(context_tokens=f.context_tokens - shared, shared_context_tokens=float(shared)) \
             if shared else f

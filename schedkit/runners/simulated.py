@@ -47,6 +47,12 @@ class SimulatedRunner(FakeRunner):
     last_features: StepFeatures = StepFeatures(0.0, 0.0, 0.0, 0.0, 0.0)
     shapes: StepShapes = field(default_factory=StepShapes)
 
+    @property
+    def attention_workers(self) -> int:
+        """The profile's attention workers (a recorder of this runner reads the same
+        features the profile charges)."""
+        return self.cost_model.attention_workers
+
     @classmethod
     def from_config(cls, config: Any) -> SimulatedRunner:
         rc = config.runner
@@ -62,6 +68,7 @@ class SimulatedRunner(FakeRunner):
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         self.shapes.block_size = block_size
+        self.shapes.workers = self.cost_model.attention_workers
         return super().initialize(num_blocks, block_size)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

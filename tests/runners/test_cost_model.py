@@ -13,11 +13,12 @@ import pytest
 from benchmarks.scenarios import kv_pressure
 from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
-from schedkit.errors import ForeignProfileWarning
+from schedkit.errors import ConfigError, ForeignProfileWarning
 from schedkit.kv.connectors.offload import OffloadMetadata
+from schedkit.lab.profiles import minimal_payload, write_profile
 from schedkit.lab.simulate import run_workload
 from schedkit.plugins.testing import make_scheduler
-from schedkit.runners.cost_model import PROFILE_DIR, CostModel, StepShapes
+from schedkit.runners.cost_model import PROFILE_DIR, CostModel, StepShapes, attention_idle
 from schedkit.runners.machine import cpu_times, describe_machine, steal_share, this_machine
 from schedkit.runners.simulated import SimulatedRunner
 
@@ -264,3 +265,56 @@ def test_shared_reads_equal_a_count_over_every_block_each_request_reads():
         sched.update_from_output(so, runner.execute(so))
     assert checked > 10  # the stream did share blocks
     assert preempted > 0  # and resumed requests found their blocks again
+
+
+def test_attention_idle_is_what_the_busiest_worker_leaves_the_others():
+    assert attention_idle([1000], 2) == 1000  # one sequence: the other thread waits
+    assert attention_idle([500, 500], 2) == 0
+    assert attention_idle([500, 500, 500], 2) == 500  # two on one thread, one on the other
+    assert attention_idle([10, 1, 1, 1], 2) == 2 * 10 - 13  # longest first: 10 | 1 + 1 + 1
+    assert attention_idle([7, 5, 4, 3, 3], 2) == 2 * 12 - 22  # 7 + 3 | 5 + 4 + 3
+    assert attention_idle([1000], 4) == 3000
+
+
+def _decode_steps(n: int, prompt_len: int, workers: int):
+    """Features of ``n`` requests of ``prompt_len`` tokens, prefill then decode steps."""
+    sched = make_scheduler(max_num_batched_tokens=4096)
+    runner = SimulatedRunner(cost_model=CostModel(**BASE))
+    for i in range(n):
+        sched.add_request(_request(f"r{i}", prompt_len))
+    shapes = StepShapes(workers=workers)
+    features = []
+    for _ in range(3):
+        so = sched.schedule()
+        features.append(shapes.features(so))
+        sched.update_from_output(so, runner.execute(so))
+    return features
+
+
+def test_decode_steps_read_their_imbalance_over_the_workers():
+    prefill, first, second = _decode_steps(3, 200, workers=2)
+    assert prefill.kind == "prefill" and prefill.idle_context_tokens == 0  # tiles fill every worker
+    assert first.kind == second.kind == "decode"
+    assert first.idle_context_tokens == 201 and second.idle_context_tokens == 202
+    assert _decode_steps(2, 200, workers=2)[1].idle_context_tokens == 0
+    assert _decode_steps(1, 200, workers=2)[1].idle_context_tokens == 201
+    assert _decode_steps(1, 200, workers=0)[1].idle_context_tokens == 0  # not modelled
+    uneven = CostModel(**BASE, per_idle_context_token_s=1e-6)
+    one = _decode_steps(1, 200, workers=2)[1]
+    assert uneven.step_time(one) == pytest.approx(CostModel(**BASE).step_time(one) + 201e-6)
+
+
+def test_attention_workers_travel_with_the_profile(tmp_path):
+    model = CostModel.from_coefficients({**BASE, "per_idle_context_token_s": 2e-6}, attention_workers=2)
+    path = tmp_path / "p.json"
+    write_profile(path, minimal_payload("p", model, "test"))
+    loaded = CostModel.load(str(path))
+    assert loaded.attention_workers == 2 and loaded.per_idle_context_token_s == 2e-6
+    runner = SimulatedRunner(cost_model=loaded)
+    runner.initialize(64, 16)
+    assert runner.shapes.workers == 2  # the simulator reads the feature the profile charges
+    assert CostModel.load("cpu-tiny-llama").attention_workers == 0  # older profiles: not modelled
+    for bad in (-1, 1.5, "2", True):
+        path.write_text(json.dumps({"name": "p", "coefficients": BASE, "attention_workers": bad}))
+        with pytest.raises(ConfigError, match="attention_workers"):
+            CostModel.load(str(path))

@@ -166,6 +166,12 @@ class PagedModelRunner:
         return self.args.vocab_size
 
     @property
+    def attention_workers(self) -> int:
+        """The threads the CPU attention kernel spreads a step's sequences over (torch's
+        own); 0 on CUDA, where the cost model does not read the imbalance."""
+        return torch.get_num_threads() if self.device.type == "cpu" else 0
+
+    @property
     def device_name(self) -> str | None:
         """The GPU's name on CUDA (calibration records it); None on the CPU."""
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None

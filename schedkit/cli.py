@@ -225,6 +225,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "calibrate measures a real runner's step times (kind paged); the fake "
                           "runner's are a constant")
     _check_writable(args.output)
+    if args.rescale:
+        return _rescale(args, config)
     tokenizer = load_tokenizer(config) if config.workload.prompts else None
     workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
     try:
@@ -244,6 +246,26 @@ def _calibrate(args: argparse.Namespace) -> int:
               "this VM shares its cores, its steps ran slower than alone; fit again on a quiet machine "
               "or read the profile's errors against that")
     print(f"wrote profile {name!r} to {args.output} (runner: {{kind: simulated, profile: {args.output}}})")
+    return 0
+
+
+def _rescale(args: argparse.Namespace, config: Config) -> int:
+    """``calibrate --rescale PROFILE``: the speed probe instead of a fit."""
+    from schedkit.lab.accuracy import probe_workload, run_once
+    from schedkit.lab.profiles import rescaled_payload, write_profile
+    from schedkit.runners.cost_model import CostModel
+
+    model = CostModel.load(args.rescale)
+    out = run_once(config, probe_workload(config.runner.vocab_size), model)
+    ratio = out.speed_ratio
+    if not math.isfinite(ratio) or ratio <= 0:
+        raise ConfigError(f"--rescale {args.rescale}: the speed probe recorded no step to compare")
+    payload = rescaled_payload(args.rescale, ratio, out.step_s, args.config, out.steal)
+    if args.name:
+        payload["name"] = args.name
+    write_profile(args.output, payload)
+    print(f"speed probe: {len(out.metrics)} requests, steps took {out.step_s:.2f} s, {ratio:.3f}x what "
+          f"{model.name!r} predicts; wrote it scaled by {ratio:.3f} to {args.output}")
     return 0
 
 
@@ -432,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=_positive_seconds, default=600.0,
                    help="wall-clock seconds for everything, model loading included (default 600); "
                         "the grid of step shapes is sized to fit")
+    p.add_argument("--rescale", metavar="PROFILE",
+                   help="instead of fitting, run the speed probe (40 steps of fixed work, a few seconds) "
+                        "on the YAML's runner and write PROFILE with every duration scaled by how much "
+                        "slower or faster the machine runs now than when PROFILE was fitted")
     p.set_defaults(func=_calibrate)
     p = sub.add_parser("check", help="validate a config file")
     p.add_argument("config")

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from schedkit.config import Config
 from schedkit.lab.calibrate import Calibration
-from schedkit.runners.cost_model import CostModel
+from schedkit.runners.cost_model import PROFILE_DIR, CostModel
 from schedkit.runners.machine import this_machine
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -91,6 +92,23 @@ def minimal_payload(name: str, model: CostModel, description: str) -> dict[str, 
 
 def _workers(model: CostModel) -> dict[str, int]:
     return {"attention_workers": model.attention_workers} if model.attention_workers else {}
+
+
+def rescaled_payload(source: str, ratio: float, probe_s: float, config_path: str,
+                     steal: float | None = None) -> dict[str, Any]:
+    """Profile ``source`` (a name or a path) with every duration multiplied by ``ratio``
+    (the speed probe's measured over predicted step time), recording the rescale: the
+    same shape, re-anchored to the machine's speed now."""
+    path = Path(source)
+    if not path.is_file():
+        path = PROFILE_DIR / f"{source}.json"
+    data = json.loads(path.read_text())
+    model = CostModel.from_profile(data, default_name=path.stem).scaled(ratio)
+    data["coefficients"] = model.coefficients
+    data["decode_batch_residual_s"] = {str(b): t for b, t in model.decode_batch_residual_s}
+    data["rescaled"] = {"from": str(source), "ratio": ratio, "probe_step_s": probe_s, "config": config_path,
+                        "date": time.strftime("%Y-%m-%d %H:%M"), "steal_share": steal}
+    return data
 
 
 def write_profile(path: str | Path, payload: dict[str, Any]) -> None:

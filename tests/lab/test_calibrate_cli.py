@@ -93,3 +93,27 @@ def test_calibrate_the_paged_runner_on_a_tiny_random_model(tmp_path):
     assert data["residuals"]["overall"]["median"] < 0.5
     model = CostModel.load(str(out))
     assert model.base_s > 0 and model.fitted_async_scheduling is False
+
+
+def test_rescale_reanchors_a_profile_by_the_speed_probe(tmp_path, capsys):
+    # On the simulator the "machine" runs exactly as its own profile says: a profile
+    # that predicts every step twice as fast is scaled by 2, the machine's own by 1.
+    from schedkit.lab.profiles import minimal_payload, write_profile
+
+    cfg = _config(tmp_path, {"kind": "simulated", "profile": "h200-qwen2.5-0.5b-handset"})
+    truth = CostModel.load("h200-qwen2.5-0.5b-handset")
+    fast = tmp_path / "fast.json"
+    write_profile(fast, minimal_payload("fast", truth.scaled(0.5), "test"))
+    out = tmp_path / "rescaled.json"
+    assert main(["calibrate", str(cfg), "--rescale", str(fast), "-o", str(out)]) == 0
+    assert "2.000x" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["rescaled"]["ratio"] == pytest.approx(2.0, rel=1e-9) and data["rescaled"]["from"] == str(fast)
+    model = CostModel.load(str(out))
+    for k, v in truth.coefficients.items():
+        assert getattr(model, k) == pytest.approx(v, rel=1e-9, abs=1e-15), k
+    same = tmp_path / "same.json"
+    assert main(["calibrate", str(cfg), "--rescale", "h200-qwen2.5-0.5b-handset", "-o", str(same)]) == 0
+    assert json.loads(same.read_text())["rescaled"]["ratio"] == pytest.approx(1.0, rel=1e-9)
+    assert main(["calibrate", str(cfg), "--rescale", "no-such-profile", "-o", str(same)]) == 2
+    assert "no-such-profile" in capsys.readouterr().err

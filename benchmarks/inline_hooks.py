@@ -28,6 +28,9 @@ class InlineFCFSHooks:
     def step_token_budget(self, *, max_num_batched_tokens, running, waiting, kv_cache_usage, step):
         return max_num_batched_tokens
 
+    def num_speculative_tokens(self, *, running, num_speculative_tokens, step):
+        return {}
+
     def admit_request(self, *, request, num_running, kv_cache_usage, now):
         return AdmissionDecision.ADMIT
 

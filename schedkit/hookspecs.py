@@ -277,6 +277,52 @@ def schedkit_step_token_budget(max_num_batched_tokens: int, running: Sequence[Re
 
 
 @hookspec(firstresult=True)
+def schedkit_num_speculative_tokens(running: Sequence[Request], num_speculative_tokens: int,
+                                    step: int) -> Mapping[str, int] | None:
+    """Decide how many draft tokens each running request gets proposed for its next
+    step: speculation pays when a request's drafts are accepted and the batch has
+    compute to spare, and wastes it otherwise (a large batch, a request whose drafts
+    keep failing). 0 turns speculation off for that request this step.
+
+    Called:
+        In the engine-core process, once after each step's output is processed while
+        requests run, with ``scheduler.num_speculative_tokens`` > 0, before the runner
+        proposes drafts; never without speculation configured.
+
+    Args:
+        running: Running requests in admission order (those still prefilling get no
+            drafts whatever the answer). Each carries its own record:
+            ``num_draft_tokens`` (drafts verified so far), ``num_accepted_tokens``
+            (those the target model accepted) and ``num_draft_misses`` (steps in which
+            one was rejected). Do not mutate.
+        num_speculative_tokens: The configured most per request and step (the answer's
+            upper bound).
+        step: The step just finished (the next one will verify the drafts).
+
+    Returns:
+        A mapping from request id to draft tokens in ``[0, num_speculative_tokens]``;
+        requests it leaves out get ``num_speculative_tokens``. None lets the next
+        plugin decide (no plugin: every request gets ``num_speculative_tokens``).
+
+    Errors:
+        A raise, or any other answer (not a mapping, an id that is not running, a
+        count outside the range, a float, a bool), raises PluginError: the engine logs
+        it and proposes no drafts for the next step (outputs are unchanged: drafts
+        only save steps), then asks again after it.
+
+    Built-in:
+        None: every request gets ``num_speculative_tokens``, as in vLLM.
+        ``speculate-by-batch`` speculates only while at most ``max_batch`` requests
+        run. ``speculate-by-acceptance`` gives each request the longest run of drafts
+        whose last one is still accepted with probability ``min_acceptance`` by its
+        own record, probing a request cut to 0 with one draft every ``probe_every``
+        steps, and speculates only up to ``max_batch`` requests if set.
+
+    .. versionadded:: 0.4
+    """
+
+
+@hookspec(firstresult=True)
 def schedkit_admit_request(request: Request, num_running: int, kv_cache_usage: float,
                            now: float) -> AdmissionDecision | Rejection | None:
     """Decide whether the request at the head of the waiting queue may be admitted now:

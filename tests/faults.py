@@ -25,7 +25,7 @@ QUEUE_METHODS = ("add", "peek", "pop", "prepend_request", "prepend_requests", "r
 HOOKS = ("schedkit_step_token_budget", "schedkit_select_voluntary_preemptions",
          "schedkit_select_preemption_victim",
          "schedkit_prefill_chunk_limit", "schedkit_admit_request", "schedkit_on_step_end",
-         "schedkit_on_request_finished")
+         "schedkit_on_request_finished", "schedkit_num_speculative_tokens")
 
 
 class InjectedFault(RuntimeError):
@@ -45,6 +45,7 @@ class FaultInjector:
         self.rng = random.Random(seed)
         self.defer_rng = random.Random(seed + 1)
         self.preempt_rng = random.Random(seed + 2)
+        self.spec_rng = random.Random(seed + 3)
         self.num_voluntary = 0
         """Running requests it preempted voluntarily."""
         self.rate = rate
@@ -110,6 +111,15 @@ class FaultInjector:
         self.maybe_raise("schedkit_admit_request", request)
         if self.defer_rng.random() < 0.1:  # skipped requests go back with prepend_requests
             return AdmissionDecision.SKIP
+        return None
+
+    @hookimpl
+    def schedkit_num_speculative_tokens(self, running, num_speculative_tokens):
+        # Its raise fails nothing (the next step goes without drafts), but it counts as
+        # step-wide so that it never hides the step's own raise.
+        self.maybe_raise("schedkit_num_speculative_tokens")
+        if self.spec_rng.random() < 0.5:  # drafts for some requests, not others
+            return {r.request_id: self.spec_rng.randint(0, num_speculative_tokens) for r in running}
         return None
 
     @hookimpl

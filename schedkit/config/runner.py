@@ -31,6 +31,19 @@ class _RunnerBase(StrictModel):
     it at each request's sampled output length; None: never)."""
 
 
+class DraftAcceptanceConfig(StrictModel):
+    """Per-request draft acceptance of the fake and simulated runners, drawn from a Beta
+    distribution (``a = mean * concentration``, ``b = (1 - mean) * concentration``)."""
+
+    mean: float = Field(ge=0.0, le=1.0)
+    """The requests' mean chance that a draft is right."""
+    concentration: float = Field(default=10.0, gt=0.0)
+    """How closely the requests stay to the mean (larger: closer)."""
+
+
+DraftAcceptance = Annotated[float, Field(ge=0.0, le=1.0)] | DraftAcceptanceConfig | None
+
+
 class FakeRunnerConfig(_RunnerBase):
     kind: Literal["fake"] = "fake"
     """Which model runner executes the steps: a deterministic model with no weights."""
@@ -40,6 +53,10 @@ class FakeRunnerConfig(_RunnerBase):
     """``virtual``: steps take no real time and advance the engine's virtual clock by
     ``step_time_ms``; ``wall``: each step sleeps ``step_time_ms`` and the engine runs on
     the wall clock (a stand-in model behind ``schedkit serve``)."""
+    draft_acceptance: DraftAcceptance = None
+    """With scheduler.num_speculative_tokens: each request's chance that a draft is right
+    (a number for all, or ``{mean, concentration}``: drawn per request from a Beta
+    distribution); None: every third draft position is wrong."""
 
 
 class SimulatedRunnerConfig(_RunnerBase):
@@ -47,6 +64,10 @@ class SimulatedRunnerConfig(_RunnerBase):
     """Which model runner executes the steps: fake tokens, cost-model step durations."""
     profile: str = "h200-qwen2.5-0.5b-handset"
     """Cost-model profile, a bundled name or a JSON file path."""
+    draft_acceptance: DraftAcceptance = None
+    """With scheduler.num_speculative_tokens: each request's chance that a draft is right
+    (a number for all, or ``{mean, concentration}``: drawn per request from a Beta
+    distribution); None: every third draft position is wrong."""
 
 
 class PagedRunnerConfig(_RunnerBase):
@@ -74,6 +95,19 @@ class PagedRunnerConfig(_RunnerBase):
     """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)
     """On CPU: torch intra-op threads (None: torch's default)."""
+    speculative_method: Literal["ngram", "suffix"] = "ngram"
+    """Proposer of draft tokens (with scheduler.num_speculative_tokens > 0): ngram (the
+    tokens after the latest earlier occurrence of the last 1-3 tokens, within the
+    request's last 1,024) or suffix (suffix decoding: suffix trees of the request's
+    tokens and of recent requests' outputs, the continuation seen most often)."""
+    suffix_max_depth: int = Field(default=16, ge=2, le=64)
+    """suffix: longest suffix kept in a tree (the longest match plus continuation); a
+    request's tree holds up to its length times this many nodes."""
+    suffix_max_cached_tokens: int = Field(default=100_000, ge=0)
+    """suffix: most output tokens of finished requests in the shared tree (the oldest go
+    first; 0: only each request's own tree)."""
+    suffix_min_probability: float = Field(default=0.1, ge=0.0, le=1.0)
+    """suffix: least share of the occurrences of its context a drafted token needs."""
 
 
 class PluginRunnerConfig(_RunnerBase):

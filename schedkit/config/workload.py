@@ -58,6 +58,10 @@ class TenantConfig(StrictModel):
     """The SLO class (a name of the config's ``slo_classes``) its requests carry as their
     hint in the cluster simulation, as a client would send it (``slo_class``); judge the
     class with ``slo.by_tenant``."""
+    draft_acceptance: float | None = Field(default=None, ge=0.0, le=1.0)
+    """On the fake and simulated runners: the chance that a draft of its requests is
+    right (over ``runner.draft_acceptance``), e.g. an agent's repetitive edits against
+    chat; None: the runner's."""
 
 
 class PriorityClassConfig(StrictModel):

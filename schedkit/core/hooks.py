@@ -8,7 +8,7 @@ asked, when, and which answers it may give is stated once, in ``schedkit/hookspe
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ class SchedulerHooks(Protocol):
 
     def step_token_budget(self, *, max_num_batched_tokens: int, running: Sequence[Request],
                           waiting: RequestQueue, kv_cache_usage: float, step: int) -> int: ...
+
+    def num_speculative_tokens(self, *, running: Sequence[Request], num_speculative_tokens: int,
+                               step: int) -> Mapping[str, int]: ...
 
     def admit_request(self, *, request: Request, num_running: int, kv_cache_usage: float,
                       now: float) -> AdmissionDecision: ...

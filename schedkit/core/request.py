@@ -244,6 +244,12 @@ class Request:
     rejection_reason: str | None = None
     """The reason that plugin gave (it answered a ``Rejection``), else None."""
     spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    """Draft tokens the target model verified for it so far (padding left out)."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones it accepted (speculation policies read the ratio)."""
+    num_draft_misses: int = 0
+    """Verification steps in which one of its drafts was rejected."""
     structured_output: StructuredOutputRequest | None = field(default=None, init=False)
     """Its constraint and grammar state (None for an unconstrained request)."""
     all_token_ids: list[int] = field(init=False)

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from schedkit.config import CacheConfig, SchedulerConfig
@@ -140,6 +140,9 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = _fit_max_model_len(scheduler_config, cache_config)
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
+        self._spec_plan: dict[str, int] | None = None
+        """The draft tokens :meth:`plan_speculation` planned per request, until
+        :meth:`update_draft_token_ids` applies them."""
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
@@ -345,13 +348,45 @@ class Scheduler:
                 self._preempt(self.running.pop(), drop_stale=True)
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """Set next step's draft tokens; drafts for a request still prefilling are dropped."""
+    def plan_speculation(self) -> dict[str, int]:
+        """How many draft tokens to propose for each running request for the next step:
+        the ``schedkit_num_speculative_tokens`` policy's answer, the configured
+        ``num_speculative_tokens`` for the requests it leaves out. Only requests that get
+        at least one are listed (none still prefilling). :meth:`update_draft_token_ids`
+        holds the proposer's drafts to the plan.
+
+        Raises:
+            PluginError: The policy raised or gave an answer it may not (nothing is
+                planned: no drafts for the next step).
+        """
+        k = self.num_spec_tokens
+        self._spec_plan = {}
+        if not k or not self.running:
+            return {}
+        answer = self.hooks.num_speculative_tokens(running=self.running, num_speculative_tokens=k,
+                                                   step=self.current_step)
+        plan = {}
+        for req in self.running:
+            n = answer.get(req.request_id, k)
+            if n and not req.is_prefill_chunk:
+                plan[req.request_id] = n
+        self._spec_plan = plan
+        return plan
+
+    def update_draft_token_ids(self, draft_token_ids: Mapping[str, list[int]]) -> None:
+        """Set next step's draft tokens; drafts for a request still prefilling are dropped,
+        and after :meth:`plan_speculation` each request keeps at most its planned number
+        (none if it was planned none)."""
+        plan, self._spec_plan = self._spec_plan, None
         for rid, drafts in draft_token_ids.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.is_prefill_chunk or (req.structured_output is not None and req.structured_output.jump_forward):
+            limit = self.num_spec_tokens if plan is None else plan.get(rid, 0)
+            if len(drafts) > limit:
+                drafts = list(drafts[:limit])
+            if not drafts or req.is_prefill_chunk or (
+                    req.structured_output is not None and req.structured_output.jump_forward):
                 req.spec_token_ids = []
             elif req.structured_output is not None and self.structured_output_manager is not None \
                     and not req.num_output_placeholders:  # the grammar has seen every token
@@ -1197,8 +1232,12 @@ class Scheduler:
         num_rejected = len(drafts) - num_accepted
         if num_rejected > 0 and req.num_computed_tokens > 0:
             req.num_computed_tokens -= num_rejected
-        if spec_stats is not None and drafts[0] != -1:
-            spec_stats.observe(len(drafts), num_accepted)
+        if drafts[0] != -1:
+            req.num_draft_tokens += len(drafts)
+            req.num_accepted_tokens += num_accepted
+            req.num_draft_misses += int(num_rejected > 0)
+            if spec_stats is not None:
+                spec_stats.observe(len(drafts), num_accepted)
 
     def _append_tokens(self, req: Request, gen: list[int]) -> tuple[list[int], bool]:
         max_model_len = self.max_model_len

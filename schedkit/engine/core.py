@@ -401,7 +401,7 @@ class EngineCore:
             return self.fail_requests(
                 list(scheduler_output.num_scheduled_tokens), f"output processing failed: {type(e).__name__}: {e}")
         if sched.num_spec_tokens:
-            sched.update_draft_token_ids(self.runner.propose_draft_token_ids(sched.num_spec_tokens))
+            self._propose_drafts()
         self.num_steps += 1
         if scheduler_output.total_num_scheduled_tokens:
             self.num_busy_steps += 1
@@ -409,6 +409,19 @@ class EngineCore:
         self.last_step_s = done - max(t0, self._last_done)
         self._last_done = done
         return step_outputs
+
+    def _propose_drafts(self) -> None:
+        """Ask the speculation policy how many drafts each running request gets, the
+        runner to propose them, and hand them to the scheduler. A raising or wrongly
+        answering policy costs the next step its drafts, nothing else."""
+        sched = self.scheduler
+        try:
+            plan = sched.plan_speculation()
+        except PluginError as e:
+            self._hook_log(e).error("%s; no draft tokens for the next step", e)
+            return
+        if plan:
+            sched.update_draft_token_ids(self.runner.propose_draft_token_ids(plan))
 
     def _hook_log(self, e: PluginError) -> RateLimitedLog:
         """One rate-limited log per raising (plugin, hook): an observer that raises every

@@ -238,6 +238,12 @@ class ReplayPolicy:
         return self._hook.schedkit_prefill_chunk_limit(request=request, num_new_tokens=num_new_tokens,
                                                        threshold=threshold)
 
+    @hookimpl
+    def schedkit_num_speculative_tokens(self, running: Sequence[Request], num_speculative_tokens: int,
+                                        step: int) -> Any:
+        return self._hook.schedkit_num_speculative_tokens(
+            running=running, num_speculative_tokens=num_speculative_tokens, step=step)
+
     # -- built once, at the start ----------------------------------------------------------
     @hookimpl
     def schedkit_create_kv_connector(self, role: Any, config: Any) -> Any:

@@ -54,6 +54,15 @@ def progress_bar(label: str, total: int) -> Any:
                 delay=PROGRESS_DELAY_S, mininterval=PROGRESS_INTERVAL_S, file=sys.stderr)
 
 
+def _tenant_acceptance(config: Config, workload: list[WorkloadRequest], runner: Any) -> None:
+    """Give a fake or simulated runner each request's draft acceptance from its tenant
+    (``workload.tenants[].draft_acceptance``)."""
+    by_tenant = {t.name: t.draft_acceptance for t in config.workload.tenants if t.draft_acceptance is not None}
+    table = getattr(runner, "acceptance_by_request", None)
+    if by_tenant and table is not None:
+        table.update((w.request_id, by_tenant[w.tenant]) for w in workload if w.tenant in by_tenant)
+
+
 def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
                  base_dir: str | Path | None = None, extra_plugins: Iterable[Any] = (),
                  runner: Any = None, progress: str | None = None,
@@ -70,6 +79,7 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
         workload = generate(config.workload, config.runner.vocab_size, base_dir)
     wall0 = time.perf_counter()
     engine = EngineCore(config, runner=runner, extra_plugins=extra_plugins)
+    _tenant_acceptance(config, workload, engine.runner)
     start = engine.start_time
     live: dict[str, Request] = {}
     token_times: dict[str, list[float]] = {}

@@ -13,7 +13,7 @@ found from the traceback. The plugin set is read once, when the facade is built.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pluggy
@@ -187,6 +187,25 @@ class HookFacade:
             raise self._bad_answer(name, plugin, budget,
                                    f"must be an int in [0, {max_num_batched_tokens}]")
         return budget
+
+    def num_speculative_tokens(self, *, running: Sequence[Request], num_speculative_tokens: int,
+                               step: int) -> Mapping[str, int]:
+        name = "schedkit_num_speculative_tokens"
+        answer, plugin = self._call(name, {"running": running, "num_speculative_tokens": num_speculative_tokens,
+                                           "step": step}, True)
+        if answer is None:
+            return {}
+        if not isinstance(answer, Mapping):
+            raise self._bad_answer(name, plugin, answer, "must be a mapping from request id to draft tokens")
+        # A step-wide answer: whatever is wrong in it, no request named in it is to blame.
+        ids = {r.request_id for r in running}
+        for rid, k in answer.items():
+            if rid not in ids:
+                raise self._bad_answer(name, plugin, answer, f"{rid!r} is not a running request")
+            if type(k) is not int or not 0 <= k <= num_speculative_tokens:
+                raise self._bad_answer(name, plugin, answer, f"the count for {rid!r} must be an int in "
+                                       f"[0, {num_speculative_tokens}], got {k!r}")
+        return answer
 
     def admit_request(self, *, request: Request, num_running: int, kv_cache_usage: float,
                       now: float) -> AdmissionDecision:

@@ -64,6 +64,8 @@ BUNDLED_POLICIES: Mapping[str, str] = {
     "aging": "schedkit.policies.aging:AgingWrapper",
     "priority-preemptive": "schedkit.policies.priority_preemptive:PreemptivePriority",
     "partial-prefill-cap": "schedkit.policies.partial_prefill:PartialPrefillCap",
+    "speculate-by-batch": "schedkit.policies.speculation:SpeculateByBatch",
+    "speculate-by-acceptance": "schedkit.policies.speculation:SpeculateByAcceptance",
 }
 BUNDLED_PLUGINS: Mapping[str, str] = {
     **BUNDLED_POLICIES,

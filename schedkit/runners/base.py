@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -18,6 +19,8 @@ class ModelRunner(Protocol):
         """Run one step and return the sampled tokens per scheduled request."""
         ...
 
-    def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
-        """Draft tokens for the next step of each request that just sampled (may be empty)."""
+    def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
+        """Draft tokens for the next step: at most ``num_spec_tokens[rid]`` for each
+        request listed (the speculation policy's plan; requests left out get none). A
+        request may get fewer, or none (nothing to propose)."""
         ...

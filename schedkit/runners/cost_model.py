@@ -6,6 +6,7 @@ profile (``schedkit/runners/profiles/*.json``, fitted by ``schedkit calibrate``)
         + per_context_token * context tokens read + per_prefill_attention * sum(n * (computed + n / 2))
         + per_shared_context_token * context tokens read again
         + per_idle_context_token * attention imbalance   (decode-only steps)
+        + per_draft_token * draft tokens verified   (their proposer's work)
         + per_prefill_step * [a chunk of more than one token] + per_mixed_step * [and a one-token one]
         + per_sampled_row * rows sampled + per_random_row * rows on the random path
         + per_filtered_row * rows through top-k / top-p + per_grammar_row * rows under a grammar
@@ -68,7 +69,7 @@ PROFILE_DIR = Path(__file__).with_name("profiles")
 FEATURES = ("base_s", "per_token_s", "per_request_s", "per_context_token_s", "per_prefill_attention_s",
             "per_prefill_step_s", "per_mixed_step_s", "per_sampled_row_s", "per_random_row_s",
             "per_filtered_row_s", "per_grammar_row_s", "per_block_store_s", "per_block_load_s",
-            "per_shared_context_token_s", "per_idle_context_token_s")
+            "per_shared_context_token_s", "per_idle_context_token_s", "per_draft_token_s")
 """Coefficient names: the constant, then one per field of :class:`StepFeatures`, in order."""
 REQUIRED_FEATURES = FEATURES[:5]
 """Coefficients every profile has; the others count 0 where a profile leaves them out."""
@@ -100,6 +101,11 @@ class StepFeatures(NamedTuple):
     * makespan - sum(keys)``, the makespan of the requests' key reads placed longest
     first on the least-loaded worker (0 without workers, and in steps with a prefill
     chunk, whose tiles fill the idle workers)."""
+    draft_tokens: float = 0.0
+    """Draft tokens the step verifies (placeholders of a padded admission left out):
+    what their proposer did to propose them is charged here (``per_draft_token_s``),
+    their verification in the tokens and sampled rows like any other. A request
+    verifying drafts counts as a decode, not a prompt chunk."""
 
     @property
     def kind(self) -> str:
@@ -126,6 +132,7 @@ class CostModel:
     per_block_load_s: float = 0.0
     per_shared_context_token_s: float = 0.0
     per_idle_context_token_s: float = 0.0
+    per_draft_token_s: float = 0.0
     decode_batch_residual_s: tuple[tuple[int, float], ...] = ()
     """(batch size, seconds) pairs, sorted by batch size."""
     name: str = "custom"
@@ -235,6 +242,8 @@ class CostModel:
                 t += self.per_shared_context_token_s * f[12]
                 if len(f) > 13:
                     t += self.per_idle_context_token_s * f[13]
+                    if len(f) > 14:
+                        t += self.per_draft_token_s * f[14]
         if self.decode_batch_residual_s and not f[4]:
             t += self.decode_residual(f[1])
         return max(t, 0.0)
@@ -306,18 +315,20 @@ def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling
           workers: int = 0) -> StepFeatures:
     spec = so.scheduled_spec_decode_tokens
     tokens = context = attn = 0.0
-    num_prefill = num_decode = rows = 0
+    num_prefill = num_decode = rows = num_drafts = 0
     any_random = any_filtered = False
     for rid, n in so.num_scheduled_tokens.items():
         c = before[rid]
         tokens += n
         context += c + n
-        if n > 1:
+        drafts = len(spec[rid]) if spec and rid in spec else 0
+        if drafts and spec[rid][0] != -1:
+            num_drafts += drafts
+        if n - drafts > 1:  # a prompt chunk; a decode verifying drafts stays a decode
             attn += n * (c + n / 2)
             num_prefill += 1
         else:
             num_decode += 1
-        drafts = len(spec[rid]) if spec and rid in spec else 0
         state = reqs.get(rid)
         if state is None:  # settings unknown: a one-token step samples
             if n - drafts == 1:
@@ -337,7 +348,7 @@ def _scan(so: SchedulerOutput, before: dict[str, int], reqs: dict[str, _Sampling
     return StepFeatures(tokens, float(num_prefill + num_decode), context, attn, float(num_prefill > 0),
                         float(num_prefill > 0 and num_decode > 0), float(rows),
                         float(rows if any_random else 0), float(rows if any_random and any_filtered else 0),
-                        float(grammar), float(stored), float(loaded), 0.0, idle)
+                        float(grammar), float(stored), float(loaded), 0.0, idle, float(num_drafts))
 
 
 def attention_idle(keys: list[int], workers: int) -> float:

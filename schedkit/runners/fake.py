@@ -3,21 +3,62 @@
 The "model" emits output token ``i`` of request ``r`` as a fixed function of ``r`` and
 ``i``; an optional per-request output length makes it emit EOS at that position. It
 verifies drafts against the same function, so speculative decoding accepts exactly the
-correct prefix of each draft list, as a real target model would. A structured request's
+correct prefix of each draft list, as a real target model would; its own drafts are
+right by a fixed pattern or, with ``draft_acceptance``, with a chance per request. A structured request's
 token that its grammar bitmask forbids is replaced by an allowed one (a fixed function of
 the forbidden token), as masked logits would make a model choose.
 """
 
 from __future__ import annotations
 
+import random
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
 from schedkit.core.structured_output import GrammarBitmask
+
+
+def unit_hash(seed: int, index: int) -> float:
+    """A number in [0, 1) that depends only on ``(seed, index)`` (a 64-bit mix)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 29
+    return x / 2.0**64
+
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DraftAcceptance:
+    """Per-request draft acceptance drawn from a Beta distribution of mean ``mean`` and
+    concentration ``concentration`` (``a = mean * concentration``, ``b = (1 - mean) *
+    concentration``): the larger it is, the closer every request stays to the mean.
+    Each request's draw depends only on its seed, so a workload gets the same chances in
+    every run and under every policy."""
+
+    mean: float
+    concentration: float
+
+    def draw(self, seed: int) -> float:
+        if self.mean <= 0.0 or self.mean >= 1.0:
+            return self.mean
+        rng = random.Random(seed)
+        return rng.betavariate(self.mean * self.concentration, (1.0 - self.mean) * self.concentration)
+
+
+def draft_acceptance_of(runner_config: Any) -> float | DraftAcceptance | None:
+    """The fake or simulated runner config's ``draft_acceptance`` (a number, or a
+    mapping with ``mean`` and ``concentration``; None when absent)."""
+    spec = getattr(runner_config, "draft_acceptance", None)
+    if spec is None or isinstance(spec, (int, float)):
+        return spec
+    return DraftAcceptance(spec.mean, spec.concentration)
 
 
 @dataclass(slots=True)
@@ -41,7 +82,13 @@ class FakeRunner:
         vocab_size: Tokens are drawn from ``[0, vocab_size)``.
         eos_token_id: Token emitted at a request's ``output_len``; never otherwise.
         output_len: ``request_id -> number of outputs before EOS`` (None: never EOS).
-        draft_error_every: Every this many draft positions the proposal is wrong (0: never).
+        draft_error_every: Every this many draft positions the proposal is wrong (0: never);
+            without ``draft_acceptance``.
+        draft_acceptance: Each request's chance that a draft is right (drafts after a
+            wrong one are never reached): a number for every request, or a
+            :class:`DraftAcceptance` drawing one per request (None: ``draft_error_every``).
+        acceptance_by_request: Chances of given requests (by id), over the above: a
+            workload's own per-request figures.
         step_time_s: Virtual duration reported for every step (drives the engine clock).
         is_virtual_clock: False: every step that runs a request sleeps ``step_time_s``
             and the engine keeps the wall clock.
@@ -51,6 +98,8 @@ class FakeRunner:
     eos_token_id: int | None = None
     output_len: Callable[[str], int | None] | None = None
     draft_error_every: int = 3
+    draft_acceptance: float | DraftAcceptance | None = None
+    acceptance_by_request: dict[str, float] = field(default_factory=dict)
     step_time_s: float = 0.01
     is_virtual_clock: bool = True
     states: dict[str, _ReqState] = field(default_factory=dict)
@@ -63,6 +112,7 @@ class FakeRunner:
         """Build from a :class:`schedkit.config.Config` (its ``runner`` section)."""
         rc = config.runner
         return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id,
+                   draft_acceptance=draft_acceptance_of(rc),
                    step_time_s=rc.step_time_ms / 1e3, is_virtual_clock=rc.clock == "virtual")
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
@@ -153,19 +203,36 @@ class FakeRunner:
         allowed = bitmask.allowed(row)
         return allowed[tok % len(allowed)] if allowed else tok
 
-    def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
+    def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
         """Propose the true next tokens, wrong at every ``draft_error_every``-th position."""
         drafts = {}
         for rid in self._last_sampled:
             st = self.states.get(rid)
-            if st is None:
+            k = num_spec_tokens.get(rid, 0)
+            if st is None or not k:
                 continue
             base = len(st.tokens) - st.num_prompt_tokens
+            alpha = self.acceptance_of(rid, st.seed)
             props = []
-            for j in range(num_spec_tokens):
+            for j in range(k):
                 tok = self.token_at(st, base + j)
-                if self.draft_error_every and (st.seed + base + j) % self.draft_error_every == 0:
+                if alpha is None:
+                    wrong = bool(self.draft_error_every) and (st.seed + base + j) % self.draft_error_every == 0
+                else:
+                    wrong = unit_hash(st.seed, base + j) >= alpha
+                if wrong:
                     tok = (tok + 1) % self.vocab_size
                 props.append(tok)
             drafts[rid] = props
         return drafts
+
+    def acceptance_of(self, request_id: str, seed: int) -> float | None:
+        """The chance that a draft of this request is right (None: the fixed pattern of
+        ``draft_error_every``)."""
+        alpha = self.acceptance_by_request.get(request_id)
+        if alpha is not None:
+            return alpha
+        spec = self.draft_acceptance
+        if spec is None or isinstance(spec, (int, float)):
+            return spec
+        return spec.draw(seed)

@@ -31,7 +31,7 @@ from schedkit.runners.cost_model import (
     StepShapes,
     step_features,
 )
-from schedkit.runners.fake import FakeRunner
+from schedkit.runners.fake import FakeRunner, draft_acceptance_of
 
 __all__ = ["FEATURES", "PROFILE_DIR", "REQUIRED_FEATURES", "CostModel", "SimulatedRunner",
            "StepFeatures", "StepShapes", "step_features"]
@@ -64,7 +64,8 @@ class SimulatedRunner(FakeRunner):
                         model.fitted_async_scheduling, is_async,
                         "include host work that async scheduling hides" if is_async
                         else "leave out host work that async scheduling hid")
-        return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id, cost_model=model)
+        return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id, cost_model=model,
+                   draft_acceptance=draft_acceptance_of(rc))
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         self.shapes.block_size = block_size

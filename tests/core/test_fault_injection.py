@@ -1,5 +1,6 @@
 """Fault-injection property test: plugins raise at random hook calls (every per-step
-hook, the waiting queue's methods and its key function) on random traces, and some
+hook, the waiting queue's methods and its key function) on random traces, with draft
+tokens planned at random where scheduling is synchronous, and some
 structured requests have grammars that are slow to compile, to fill their bitmask or to
 accept tokens. After every step the scheduler invariants hold and no block leaks; at the
 end nothing is left; only requests a fault concerned fail, and every other request's
@@ -41,12 +42,14 @@ def make_trace(seed: int, vocab: int = 1000) -> list[tuple[str, list[int], int, 
     return trace
 
 
-def fake_config(async_scheduling: bool) -> dict:
+def fake_config(async_scheduling: bool, drafts: bool = False) -> dict:
     return {
         "runner": {"kind": "fake", "vocab_size": 1000},
         "cache": {"block_size": 4, "num_blocks": 40, "enable_prefix_caching": True},
         "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 6, "max_model_len": 120,
-                      "long_prefill_token_threshold": 16, "async_scheduling": async_scheduling},
+                      "long_prefill_token_threshold": 16, "async_scheduling": async_scheduling,
+                      # drafts (and the speculation hook) where they combine
+                      "num_speculative_tokens": 2 if drafts and not async_scheduling else 0},
     }
 
 
@@ -109,9 +112,9 @@ def check_against_control(config: dict | Config, trace, seed: int, keyed: bool, 
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), keyed=st.booleans(), async_scheduling=st.booleans(),
-       rate=st.sampled_from([0.02, 0.05, 0.15]))
-def test_random_faults_fail_only_the_requests_they_touch(seed, keyed, async_scheduling, rate):
-    check_against_control(fake_config(async_scheduling), make_trace(seed), seed, keyed, rate)
+       drafts=st.booleans(), rate=st.sampled_from([0.02, 0.05, 0.15]))
+def test_random_faults_fail_only_the_requests_they_touch(seed, keyed, async_scheduling, drafts, rate):
+    check_against_control(fake_config(async_scheduling, drafts), make_trace(seed), seed, keyed, rate)
 
 
 def test_the_faults_reach_every_hook_and_queue_method():
@@ -121,8 +124,8 @@ def test_the_faults_reach_every_hook_and_queue_method():
     voluntary = 0
     for seed in range(12):
         for keyed in (False, True):
-            faults = check_against_control(fake_config(seed % 2 == 1), make_trace(seed), seed,
-                                           keyed, 0.05)
+            faults = check_against_control(fake_config(seed % 2 == 1, drafts=seed % 4 == 0),
+                                           make_trace(seed), seed, keyed, 0.05)
             raised += faults.raised
             voluntary += faults.num_voluntary
     assert voluntary > 10  # and its voluntary preemptions

@@ -160,7 +160,7 @@ def run_trace(cfg, reqs, max_steps=3000):
                     assert o.request_id not in finished
                     finished[o.request_id] = str(o.finish_reason)
         if k:
-            sched.update_draft_token_ids(runner.propose_draft_token_ids(k))
+            sched.update_draft_token_ids(runner.propose_draft_token_ids(sched.plan_speculation()))
         assert_scheduler_consistent(sched)
         step += 1
     return sched, added, finished, step

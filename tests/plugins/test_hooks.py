@@ -8,6 +8,8 @@ shown in docs/hooks.md (tests/test_docs.py checks that they are copied verbatim)
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from schedkit import (
@@ -22,8 +24,11 @@ from schedkit import (
     RequestStatus,
     hookimpl,
 )
+from schedkit.config import config_from_dict
+from schedkit.engine.core import EngineCore
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
+    drive_engine,
     make_request,
     make_requests,
     make_scheduler,
@@ -283,6 +288,49 @@ def test_hook_schedkit_step_token_budget():
     assert plugin.steps == list(range(1, len(totals) + 1))
     sched.schedule()  # also called when there is nothing to schedule
     assert plugin.steps[-1] == len(totals) + 1
+
+
+# ------------------------------------------------------------ schedkit_num_speculative_tokens
+class DraftsForTheFirstOnly:
+    """Draft tokens for request "0" alone; every other request decodes a token a step."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    @hookimpl
+    def schedkit_num_speculative_tokens(self, running, num_speculative_tokens, step):
+        self.calls.append((step, num_speculative_tokens, sorted(r.request_id for r in running)))
+        return {r.request_id: 0 for r in running if r.request_id != "0"}
+
+
+def test_hook_schedkit_num_speculative_tokens():
+    def serve_engine(plugins, k):
+        config = config_from_dict({"runner": {"kind": "fake", "vocab_size": 1000},
+                                   "scheduler": {"num_speculative_tokens": k}})
+        engine = EngineCore(config, extra_plugins=plugins)
+        drafted = Counter()
+        execute = engine.runner.execute
+
+        def spy(so):
+            for rid, drafts in so.scheduled_spec_decode_tokens.items():
+                drafted[rid] += len(drafts)
+            assert_scheduler_consistent(engine.scheduler)
+            return execute(so)
+
+        engine.runner.execute = spy
+        tokens, errors = drive_engine(engine, make_requests(3, num_tokens=12, max_tokens=10))
+        assert not errors
+        return tokens, drafted
+
+    plain, none = serve_engine([], 0)
+    plugin = DraftsForTheFirstOnly()
+    tokens, drafted = serve_engine([plugin], 3)
+    assert tokens == plain and not none  # drafts change steps, never tokens
+    assert set(drafted) == {"0"} and drafted["0"] > 0
+    steps = [c[0] for c in plugin.calls]
+    assert steps == sorted(set(steps)) and all(c[1] == 3 for c in plugin.calls)  # once a step
+    _, everyone = serve_engine([], 3)  # no plugin: every request gets the configured 3
+    assert set(everyone) == {"0", "1", "2"}
 
 
 # ------------------------------------------------------------------ schedkit_admit_request

@@ -126,15 +126,22 @@ class Exploding:
     def schedkit_on_request_finished(self):
         self._maybe_raise("schedkit_on_request_finished")
 
+    @hookimpl
+    def schedkit_num_speculative_tokens(self):
+        self._maybe_raise("schedkit_num_speculative_tokens")
+
 
 BUILD_HOOKS = ["schedkit_create_waiting_queue", "schedkit_create_kv_connector"]
 FIRST_USE_HOOKS = ["schedkit_create_structured_output_backend"]
 """Called when the first request that needs them arrives."""
-STEP_HOOKS = [h for h in HOOK_NAMES if h not in BUILD_HOOKS + FIRST_USE_HOOKS]
+BETWEEN_STEPS_HOOKS = ["schedkit_num_speculative_tokens"]
+"""Asked by the engine between steps; a raise costs the next step its drafts and nothing
+else (tests/policies/test_speculation.py)."""
+STEP_HOOKS = [h for h in HOOK_NAMES if h not in BUILD_HOOKS + FIRST_USE_HOOKS + BETWEEN_STEPS_HOOKS]
 
 
 def test_exploding_covers_every_hook():
-    assert sorted(BUILD_HOOKS + FIRST_USE_HOOKS + STEP_HOOKS) == sorted(HOOK_NAMES)
+    assert sorted(BUILD_HOOKS + FIRST_USE_HOOKS + STEP_HOOKS + BETWEEN_STEPS_HOOKS) == sorted(HOOK_NAMES)
     assert all(hasattr(Exploding, h) for h in HOOK_NAMES)
 
 

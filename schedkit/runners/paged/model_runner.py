@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
-from schedkit.runners.ngram import propose_ngram
+from schedkit.runners.drafting import DraftProposer, NgramProposer, make_proposer
 from schedkit.runners.paged.attention_metadata import AttentionMetadata
 from schedkit.runners.paged.cpu_linear import (
     WARM_ROWS,
@@ -78,6 +79,8 @@ class RunnerOptions:
     kv_cache_dtype: str | None = None
     """The cache's dtype (None: the model's parameters'); the model's dtype when the CPU
     computes in float32 (``runner.compute_dtype``)."""
+    proposer: DraftProposer = field(default_factory=NgramProposer)
+    """Where draft tokens come from (``runner.speculative_method``)."""
 
 
 @dataclass(slots=True)
@@ -207,7 +210,7 @@ class PagedModelRunner:
             use_cuda_graphs=not rc.enforce_eager and rc.attention_backend != "torch",
             cuda_graph_max_batch_size=min(rc.cuda_graph_max_batch_size, sc.max_num_seqs),
             gpu_memory_utilization=rc.gpu_memory_utilization, seed=rc.seed,
-            kv_cache_dtype=config.model.dtype)
+            kv_cache_dtype=config.model.dtype, proposer=make_proposer(rc))
         return cls(model, options, path)
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
@@ -452,6 +455,12 @@ class PagedModelRunner:
         ib = self.input_batch
         assert ib is not None, "initialize() was not called"
         for rid in so.finished_req_ids:
+            st = ib.states.get(rid)
+            proposer = self.options.proposer
+            if proposer.keeps_outputs and st is not None:
+                proposer.finish(rid, ib.token_ids[st.row, :st.num_tokens].tolist(), st.num_prompt_tokens)
+            else:
+                proposer.finish(rid)
             ib.remove(rid)
             self._parked.pop(rid, None)
         for rid in so.preempted_req_ids:
@@ -510,16 +519,21 @@ class PagedModelRunner:
             input_ids[dst] = tokens[src]
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
-        """N-gram drafts (:func:`schedkit.runners.ngram.propose_ngram`) continuing every
-        known request's tokens; the scheduler drops those of requests still prefilling."""
+    def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
+        """Drafts from the configured proposer (``options.proposer``: n-gram or suffix
+        decoding) continuing the tokens of each request planned some; the scheduler drops
+        those of requests still prefilling."""
         ib = self.input_batch
-        if ib is None or num_spec_tokens <= 0:
+        if ib is None:
             return {}
         drafts = {}
-        for rid, st in ib.states.items():
-            known = ib.token_ids[st.row, max(st.num_tokens - 1024, 0):st.num_tokens].tolist()
-            proposal = propose_ngram(known, num_spec_tokens)
+        proposer = self.options.proposer
+        for rid, k in num_spec_tokens.items():
+            st = ib.states.get(rid)
+            if st is None or k <= 0:
+                continue
+            known = ib.token_ids[st.row, :st.num_tokens].tolist()
+            proposal = proposer.propose(rid, known, st.num_prompt_tokens, k)
             if proposal:
                 drafts[rid] = proposal
         return drafts

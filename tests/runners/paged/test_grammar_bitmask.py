@@ -326,11 +326,11 @@ def _spec_engine(path: Any, expected: dict[str, list[int]]) -> tuple[EngineCore,
     runner = engine.runner
     proposed: list[int] = []
 
-    def propose(k: int) -> dict[str, list[int]]:
+    def propose(plan: dict[str, int]) -> dict[str, list[int]]:
         drafts = {}
         for rid, st in runner.input_batch.states.items():
             done = st.num_tokens - st.num_prompt_tokens
-            d = list(expected[rid][done:done + k])
+            d = list(expected[rid][done:done + plan.get(rid, 0)])
             if done % 3 == 2 and d:
                 d[-1] = (d[-1] + 1) % VOCAB
             drafts[rid] = d

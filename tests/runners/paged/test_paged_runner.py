@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from schedkit.engine.core import EngineCore  # noqa: E402
+from schedkit.policies.speculation import SpeculateByAcceptance  # noqa: E402
 from schedkit.runners.paged.testing import (  # noqa: E402
     greedy_request,
     paged_config,
@@ -68,11 +69,11 @@ def test_drafts_are_verified_like_greedy(model_dir: Any) -> None:
     engine = EngineCore(paged_config(path, scheduler={"num_speculative_tokens": 3}))
     runner = engine.runner
 
-    def propose(k: int) -> dict[str, list[int]]:
+    def propose(plan: dict[str, int]) -> dict[str, list[int]]:
         drafts = {}
         for rid, st in runner.input_batch.states.items():
             done = st.num_tokens - st.num_prompt_tokens
-            d = expected[rid][done:done + k]
+            d = expected[rid][done:done + plan.get(rid, 0)]
             if done % 3 == 2 and d:
                 d[-1] = (d[-1] + 1) % 512  # a wrong draft every third step
             drafts[rid] = d
@@ -105,20 +106,21 @@ def test_step_duration_is_measured(model_dir: Any) -> None:
     assert out.sampled_token_ids[0] and out.req_ids == ["r"]
 
 
-def test_ngram_drafts_keep_greedy_output_and_save_steps(model_dir: Any) -> None:
-    """The runner's own n-gram drafter: on repetitive prompts it proposes, greedy output
-    stays the same, and accepted drafts save steps."""
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_drafts_keep_greedy_output_and_save_steps(model_dir: Any, method: str) -> None:
+    """The runner's own drafters (n-gram lookup, suffix decoding): on repetitive prompts
+    they propose, greedy output stays the same, and accepted drafts save steps."""
     path = model_dir("llama")
     prompts = [[5, 6, 7, 8] * 6, [9, 10] * 10, random_prompts([20], 512, seed=6)[0]]
     reqs = lambda: [greedy_request(str(i), p, 24) for i, p in enumerate(prompts)]  # noqa: E731
     plain = EngineCore(paged_config(path))
     expected = run_engine(plain, reqs())
-    engine = EngineCore(paged_config(path, scheduler={"num_speculative_tokens": 3}))
+    engine = EngineCore(paged_config(path, scheduler={"num_speculative_tokens": 3}, speculative_method=method))
     proposed = []
     inner = engine.runner.propose_draft_token_ids
 
-    def spy(k: int) -> dict[str, list[int]]:
-        drafts = inner(k)
+    def spy(plan: dict[str, int]) -> dict[str, list[int]]:
+        drafts = inner(plan)
         proposed.append(sum(len(d) for d in drafts.values()))
         return drafts
 
@@ -164,3 +166,33 @@ def test_a_closed_engine_frees_the_kv_cache_and_weights_of_the_runner_it_built(m
         assert runner.kv_caches and runner.model is not None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_drafts_under_preemption_and_a_speculation_policy(model_dir: Any, method: str) -> None:
+    """A KV cache too small for every request at once: requests are preempted and
+    recompute while drafting, under the acceptance policy; greedy output is that of a
+    run without drafts, and every block is accounted for before each step."""
+    from schedkit.plugins.testing import assert_scheduler_consistent
+
+    path = model_dir("llama")
+    prompts = [[5, 6, 7, 8] * 8, [9, 10] * 14, [3, 1, 4, 1, 5, 9, 2, 6] * 3, random_prompts([24], 512, seed=8)[0]]
+    reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
+    small = {"num_blocks": 14, "block_size": 8}
+    expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
+    engine = EngineCore(paged_config(path, **small, speculative_method=method,
+                                     scheduler={"num_speculative_tokens": 3}),
+                        extra_plugins=[SpeculateByAcceptance(min_acceptance=0.4)])
+    execute = engine.runner.execute
+    drafted = []
+
+    def checked(so):
+        assert_scheduler_consistent(engine.scheduler)
+        drafted.append(sum(len(d) for d in so.scheduled_spec_decode_tokens.values()))
+        return execute(so)
+
+    engine.runner.execute = checked
+    assert run_engine(engine, reqs()) == expected
+    assert engine.scheduler.num_preemptions_total > 0 and sum(drafted) > 0
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1

@@ -9,6 +9,7 @@ through the ``schedkit.runners`` entry-point group and chosen with ``runner.kind
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,7 @@ class EchoRunner:
                                  sampled_token_ids=sampled,
                                  step_duration=self.step_time_s if req_ids else 0.0)
 
-    def propose_draft_token_ids(self, num_spec_tokens: int) -> dict[str, list[int]]:
+    def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
         """No drafts: with ``scheduler.num_speculative_tokens`` set, requests decode one
         token a step."""
         return {}

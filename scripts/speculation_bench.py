@@ -4,7 +4,9 @@ output tokens/s of each model-free proposer against no speculation, on repetitiv
 
 Each (workload, load) cell runs every mode in turn, ``--repeats`` times in rounds
 (A B C ... A B C ...), so the machine's drift spreads over all of them; greedy
-decoding, so every mode produces the same text (checked). Modes:
+decoding, so every mode produces the same text (checked). Every run starts with an
+empty proposer (suffix decoding's shared tree learns from that run's finished requests
+only). Modes:
 
 * ``off``: no drafts;
 * ``ngram`` / ``suffix``: ``--k`` drafts for every request every step;
@@ -27,6 +29,7 @@ from typing import Any
 from schedkit.config import config_from_dict, load_config
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
+from schedkit.runners.drafting import make_proposer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,18 +74,25 @@ MODES: dict[str, tuple[str, bool]] = {
     "ngram+policy": ("ngram", True), "suffix+policy": ("suffix", True)}
 
 
+POLICY_SETTINGS = {"draft_cost": 0.04, "min_acceptance": 0.1}
+"""speculate-by-acceptance as tuned for SmolLM2 on two CPU threads (docs/policies.md)."""
+
+
 def mode_config(base: dict[str, Any], mode: str, k: int) -> dict[str, Any]:
     data = json.loads(json.dumps(base))
     method, policy = MODES[mode]
     data["runner"]["speculative_method"] = method
     data["scheduler"]["num_speculative_tokens"] = 0 if mode == "off" else k
-    data["plugins"] = [{"name": "speculate-by-acceptance"}] if policy else []
+    data["plugins"] = [{"name": "speculate-by-acceptance", "settings": POLICY_SETTINGS}] if policy else []
     return data
 
 
 def run(engine: EngineCore, prompts: list[list[int]], max_tokens: int, eos: int | None,
         at_once: bool) -> dict[str, Any]:
-    """Serve ``prompts`` (all at once, or one after the other) and measure."""
+    """Serve ``prompts`` (all at once, or one after the other) and measure. The proposer
+    starts empty: suffix decoding's shared tree learns only from this run's finished
+    requests, not from an earlier run of the same prompts."""
+    engine.runner.options.proposer = make_proposer(engine.config.runner)
     tokens: dict[str, list[int]] = {}
     drafted = accepted = misses = 0
 

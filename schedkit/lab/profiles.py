@@ -14,7 +14,7 @@ from typing import Any
 
 from schedkit.config import Config
 from schedkit.lab.calibrate import Calibration
-from schedkit.runners.cost_model import PROFILE_DIR, CostModel
+from schedkit.runners.cost_model import CostModel, profile_path
 from schedkit.runners.machine import this_machine
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -99,9 +99,7 @@ def rescaled_payload(source: str, ratio: float, probe_s: float, config_path: str
     """Profile ``source`` (a name or a path) with every duration multiplied by ``ratio``
     (the speed probe's measured over predicted step time), recording the rescale: the
     same shape, re-anchored to the machine's speed now."""
-    path = Path(source)
-    if not path.is_file():
-        path = PROFILE_DIR / f"{source}.json"
+    path = profile_path(source)
     data = json.loads(path.read_text())
     model = CostModel.from_profile(data, default_name=path.stem).scaled(ratio)
     data["coefficients"] = model.coefficients

@@ -162,9 +162,7 @@ class CostModel:
         Raises:
             ConfigError: No such profile, or the file is not one.
         """
-        path = Path(name_or_path)
-        if not path.is_file():
-            path = PROFILE_DIR / f"{name_or_path}.json"
+        path = profile_path(name_or_path)
         if not path.is_file():
             known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
             raise ConfigError(f"runner.profile = {name_or_path!r}: no such profile file or "
@@ -275,6 +273,12 @@ class CostModel:
             return table[-1][1]
         (b0, t0), (b1, t1) = table[i - 1], table[i]
         return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+
+
+def profile_path(name_or_path: str) -> Path:
+    """The file of a profile given by path, else by bundled name (it may not exist)."""
+    path = Path(name_or_path)
+    return path if path.is_file() else PROFILE_DIR / f"{name_or_path}.json"
 
 
 def _seconds(key: str, value: Any) -> float:

@@ -181,7 +181,8 @@ class SuffixProposer:
             raise ValueError(f"max_cached_tokens must be >= 0, got {self.max_cached_tokens}")
         if not 0.0 <= self.min_probability <= 1.0:
             raise ValueError(f"min_probability must be in [0, 1], got {self.min_probability}")
-        SuffixTree(self.max_depth)  # checks max_depth
+        if self.max_depth < 2:
+            raise ValueError(f"max_depth must be at least 2, got {self.max_depth}")
         self._shared = SuffixTree(self.max_depth) if self.max_cached_tokens else None
 
     @property

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 STEAL_WARNING = 0.03
 """A calibration during which the hypervisor took more than this share of the CPU time
 warns that its step times are another guest's load as much as the runner's."""
+PROBE_RUNS_AFTER_FIT = 2
+"""Speed probes right after a fit, averaged: the reference a later probe reads the machine against."""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -215,6 +217,7 @@ def _compare_plots(config: Config, result: CompareResult, out: Path) -> list[str
 
 def _calibrate(args: argparse.Namespace) -> int:
     from schedkit.engine.tokenizer import load_tokenizer
+    from schedkit.lab.accuracy import speed_probe
     from schedkit.lab.calibrate import calibrate
     from schedkit.lab.profiles import profile_payload, write_profile
     from schedkit.lab.workloads import generate
@@ -235,12 +238,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     except ValueError as e:  # too few steps to fit
         raise ConfigError(f"--budget-s {args.budget_s:g}: {e}; give calibration more time") from None
     name = args.name or Path(args.output).stem
-    write_profile(args.output, profile_payload(name, result, config, args.config))
+    payload = profile_payload(name, result, config, args.config)
+    probe = speed_probe(config, result.model, runs=PROBE_RUNS_AFTER_FIT)
+    payload["speed_probe"] = {"ratio": probe.ratio, "step_s": probe.step_s, "runs": PROBE_RUNS_AFTER_FIT}
+    write_profile(args.output, payload)
     print(f"\n{len(result.records)} steps in {result.wall_s:.0f} s (budget {args.budget_s:g} s); "
           "relative step error:")
     print(f"  {'steps':<8} {'count':>6} {'mean':>7} {'median':>7} {'p90':>7}")
     for kind, r in result.residuals.items():
         print(f"  {kind:<8} {r['num_steps']:>6} {r['mean']:>7.1%} {r['median']:>7.1%} {r['p90']:>7.1%}")
+    print(f"speed probe after the fit: {probe.ratio:.3f}x the fitted prediction (the reference a later "
+          "--rescale reads the machine against)")
     if result.steal is not None and result.steal > STEAL_WARNING:
         print(f"warning: the hypervisor took {result.steal:.1%} of the CPU time during the fit (steal): "
               "this VM shares its cores, its steps ran slower than alone; fit again on a quiet machine "
@@ -251,21 +259,20 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _rescale(args: argparse.Namespace, config: Config) -> int:
     """``calibrate --rescale PROFILE``: the speed probe instead of a fit."""
-    from schedkit.lab.accuracy import probe_workload, run_once
+    from schedkit.lab.accuracy import speed_probe
     from schedkit.lab.profiles import rescaled_payload, write_profile
     from schedkit.runners.cost_model import CostModel
 
     model = CostModel.load(args.rescale)
-    out = run_once(config, probe_workload(config.runner.vocab_size), model)
-    ratio = out.speed_ratio
-    if not math.isfinite(ratio) or ratio <= 0:
-        raise ConfigError(f"--rescale {args.rescale}: the speed probe recorded no step to compare")
-    payload = rescaled_payload(args.rescale, ratio, out.step_s, args.config, out.steal)
+    probe = speed_probe(config, model)
+    factor = probe.speed(model)
+    payload = rescaled_payload(args.rescale, factor, probe.step_s, args.config, probe.steal)
     if args.name:
         payload["name"] = args.name
     write_profile(args.output, payload)
-    print(f"speed probe: {len(out.metrics)} requests, steps took {out.step_s:.2f} s, {ratio:.3f}x what "
-          f"{model.name!r} predicts; wrote it scaled by {ratio:.3f} to {args.output}")
+    against = "" if model.probe_ratio == 1.0 else f" (the probe read {model.probe_ratio:.3f}x right after the fit)"
+    print(f"speed probe: steps took {probe.step_s:.2f} s, {probe.ratio:.3f}x what {model.name!r} predicts"
+          f"{against}; wrote it scaled by {factor:.3f} to {args.output}")
     return 0
 
 

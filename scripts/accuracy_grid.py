@@ -74,9 +74,9 @@ def render(data: dict[str, Any]) -> str:
                   "simulates each experiment with the profile scaled by its runs' own ratio."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
-        lines += ["", f"The speed probe around each real run took {r['min']:.2f}-{r['max']:.2f}x "
-                  f"(mean {r['mean']:.2f}x) its predicted time; the middle column simulates each experiment "
-                  "with the profile scaled by its runs' probe ratio."]
+        lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "
+                  f"(mean {r['mean']:.2f}x) as slow as right after the fit; the middle column simulates each "
+                  "experiment with the profile scaled by its runs' probe ratio."]
     lines += ["", f"Outside the bound (15% or twice the real runs' spread), profile as fitted: "
               f"{', '.join(o['outside_bound']) or 'none'}."]
     if "outside_bound_anchored" in o and o.get("probe_ratio"):

@@ -438,6 +438,9 @@ def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel |
 
 PROBE_PROMPT_LENS = (32, 64, 96, 128, 160, 192, 224, 256)
 PROBE_MAX_TOKENS = 24
+PROBE_SCHEDULER = {"policy": "fcfs", "max_num_batched_tokens": 512, "max_num_seqs": 8}
+"""The probe's scheduler keys, whatever the config's: its steps are the same work on
+every config of a runner, so a probe after the fit and one before an experiment compare."""
 
 
 def probe_workload(vocab_size: int, seed: int = 0) -> list[WorkloadRequest]:
@@ -449,16 +452,51 @@ def probe_workload(vocab_size: int, seed: int = 0) -> list[WorkloadRequest]:
                             PROBE_MAX_TOKENS) for i, n in enumerate(PROBE_PROMPT_LENS)]
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class ProbeReading:
+    """What the speed probe measured against a profile."""
+
+    ratio: float
+    """Measured over predicted step time, summed over the probe's runs."""
+    step_s: float
+    """The probe's measured step time per run (seconds)."""
+    steal: float | None
+
+    def speed(self, model: CostModel) -> float:
+        """The machine's speed against the one ``model`` was fitted on (2: twice as
+        slow): the ratio read against the probe's own ratio right after the fit
+        (:attr:`CostModel.probe_ratio`), which holds the model's bias on these few steps."""
+        return self.ratio / model.probe_ratio
+
+
+def speed_probe(config: Config, model: CostModel, runs: int = 1) -> ProbeReading:
+    """Run the speed probe (:func:`probe_workload`) ``runs`` times on ``config``'s real
+    runner (its scheduler keys replaced by :data:`PROBE_SCHEDULER`, no plugins) and read
+    its steps against ``model``.
+
+    Raises:
+        ConfigError: The probe recorded no step (a runner that reports none).
+    """
+    scheduler = config.scheduler.model_copy(update=PROBE_SCHEDULER)
+    probe_config = config.model_copy(update={"scheduler": type(config.scheduler)(**scheduler.model_dump()),
+                                             "plugins": []})
+    outs = [run_once(probe_config, probe_workload(config.runner.vocab_size), model) for _ in range(runs)]
+    step_s, predicted_s = sum(o.step_s for o in outs), sum(o.predicted_s for o in outs)
+    if not predicted_s > 0:
+        raise ConfigError("the speed probe recorded no step to compare with the profile")
+    steals = [o.steal for o in outs if o.steal is not None]
+    return ProbeReading(step_s / predicted_s, step_s / runs, statistics.fmean(steals) if steals else None)
+
+
 def probe_speed(grid: Grid, model: CostModel) -> float:
-    """Run the speed probe (:func:`probe_workload`) on the real runner, first shape,
-    fcfs, and return its speed ratio: measured over ``model``'s predicted step time.
+    """Run the speed probe (:func:`speed_probe`) on the grid's real runner and return
+    the machine's speed against the fit (:meth:`ProbeReading.speed`).
 
     The probe is the same few seconds of work whatever the experiment, so its ratio
     follows the machine's speed (a VM's drift over an hour) and nothing of the
     experiment's own steps: a profile scaled by it is re-anchored to the machine as it
     runs now, without borrowing any measurement from the run it predicts."""
-    shape = next(iter(grid.config.shapes))
-    return run_once(grid.shape_config(shape), probe_workload(grid.base.runner.vocab_size), model).speed_ratio
+    return speed_probe(grid.base, model).speed(model)
 
 
 def capacity(grid: Grid, workload: Sequence[WorkloadRequest], shape: str) -> float:

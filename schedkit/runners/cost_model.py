@@ -151,6 +151,10 @@ class CostModel:
     kernel spread a step's sequences over (the CPU runner's ``num_threads``; 0: not
     modelled, as on a GPU). The simulator reads each decode step's imbalance over that
     many workers (:attr:`StepFeatures.idle_context_tokens`)."""
+    probe_ratio: float = 1.0
+    """The profile's ``speed_probe.ratio``: the speed probe's measured over predicted
+    step time right after the fit, the model's own bias on the probe's few steps. A
+    later probe reads the machine's speed against it (1: not recorded)."""
 
     @classmethod
     def load(cls, name_or_path: str) -> CostModel:
@@ -197,12 +201,15 @@ class CostModel:
         workers = data.get("attention_workers") or 0
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"attention_workers must be an integer >= 0, got {workers!r}")
+        probe = (data.get("speed_probe") or {}).get("ratio", 1.0)
+        if isinstance(probe, bool) or not isinstance(probe, (int, float)) or not probe > 0:
+            raise ValueError(f"speed_probe.ratio must be a number > 0, got {probe!r}")
         values = {k: float(coef[k]) for k in FEATURES if k in coef}
         # Fitted before shared reads were told apart: they cost what any read costs.
         values.setdefault("per_shared_context_token_s", values["per_context_token_s"])
         return cls(**values,
                    decode_batch_residual_s=table, name=str(data.get("name", default_name)),
-                   attention_workers=workers,
+                   attention_workers=workers, probe_ratio=float(probe),
                    fitted_async_scheduling=None if is_async is None else bool(is_async),
                    kv_transfer_latency_s=None if latency is None else _seconds("kv_transfer.latency_s", latency),
                    per_block_transfer_s=None if per_block is None else _seconds("kv_transfer.per_block_s",

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
 STEAL_WARNING = 0.03
 """A calibration during which the hypervisor took more than this share of the CPU time
 warns that its step times are another guest's load as much as the runner's."""
-PROBE_RUNS_AFTER_FIT = 2
-"""Speed probes right after a fit, averaged: the reference a later probe reads the machine against."""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -217,7 +215,6 @@ def _compare_plots(config: Config, result: CompareResult, out: Path) -> list[str
 
 def _calibrate(args: argparse.Namespace) -> int:
     from schedkit.engine.tokenizer import load_tokenizer
-    from schedkit.lab.accuracy import speed_probe
     from schedkit.lab.calibrate import calibrate
     from schedkit.lab.profiles import profile_payload, write_profile
     from schedkit.lab.workloads import generate
@@ -238,17 +235,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     except ValueError as e:  # too few steps to fit
         raise ConfigError(f"--budget-s {args.budget_s:g}: {e}; give calibration more time") from None
     name = args.name or Path(args.output).stem
-    payload = profile_payload(name, result, config, args.config)
-    probe = speed_probe(config, result.model, runs=PROBE_RUNS_AFTER_FIT)
-    payload["speed_probe"] = {"ratio": probe.ratio, "step_s": probe.step_s, "runs": PROBE_RUNS_AFTER_FIT}
-    write_profile(args.output, payload)
+    write_profile(args.output, profile_payload(name, result, config, args.config))
     print(f"\n{len(result.records)} steps in {result.wall_s:.0f} s (budget {args.budget_s:g} s); "
           "relative step error:")
     print(f"  {'steps':<8} {'count':>6} {'mean':>7} {'median':>7} {'p90':>7}")
     for kind, r in result.residuals.items():
         print(f"  {kind:<8} {r['num_steps']:>6} {r['mean']:>7.1%} {r['median']:>7.1%} {r['p90']:>7.1%}")
-    print(f"speed probe after the fit: {probe.ratio:.3f}x the fitted prediction (the reference a later "
-          "--rescale reads the machine against)")
+    if result.probe_ratio is not None:
+        print(f"speed probe, {result.num_probes} runs between the passes: {result.probe_ratio:.3f}x the fitted "
+              "prediction (the reference a later --rescale reads the machine against)")
     if result.steal is not None and result.steal > STEAL_WARNING:
         print(f"warning: the hypervisor took {result.steal:.1%} of the CPU time during the fit (steal): "
               "this VM shares its cores, its steps ran slower than alone; fit again on a quiet machine "
@@ -270,7 +265,7 @@ def _rescale(args: argparse.Namespace, config: Config) -> int:
     if args.name:
         payload["name"] = args.name
     write_profile(args.output, payload)
-    against = "" if model.probe_ratio == 1.0 else f" (the probe read {model.probe_ratio:.3f}x right after the fit)"
+    against = "" if model.probe_ratio == 1.0 else f" (the probe read {model.probe_ratio:.3f}x during the fit)"
     print(f"speed probe: steps took {probe.step_s:.2f} s, {probe.ratio:.3f}x what {model.name!r} predicts"
           f"{against}; wrote it scaled by {factor:.3f} to {args.output}")
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from schedkit.config.base import StrictModel
 
@@ -70,6 +70,20 @@ class SimulatedRunnerConfig(_RunnerBase):
     distribution); None: every third draft position is wrong."""
 
 
+class DraftModelConfig(StrictModel):
+    """The draft model of ``speculative_method: draft_model``: a smaller model sharing the
+    target's tokenizer (its vocabulary must match)."""
+
+    name: str | None = None
+    """The draft's weights, as ``model.name`` takes them (a built-in name or a folder of
+    config.json and safetensors); None: the target's own."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of a built-in random-weight draft model."""
+    num_layers: int | None = Field(default=None, ge=1)
+    """Run only the model's first this many decoder layers (then its final norm and
+    head): a truncated model drafting for the whole one. None: every layer."""
+
+
 class PagedRunnerConfig(_RunnerBase):
     kind: Literal["paged"] = "paged"
     """Which model runner executes the steps: a real model over the paged KV cache."""
@@ -95,11 +109,15 @@ class PagedRunnerConfig(_RunnerBase):
     """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)
     """On CPU: torch intra-op threads (None: torch's default)."""
-    speculative_method: Literal["ngram", "suffix"] = "ngram"
+    speculative_method: Literal["ngram", "suffix", "draft_model"] = "ngram"
     """Proposer of draft tokens (with scheduler.num_speculative_tokens > 0): ngram (the
     tokens after the latest earlier occurrence of the last 1-3 tokens, within the
-    request's last 1,024) or suffix (suffix decoding: suffix trees of the request's
-    tokens and of recent requests' outputs, the continuation seen most often)."""
+    request's last 1,024), suffix (suffix decoding: suffix trees of the request's
+    tokens and of recent requests' outputs, the continuation seen most often) or
+    draft_model (a smaller model's greedy continuation, ``draft_model``; its KV cache
+    lies on the target's blocks)."""
+    draft_model: DraftModelConfig | None = None
+    """draft_model: the model drafting (None: the target's own weights, every layer)."""
     suffix_max_depth: int = Field(default=16, ge=2, le=64)
     """suffix: longest suffix kept in a tree (the longest match plus continuation); a
     request's tree holds up to its length times this many nodes."""
@@ -108,6 +126,13 @@ class PagedRunnerConfig(_RunnerBase):
     first; 0: only each request's own tree)."""
     suffix_min_probability: float = Field(default=0.1, ge=0.0, le=1.0)
     """suffix: least share of the occurrences of its context a drafted token needs."""
+
+    @model_validator(mode="after")
+    def _draft_model_only_for_its_method(self) -> PagedRunnerConfig:
+        if self.draft_model is not None and self.speculative_method != "draft_model":
+            raise ValueError(f"draft_model is set but speculative_method is {self.speculative_method!r}: "
+                             "set speculative_method: draft_model to draft with it")
+        return self
 
 
 class PluginRunnerConfig(_RunnerBase):

@@ -128,7 +128,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  hooks: SchedulerHooks, *, clock: Callable[[], float] = time.monotonic,
                  log_stats: bool = True,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 num_lookahead_tokens: int = 0) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.hooks = hooks
@@ -140,6 +141,10 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = _fit_max_model_len(scheduler_config, cache_config)
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        """Slots allocated past each scheduled request's tokens, never cached: where a
+        draft model writes the KV of its own drafts before the next step schedules them
+        (the runner's ``num_lookahead_tokens``; 0 for model-free proposers)."""
         self._spec_plan: dict[str, int] | None = None
         """The draft tokens :meth:`plan_speculation` planned per request, until
         :meth:`update_draft_token_ids` applies them."""
@@ -486,6 +491,7 @@ class Scheduler:
     def _schedule_running(self, st: StepState) -> None:
         running = self.running
         allocate = self.kv_cache_manager.allocate_slots
+        lookahead = self.num_lookahead_tokens
         chunk_limit = self.hooks.prefill_chunk_limit
         num_scheduled = st.num_scheduled
         last_pos = self.max_model_len - 1
@@ -507,7 +513,7 @@ class Scheduler:
             if n <= 0:
                 idx += 1
                 continue
-            new_blocks = allocate(req, n)
+            new_blocks = allocate(req, n, 0, (), lookahead)
             if new_blocks is None:
                 new_blocks, idx = self._preempt_until_fits(req, n, idx, st)
                 if new_blocks is None:
@@ -552,7 +558,7 @@ class Scheduler:
             self._preempt(victim, save_kv=save_kv)
             if victim is req:
                 return None, idx
-            new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks, idx
 
@@ -701,6 +707,7 @@ class Scheduler:
                 return _Head.NO_ROOM
         new_blocks = kv.allocate_slots(
             req, n, lookup.num_local_tokens, lookup.hit_blocks,
+            num_lookahead_tokens=0 if lookup.load_async else self.num_lookahead_tokens,
             num_external_computed_tokens=lookup.num_external_tokens,
             delay_cache_blocks=lookup.load_async, reserved_blocks=reserved,
             full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,

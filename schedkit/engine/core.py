@@ -112,8 +112,10 @@ class EngineCore:
             self._structured_output_backend, num_workers=so_cfg.num_workers,
             cache_size=so_cfg.cache_size, max_rollback_tokens=config.scheduler.num_speculative_tokens,
             jump_forward=so_cfg.jump_forward, limits=so_cfg)
+        lookahead = int(getattr(self.runner, "num_lookahead_tokens", 0) or 0)
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
-                                   clock=self.now, structured_output_manager=self.structured_output_manager)
+                                   clock=self.now, structured_output_manager=self.structured_output_manager,
+                                   num_lookahead_tokens=lookahead)
         if so_cfg.jump_forward and config.scheduler.async_scheduling:
             log.warning("structured_outputs.jump_forward has no effect with scheduler.async_scheduling: "
                         "a request decoding steadily always has a token in flight, and a request "
@@ -419,8 +421,9 @@ class EngineCore:
             plan = sched.plan_speculation()
         except PluginError as e:
             self._hook_log(e).error("%s; no draft tokens for the next step", e)
-            return
-        if plan:
+            plan = {}
+        # A draft model keeps its KV in step with the target's: it runs every step.
+        if plan or sched.num_lookahead_tokens:
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(plan))
 
     def _hook_log(self, e: PluginError) -> RateLimitedLog:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import random
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +51,7 @@ from schedkit.config import (
 )
 from schedkit.config.base import StrictModel
 from schedkit.errors import ConfigError
+from schedkit.lab.calibrate import probe_workload
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.workloads import WorkloadRequest, generate
 from schedkit.runners.cost_model import CostModel
@@ -436,20 +436,9 @@ def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel |
     return out
 
 
-PROBE_PROMPT_LENS = (32, 64, 96, 128, 160, 192, 224, 256)
-PROBE_MAX_TOKENS = 24
-PROBE_SCHEDULER = {"policy": "fcfs", "max_num_batched_tokens": 512, "max_num_seqs": 8}
-"""The probe's scheduler keys, whatever the config's: its steps are the same work on
-every config of a runner, so a probe after the fit and one before an experiment compare."""
-
-
-def probe_workload(vocab_size: int, seed: int = 0) -> list[WorkloadRequest]:
-    """The speed probe's requests: eight prompts of 32-256 seeded random tokens, all at
-    time 0, 24 output tokens each (about 40 steps: chunked prefills, mixed steps, decode
-    batches of 1 to 8)."""
-    rng = random.Random(seed)
-    return [WorkloadRequest(f"probe-{i}", 0.0, [rng.randrange(1, vocab_size) for _ in range(n)],
-                            PROBE_MAX_TOKENS) for i, n in enumerate(PROBE_PROMPT_LENS)]
+PROBE_SCHEDULER = {"policy": "fcfs"}
+"""The probe's scheduler keys over the config's: its steps are the same work whatever the
+experiment's policy (the calibration runs it under the calibration config's own)."""
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -464,15 +453,15 @@ class ProbeReading:
 
     def speed(self, model: CostModel) -> float:
         """The machine's speed against the one ``model`` was fitted on (2: twice as
-        slow): the ratio read against the probe's own ratio right after the fit
+        slow): the ratio read against the probe's ratio during the fit
         (:attr:`CostModel.probe_ratio`), which holds the model's bias on these few steps."""
         return self.ratio / model.probe_ratio
 
 
 def speed_probe(config: Config, model: CostModel, runs: int = 1) -> ProbeReading:
-    """Run the speed probe (:func:`probe_workload`) ``runs`` times on ``config``'s real
-    runner (its scheduler keys replaced by :data:`PROBE_SCHEDULER`, no plugins) and read
-    its steps against ``model``.
+    """Run the speed probe (:func:`~schedkit.lab.calibrate.probe_workload`) ``runs``
+    times on ``config``'s real runner (fcfs, no plugins) and read its steps against
+    ``model``.
 
     Raises:
         ConfigError: The probe recorded no step (a runner that reports none).

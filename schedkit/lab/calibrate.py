@@ -24,6 +24,8 @@ config, the phases and the fit's residuals.
 from __future__ import annotations
 
 import gc
+import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,6 +74,29 @@ class Calibration:
     """The machine's steal share during the calibration
     (:func:`~schedkit.runners.machine.steal_share`): on a VM whose cores are shared, the
     steps ran about that much slower than on the machine alone."""
+    probe_ratio: float | None = None
+    """The speed probe's measured over predicted step time, over the probes run between
+    the calibration's passes (the profile's ``speed_probe.ratio``); None: none ran."""
+    num_probes: int = 0
+
+
+PROBE_PROMPT_LENS = (32, 64, 96, 128, 160, 192, 224, 256)
+PROBE_MAX_TOKENS = 24
+
+
+def probe_workload(vocab_size: int, seed: int = 0) -> list[WorkloadRequest]:
+    """The speed probe's requests: eight prompts of 32-256 seeded random tokens, all at
+    time 0, 24 output tokens each (about 40 steps: chunked prefills, mixed steps, decode
+    batches of 1 to 8)."""
+    rng = random.Random(seed)
+    return [WorkloadRequest(f"probe-{seed}-{i}", 0.0, [rng.randrange(1, vocab_size) for _ in range(n)],
+                            PROBE_MAX_TOKENS) for i, n in enumerate(PROBE_PROMPT_LENS)]
+
+
+def probe_ratio(records: Sequence[StepRecord], model: CostModel) -> float:
+    """Measured over ``model``'s predicted time of ``records`` (nan if none)."""
+    predicted = sum(model.step_time(f) for f, _ in records)
+    return sum(d for _, d in records) / predicted if predicted > 0 else math.nan
 
 
 # -- phases -------------------------------------------------------------------------------
@@ -292,6 +317,7 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
                                                if report.estimate_s is not None else ""))
 
     runner = build(config)
+    probe_spans: list[tuple[int, int]] = []
     device_name = getattr(runner, "device_name", None)
     workers = int(getattr(runner, "attention_workers", 0))
     is_virtual = bool(getattr(runner, "is_virtual_clock", False))
@@ -301,7 +327,16 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
         if workload is None:
             workload = generate(config.workload, config.runner.vocab_size)
         note(session.run(Phase("workload", workload, is_timed=True), deadline=clock.at(0.25)))
-        _run_grid(session, config, clock.end - swap_share - fit_reserve, is_virtual, note)
+
+        def probe(k: int, session: Session = session) -> None:  # the speed probe, its steps kept apart
+            n0 = len(session.records)
+            report = session.run(Phase(f"probe-{k}", probe_workload(config.runner.vocab_size, seed=k)),
+                                 clock.end - swap_share - fit_reserve)
+            note(report)
+            if report.status == "ran":
+                probe_spans.append((n0, len(session.records)))
+
+        _run_grid(session, config, clock.end - swap_share - fit_reserve, is_virtual, note, probe)
         records = list(session.records)
     finally:
         session.close()
@@ -309,14 +344,18 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
         gc.collect()  # the swap phase's runner needs the memory (on a GPU, all of it)
     records += _run_swap(config, build, clock.end - fit_reserve, note)
     model = fit(records, attention_workers=workers)
+    probed = [records[i] for a, b in probe_spans for i in range(a, b)]
     return Calibration(records, model, residuals(records, model), reports, time.monotonic() - clock.start,
-                       budget_s, device_name, steal_share(cpu_before, cpu_times()))
+                       budget_s, device_name, steal_share(cpu_before, cpu_times()),
+                       probe_ratio(probed, model) if probed else None, len(probe_spans))
 
 
 def _run_grid(session: Session, config: Config, deadline: float, is_virtual: bool,
-              note: Callable[[PhaseReport], None]) -> None:
+              note: Callable[[PhaseReport], None], probe: Callable[[int], None] = lambda k: None) -> None:
     """The grid and sampling bursts, cheapest first (by the cost model fitted so far),
-    each only if it still fits before ``deadline``; a phase that overruns is cut there."""
+    each only if it still fits before ``deadline``; a phase that overruns is cut there.
+    ``probe(k)`` runs before each pass ``k``: the speed probe, spread over the fit's
+    time so that its ratio to the fitted model is read at the calibration's mean speed."""
     config = session.config
     phases = grid_phases(config) + sampling_phases(config)
     estimates: dict[str, float] = {}
@@ -328,6 +367,7 @@ def _run_grid(session: Session, config: Config, deadline: float, is_virtual: boo
     ratios: list[float] = []  # measured / predicted so far: corrects the later predictions
     ran: list[tuple[Phase, float]] = []
     no_grammar = ""
+    probe(0)
     for i in order:
         ph = phases[i]
         est = estimates.get(ph.name)
@@ -353,15 +393,17 @@ def _run_grid(session: Session, config: Config, deadline: float, is_virtual: boo
         if report.status == "ran":
             ran.append((ph, report.wall_s))
     if not is_virtual:  # a simulated runner's steps are the same every time
-        _repeat(session, ran, deadline, note)
+        _repeat(session, ran, deadline, note, probe)
 
 
 def _repeat(session: Session, ran: list[tuple[Phase, float]], deadline: float,
-            note: Callable[[PhaseReport], None]) -> None:
+            note: Callable[[PhaseReport], None], probe: Callable[[int], None]) -> None:
     """With time left, the bursts that ran again (new prompts), pass after pass, each
     only if it fits before ``deadline`` by its last duration."""
     key, vocab = 1 << 45, session.engine.config.runner.vocab_size
     for k in range(1, GRID_PASSES):
+        if ran and time.monotonic() + 1.2 * ran[0][1] <= deadline:
+            probe(k)
         did = False
         for ph, wall_s in ran:
             if time.monotonic() + 1.2 * wall_s > deadline:

@@ -80,6 +80,8 @@ def profile_payload(name: str, calibration: Calibration, config: Config, config_
         "coefficients": model.coefficients,
         "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s},
         **_workers(model),
+        **({"speed_probe": {"ratio": calibration.probe_ratio, "runs": calibration.num_probes}}
+           if calibration.probe_ratio is not None else {}),
     }
 
 

@@ -53,8 +53,9 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     assert phases["workload"]["status"] == "ran" and phases["swap-0"]["num_steps"] > 0
     assert phases["grammar-b1"]["status"].startswith("skipped: no structured-output backend")
     assert set(data["coefficients"]) == set(FEATURES)
-    # The probe right after the fit: the simulator runs just as its fitted profile says.
-    assert data["speed_probe"]["ratio"] == pytest.approx(1.0, rel=1e-3) and data["speed_probe"]["runs"] == 2
+    # The probe during the fit: the simulator runs just as its fitted profile says.
+    assert data["speed_probe"]["ratio"] == pytest.approx(1.0, rel=1e-3) and data["speed_probe"]["runs"] >= 1
+    assert phases["probe-0"]["status"] == "ran"
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # fitted on this machine: no warning
@@ -122,7 +123,7 @@ def test_rescale_reanchors_a_profile_by_the_speed_probe(tmp_path, capsys):
 
 
 def test_rescale_reads_the_probe_against_the_one_after_the_fit(tmp_path, capsys):
-    # A profile whose probe read 1.25x right after its fit (its bias on the probe's
+    # A profile whose probe read 1.25x during its fit (its bias on the probe's
     # steps) is rescaled by what the machine moved since, not by the raw ratio.
     from schedkit.lab.profiles import minimal_payload, write_profile
 
@@ -133,7 +134,7 @@ def test_rescale_reads_the_probe_against_the_one_after_the_fit(tmp_path, capsys)
     assert CostModel.load(str(fast)).probe_ratio == 1.25
     out = tmp_path / "rescaled.json"
     assert main(["calibrate", str(cfg), "--rescale", str(fast), "-o", str(out)]) == 0
-    assert "read 1.250x right after the fit" in capsys.readouterr().out
+    assert "read 1.250x during the fit" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["rescaled"]["ratio"] == pytest.approx(1.6, rel=1e-9)
     # The rescaled profile keeps the reference: the machine has not moved since.

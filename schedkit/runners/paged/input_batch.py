@@ -35,6 +35,9 @@ class RequestState:
     """Index, in the sampled tensor of the step in flight, of the token at
     ``pending_pos`` (-1: every token is on the host)."""
     pending_pos: int = -1
+    num_draft_computed: int = 0
+    """Leading tokens whose KV the draft model has written (``draft_model`` drafting):
+    those the request started with computed, then what the draft caught up on."""
 
 
 @dataclass(slots=True)
@@ -110,7 +113,8 @@ class InputBatch:
         self.token_ids[row, :len(token_ids)] = token_ids
         self.block_table[row, :len(block_ids)] = block_ids
         self.states[req_id] = RequestState(req_id, row, num_prompt_tokens, len(token_ids),
-                                           len(block_ids), num_computed_tokens, params)
+                                           len(block_ids), num_computed_tokens, params,
+                                           num_draft_computed=num_computed_tokens)
 
     def remove(self, req_id: str) -> RequestState | None:
         st = self.states.pop(req_id, None)

@@ -65,11 +65,12 @@ def allocate_kv_cache(args: ModelArgs, num_blocks: int, block_size: int, dtype: 
 
 def num_blocks_from_free_memory(args: ModelArgs, block_size: int, dtype: torch.dtype,
                                 device: torch.device, utilization: float,
-                                peak_activation_bytes: int) -> int:
+                                peak_activation_bytes: int, extra_bytes_per_block: int = 0) -> int:
     """Blocks that fit in ``utilization`` of the GPU after weights, other processes'
-    memory and the profiled activation peak."""
+    memory and the profiled activation peak (``extra_bytes_per_block``: a draft
+    model's KV on the same blocks)."""
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)
     budget = total * utilization - others - max(peak_activation_bytes, weights)
-    return max(0, int(budget // bytes_per_block(args, block_size, dtype)))
+    return max(0, int(budget // (bytes_per_block(args, block_size, dtype) + extra_bytes_per_block)))

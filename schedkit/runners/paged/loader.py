@@ -8,6 +8,7 @@ separate q/k/v and gate/up weights are copied into the fused projections. Every 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -103,6 +104,7 @@ def read_model_args(path: Path) -> ModelArgs:
     return model_args_from_hf(cfg, source)
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
 
 
@@ -142,9 +144,20 @@ def _copy_into(params: Mapping[str, torch.Tensor], name: str, tensor: torch.Tens
 
 
 def load_model(path: Path, args: ModelArgs, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
-    """Build a :class:`CausalLM` on ``device`` and fill it from ``path/*.safetensors``."""
+               max_positions: int, first_layers: int | None = None) -> CausalLM:
+    """Build a :class:`CausalLM` on ``device`` and fill it from ``path/*.safetensors``
+    (with ``first_layers``: only that many decoder layers, then the final norm and head).
+
+    Raises:
+        ConfigError: The checkpoint does not match ``args``, or has fewer than
+            ``first_layers`` layers.
+    """
     from safetensors import safe_open
+
+    if first_layers is not None:
+        if not 1 <= first_layers <= args.num_layers:
+            raise ConfigError(f"{path}: cannot keep the first {first_layers} of its {args.num_layers} layers")
+        args = dataclasses.replace(args, num_layers=first_layers)
 
     with torch.device("meta"):
         model = CausalLM(args, max_positions)
@@ -160,6 +173,9 @@ def load_model(path: Path, args: ModelArgs, *, dtype: torch.dtype, device: torch
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    layer = _LAYER_INDEX.match(name)
+                    if first_layers is not None and layer is not None and int(layer.group(1)) >= first_layers:
+                        continue  # a model truncated to its first layers
                     got = _copy_into(params, name, f.get_tensor(name), args, str(file))
                     if got is not None:
                         filled.add(got)

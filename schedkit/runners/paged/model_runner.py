@@ -42,13 +42,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
 from schedkit.runners.drafting import DraftProposer, NgramProposer, make_proposer
-from schedkit.runners.paged.attention_metadata import AttentionMetadata
+from schedkit.runners.paged.attention_metadata import AttentionMetadata, device_inputs
 from schedkit.runners.paged.cpu_linear import (
     WARM_ROWS,
     cpu_compute_dtype,
     prepare_cpu_model,
     warm_gemm_row_counts,
 )
+from schedkit.runners.paged.draft_model import DraftModel
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import (
     KVCacheAllocationError,
@@ -80,7 +81,11 @@ class RunnerOptions:
     """The cache's dtype (None: the model's parameters'); the model's dtype when the CPU
     computes in float32 (``runner.compute_dtype``)."""
     proposer: DraftProposer = field(default_factory=NgramProposer)
-    """Where draft tokens come from (``runner.speculative_method``)."""
+    """Where draft tokens come from (``runner.speculative_method``) unless a draft
+    model is given."""
+    num_speculative_tokens: int = 0
+    """``scheduler.num_speculative_tokens``: with a draft model, the lookahead slots it
+    needs past each step's tokens."""
 
 
 @dataclass(slots=True)
@@ -127,7 +132,7 @@ class PagedModelRunner:
     """
 
     def __init__(self, model: CausalLM, options: RunnerOptions,
-                 model_path: Path | None = None) -> None:
+                 model_path: Path | None = None, draft_model: CausalLM | None = None) -> None:
         self.model = model
         self.args: ModelArgs = model.args
         self.options = options
@@ -139,6 +144,8 @@ class PagedModelRunner:
                                                            self.args.head_dim, self.kv_dtype)
         """What ``auto`` became on this machine: ``triton``, ``cpu`` or ``torch``."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.draft = None if draft_model is None else DraftModel(draft_model, self.attention_backend, self.kv_dtype)
+        """The draft model (``speculative_method: draft_model``), else None."""
         self.input_batch: InputBatch | None = None
         self.sampler = Sampler(self.device, options.seed)
         self.graphs: Any = None
@@ -167,6 +174,12 @@ class PagedModelRunner:
     def vocab_size(self) -> int:
         """The model's vocabulary."""
         return self.args.vocab_size
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past each step's tokens the scheduler allocates for the draft model's
+        own drafts (its KV lies on the target's blocks); 0 without one."""
+        return self.options.num_speculative_tokens if self.draft is not None else 0
 
     @property
     def attention_workers(self) -> int:
@@ -204,14 +217,18 @@ class PagedModelRunner:
                            device=torch.device(rc.device), max_positions=sc.max_model_len + 32)
         if rc.device == "cpu":
             prepare_cpu_model(model, cpu_compute_dtype(model_dtype, rc.compute_dtype))
+        draft = None
+        if rc.speculative_method == "draft_model" and sc.num_speculative_tokens:
+            draft = load_draft_model(config, args, model_dtype)
         options = RunnerOptions(
             max_model_len=sc.max_model_len, max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_seqs=sc.max_num_seqs, attention_backend=rc.attention_backend,
             use_cuda_graphs=not rc.enforce_eager and rc.attention_backend != "torch",
             cuda_graph_max_batch_size=min(rc.cuda_graph_max_batch_size, sc.max_num_seqs),
             gpu_memory_utilization=rc.gpu_memory_utilization, seed=rc.seed,
-            kv_cache_dtype=config.model.dtype, proposer=make_proposer(rc))
-        return cls(model, options, path)
+            kv_cache_dtype=config.model.dtype, proposer=make_proposer(rc),
+            num_speculative_tokens=sc.num_speculative_tokens)
+        return cls(model, options, path, draft)
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         """Allocate the KV cache (on CUDA: what fits in memory, at most ``num_blocks``)
@@ -224,7 +241,8 @@ class PagedModelRunner:
         if self.device.type == "cuda":
             peak = self._profile_peak_memory(block_size)
             fit = num_blocks_from_free_memory(self.args, block_size, self.kv_dtype, self.device,
-                                              opts.gpu_memory_utilization, peak)
+                                              opts.gpu_memory_utilization, peak,
+                                              self.draft.bytes_per_block(block_size) if self.draft else 0)
             min_blocks = -(-opts.max_model_len // block_size) + 1
             if fit < min_blocks:
                 raise KVCacheAllocationError(
@@ -233,6 +251,8 @@ class PagedModelRunner:
                     f"{opts.max_model_len} sequence needs {min_blocks}")
             num_blocks = min(num_blocks, fit)
         self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.kv_dtype, self.device)
+        if self.draft is not None:
+            self.draft.initialize(num_blocks, block_size)
         self.input_batch = InputBatch(opts.max_model_len, block_size, max(opts.max_num_seqs, 8))
         if self.device.type == "cpu":  # oneDNN builds each GEMM shape's kernels on its first call
             self._full_budget_pass(block_size)
@@ -249,6 +269,7 @@ class PagedModelRunner:
         """Free the KV cache, the captured graphs and the weights now, not when the
         engine's reference cycles are next collected (the runner cannot step after)."""
         self.kv_caches = []
+        self.draft = None
         self.graphs = None
         self.__dict__.pop("model", None)
         if self.device.type == "cuda":
@@ -258,7 +279,7 @@ class PagedModelRunner:
         """Use ``connector`` (worker side): it sees this runner's KV cache, loads into it
         before each step's forward pass and saves from it after."""
         self.kv_connector = connector
-        connector.register_kv_caches(self.kv_caches)
+        connector.register_kv_caches(self.kv_caches + (self.draft.kv_caches if self.draft is not None else []))
 
     @torch.inference_mode()
     def _profile_peak_memory(self, block_size: int) -> int:
@@ -491,23 +512,7 @@ class PagedModelRunner:
             st.num_tokens = known
 
     def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-
-        def put(a: Any) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=put(inputs.slot_mapping), query_start_loc=put(inputs.query_start_loc),
-            seq_lens=put(inputs.seq_lens), block_table=put(inputs.block_table),
-            max_query_len=inputs.max_query_len, max_seq_len=int(inputs.seq_lens.max()),
-            query_start_loc_np=inputs.query_start_loc, seq_lens_np=inputs.seq_lens,
-            backend=self.attention_backend)
-        if dev.type == "cuda":
-            from schedkit.runners.paged.triton_attention import choose_num_splits, num_sms
-
-            meta.num_splits = choose_num_splits(meta.num_seqs, self.args.num_kv_heads,
-                                                meta.max_query_len, num_sms(dev.index or 0))
-        return put(inputs.input_ids), put(inputs.positions), meta
+        return device_inputs(inputs, self.device, self.attention_backend, self.args.num_kv_heads)
 
     def _forward(self, inputs: StepInputs, fill: Any = None) -> torch.Tensor:
         """``fill``: (rows, source rows, source) to overwrite input ids on the device."""
@@ -520,12 +525,16 @@ class PagedModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
-        """Drafts from the configured proposer (``options.proposer``: n-gram or suffix
-        decoding) continuing the tokens of each request planned some; the scheduler drops
-        those of requests still prefilling."""
+        """Drafts continuing the tokens of each request planned some: the draft model's
+        (which also catches up on every request's new tokens, planned or not: the
+        engine calls this after every step), else the configured proposer's
+        (``options.proposer``: n-gram or suffix decoding). The scheduler drops those of
+        requests still prefilling."""
         ib = self.input_batch
         if ib is None:
             return {}
+        if self.draft is not None:
+            return self.draft.propose(ib, num_spec_tokens, self.options.max_model_len)
         drafts = {}
         proposer = self.options.proposer
         for rid, k in num_spec_tokens.items():
@@ -643,6 +652,33 @@ def resolve_attention_backend(name: str, device: torch.device, head_dim: int,
         raise ConfigError(f"runner.attention_backend = 'cpu': {why}")
     logger.warning("CPU attention kernel unavailable (%s); using the PyTorch reference", why)
     return "torch"
+
+
+def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> CausalLM:
+    """The draft model ``config.runner.draft_model`` names (the target's own weights
+    when it names none), on the target's device and dtype.
+
+    Raises:
+        ConfigError: The draft cannot be loaded, keeps more layers than it has, or its
+            vocabulary is not the target's (it must share the tokenizer).
+    """
+    rc = config.runner
+    dm = rc.draft_model
+    name = dm.name if dm is not None and dm.name is not None else config.model.name
+    seed = dm.seed if dm is not None and dm.name is not None else config.model.seed
+    path = resolve_model_path(name, seed)
+    args = read_model_args(path)
+    if args.vocab_size != target.vocab_size:
+        raise ConfigError(f"runner.draft_model.name = {name!r}: its vocabulary has {args.vocab_size} tokens, "
+                          f"the target's {target.vocab_size}; a draft model must share the target's tokenizer")
+    layers = dm.num_layers if dm is not None else None
+    if layers is not None and layers > args.num_layers:
+        raise ConfigError(f"runner.draft_model.num_layers = {layers}: {name!r} has only {args.num_layers} layers")
+    model = load_model(path, args, dtype=dtype, device=torch.device(rc.device),
+                       max_positions=config.scheduler.max_model_len + 32, first_layers=layers)
+    if rc.device == "cpu":
+        prepare_cpu_model(model, cpu_compute_dtype(dtype, rc.compute_dtype))
+    return model
 
 
 def check_fits(config: Any, args: ModelArgs) -> None:

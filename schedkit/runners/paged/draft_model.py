@@ -1,0 +1,143 @@
+"""A draft model proposing tokens for the target model to verify (``draft_model``).
+
+The draft is a smaller causal LM sharing the target's tokenizer (or the target itself,
+or its first few layers). Its KV cache lies on the target's blocks: one more K and V
+tensor per draft layer, indexed by the same block ids, so the scheduler's block tables
+account for the draft's KV exactly. A block allocated, cached for a prefix, swapped out
+and in, or freed carries both models' KV; a rejected draft's slots are rewritten, as
+the target's are.
+
+After every step the draft catches up on the tokens each live request gained since it
+last ran (a prompt chunk, the accepted drafts, the token just sampled) in one batched
+pass that writes its KV, and reads each planned request's next token greedily off the
+last position. For a request planned ``k`` drafts it then decodes ``k - 1`` more, one
+batched pass per token, writing their KV into the request's *lookahead slots*: the
+scheduler allocates ``num_speculative_tokens`` slots past each step's tokens
+(``num_lookahead_tokens``). The draft writes nowhere else; a request whose blocks leave
+less room gets fewer drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from schedkit.runners.paged.attention_metadata import device_inputs
+from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
+from schedkit.runners.paged.kv_cache import allocate_kv_cache, bytes_per_block
+from schedkit.runners.paged.models import CausalLM, ModelArgs
+
+
+@dataclass(slots=True)
+class _Span:
+    state: RequestState
+    start: int
+    end: int
+    """Tokens ``[start, end)`` of the request go through the draft this pass."""
+
+
+class DraftModel:
+    """Args:
+        model: The draft model, on the target's device.
+        attention_backend: The target's resolved attention backend.
+        kv_dtype: The target's KV cache dtype.
+    """
+
+    def __init__(self, model: CausalLM, attention_backend: str, kv_dtype: torch.dtype) -> None:
+        self.model = model
+        self.args: ModelArgs = model.args
+        self.device = next(model.parameters()).device
+        self.attention_backend = attention_backend
+        self.kv_dtype = kv_dtype
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """KV bytes the draft adds to every block."""
+        return bytes_per_block(self.args, block_size, self.kv_dtype)
+
+    def initialize(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the draft's KV cache over the same ``num_blocks`` block ids.
+
+        Raises:
+            KVCacheAllocationError: It does not fit.
+        """
+        self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.kv_dtype, self.device)
+
+    @torch.inference_mode()
+    def propose(self, ib: InputBatch, plan: Mapping[str, int], max_model_len: int) -> dict[str, list[int]]:
+        """Catch up on every live request's new tokens, then draft up to ``plan[rid]``
+        greedy tokens for each planned request that has caught up to its last token."""
+        bs = ib.block_size
+        spans: list[_Span] = []
+        wanted: dict[str, int] = {}
+        for rid, st in ib.states.items():
+            room = st.num_blocks * bs  # slots the scheduler allocated
+            # Tokens the scheduler took back (never those the draft saw) are redone.
+            st.num_draft_computed = min(st.num_draft_computed, st.num_tokens)
+            end = min(st.num_tokens, room)
+            start = min(st.num_draft_computed, end)
+            k = plan.get(rid, 0)
+            if k > 0 and end == st.num_tokens:
+                # Drafts continue the last token: feed it again if it was fed already.
+                start = min(start, end - 1)
+                # Draft i is decoded at position n - 1 + i and written there by the next
+                # draft: the last one needs no slot, and none may pass max_model_len.
+                k = min(k, room - end + 1, max_model_len - end)
+                if k > 0:
+                    wanted[rid] = k
+            if end > start:
+                spans.append(_Span(st, start, end))
+        if not spans:
+            return {}
+        tokens = self._pass(ib, spans, [s.state.req_id in wanted for s in spans])
+        for span in spans:
+            span.state.num_draft_computed = span.end
+        drafts = {s.state.req_id: [tok] for s, tok in zip((s for s in spans if s.state.req_id in wanted),
+                                                          tokens, strict=True)}
+        for i in range(1, max(wanted.values(), default=0)):
+            going = [rid for rid, k in wanted.items() if k > i]
+            if not going:
+                break
+            steps = []
+            for rid in going:
+                st = ib.states[rid]
+                pos = st.num_tokens - 1 + i  # the position of draft i
+                ib.token_ids[st.row, pos] = drafts[rid][-1]
+                steps.append(_Span(st, pos, pos + 1))
+            for rid, tok in zip(going, self._pass(ib, steps, [True] * len(steps)), strict=True):
+                drafts[rid].append(tok)
+        return drafts
+
+    def _pass(self, ib: InputBatch, spans: list[_Span], sample: list[bool]) -> list[int]:
+        """One forward pass of the draft over ``spans`` (writing their KV); the greedy
+        next token after the last position of each span marked in ``sample``."""
+        bs = ib.block_size
+        rows = np.array([s.state.row for s in spans], dtype=np.int64)
+        starts = np.array([s.start for s in spans], dtype=np.int64)
+        counts = np.array([s.end - s.start for s in spans], dtype=np.int64)
+        cu = np.zeros(len(spans) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        total = int(cu[-1])
+        req_of_token = np.repeat(np.arange(len(spans)), counts)
+        positions = starts[req_of_token] + (np.arange(total) - cu[:-1][req_of_token])
+        token_rows = rows[req_of_token]
+        held = np.array([s.state.num_blocks for s in spans], dtype=np.int64)[req_of_token]
+        assert (positions // bs < held).all(), "a draft token outside its request's blocks"
+        blocks = ib.block_table[token_rows, positions // bs].astype(np.int64)
+        seq_lens = (starts + counts).astype(np.int32)
+        width = -(-int(seq_lens.max()) // bs)
+        last = (cu[1:] - 1)[np.asarray(sample, dtype=bool)]
+        inputs = StepInputs(
+            req_ids=[s.state.req_id for s in spans], input_ids=ib.token_ids[token_rows, positions],
+            positions=positions, slot_mapping=blocks * bs + positions % bs,
+            query_start_loc=cu.astype(np.int32), seq_lens=seq_lens, block_table=ib.block_table[rows, :width],
+            logits_indices=last)
+        input_ids, pos, meta = device_inputs(inputs, self.device, self.attention_backend, self.args.num_kv_heads)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        if not len(last):
+            return []
+        idx = torch.from_numpy(last).to(self.device)
+        return self.model.compute_logits(hidden[idx]).argmax(dim=-1).tolist()

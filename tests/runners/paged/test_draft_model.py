@@ -1,0 +1,173 @@
+"""The draft-model proposer: a second model whose KV cache lies on the target's blocks.
+
+Greedy output is the target's alone whatever the draft (the target itself, its first
+layers, an unrelated model), under preemption, prefix caching and swap; the target
+drafting for itself accepts every draft, which holds only if the draft's KV is right at
+every position (caught up, rolled back, carried through a swap); the scheduler's
+invariants hold before every step and every block comes back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from schedkit.config import config_from_dict  # noqa: E402
+from schedkit.engine.core import EngineCore  # noqa: E402
+from schedkit.errors import ConfigError  # noqa: E402
+from schedkit.plugins.testing import assert_scheduler_consistent  # noqa: E402
+from schedkit.policies.speculation import SpeculateByBatch  # noqa: E402
+from schedkit.runners.paged.testing import (  # noqa: E402
+    greedy_request,
+    paged_config,
+    random_prompts,
+    run_engine,
+)
+
+PROMPTS = random_prompts([21, 40, 9, 33], 512, seed=11)
+
+
+def _requests(max_tokens: int = 24) -> list[Any]:
+    return [greedy_request(str(i), p, max_tokens) for i, p in enumerate(PROMPTS)]
+
+
+def _checked(engine: EngineCore) -> list[int]:
+    """Check the scheduler's invariants before every step; returns the drafts per step."""
+    execute = engine.runner.execute
+    drafted: list[int] = []
+
+    def run(so: Any) -> Any:
+        assert_scheduler_consistent(engine.scheduler)
+        drafted.append(sum(len(d) for d in so.scheduled_spec_decode_tokens.values()))
+        return execute(so)
+
+    engine.runner.execute = run
+    return drafted
+
+
+def _draft_engine(path: Path, draft: dict[str, Any] | None = None, k: int = 3, plugins: tuple[Any, ...] = (),
+                  **kw: Any) -> EngineCore:
+    cfg = paged_config(path, speculative_method="draft_model", draft_model=draft,
+                       scheduler={"num_speculative_tokens": k}, **kw)
+    return EngineCore(cfg, extra_plugins=plugins)
+
+
+def test_the_target_drafting_for_itself_is_accepted_every_time(model_dir: Any) -> None:
+    path = model_dir("llama")
+    plain = EngineCore(paged_config(path))
+    expected = run_engine(plain, _requests())
+    engine = _draft_engine(path)
+    assert engine.scheduler.num_lookahead_tokens == 3
+    drafted = _checked(engine)
+    reqs = _requests()
+    assert run_engine(engine, reqs) == expected
+    assert sum(drafted) > 0
+    # The draft's KV is right at every position: every draft is accepted, each decode
+    # step gives 1 + 3 tokens, and the run takes far fewer steps.
+    assert sum(r.num_accepted_tokens for r in reqs) == sum(r.num_draft_tokens for r in reqs) > 0
+    assert engine.num_steps < plain.num_steps / 2
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("draft", [
+    {"num_layers": 2},                                # the target's first two layers
+    {"name": "tiny-llama", "seed": 3},                # another model of another shape
+], ids=["truncated", "unrelated"])
+def test_greedy_output_is_the_targets_whatever_the_draft(model_dir: Any, draft: dict[str, Any]) -> None:
+    path = model_dir("llama")
+    expected = run_engine(EngineCore(paged_config(path)), _requests())
+    if "name" in draft:  # a draft of another shape, sharing the vocabulary
+        draft = {"name": str(model_dir("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
+                                       num_kv_heads=1))}
+    engine = _draft_engine(path, draft)
+    drafted = _checked(engine)
+    assert run_engine(engine, _requests()) == expected
+    assert sum(drafted) > 0
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+def test_preemption_and_prefix_caching_keep_the_drafts_exact(model_dir: Any) -> None:
+    """A cache too small for every request: requests are preempted and recompute, with
+    prefix caching on and shared prefixes; the self-draft still accepts every draft (its
+    KV in cached blocks and after a recompute is right), output is the target's."""
+    path = model_dir("llama")
+    shared = PROMPTS[1][:32]
+    prompts = [shared + p[:8] for p in PROMPTS] + [shared]
+    reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
+    small = {"num_blocks": 24, "block_size": 8, "enable_prefix_caching": True}
+    expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
+    engine = _draft_engine(path, **small)
+    drafted = _checked(engine)
+    got = reqs()
+    assert run_engine(engine, got) == {r.request_id: v for r, v in zip(got, expected.values(), strict=True)}
+    sched = engine.scheduler
+    assert sched.num_preemptions_total > 0 and sum(drafted) > 0
+    assert engine.stats()["prefix_cache_hits"] > 0
+    assert sum(r.num_accepted_tokens for r in got) == sum(r.num_draft_tokens for r in got)
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+def test_swap_carries_the_drafts_kv(model_dir: Any) -> None:
+    """Preemption by swap (cpu-offload): the draft's KV goes out and back in with the
+    target's, so the self-draft still accepts every draft after resuming."""
+    path = model_dir("llama")
+    prompts = PROMPTS + random_prompts([30, 26], 512, seed=12)
+    reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
+    small = {"num_blocks": 22, "block_size": 8, "enable_prefix_caching": True}
+    expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
+    cfg = paged_config(path, **small, speculative_method="draft_model",
+                       scheduler={"num_speculative_tokens": 3}).model_dump(mode="json")
+    cfg["plugins"] = [{"name": "cpu-offload"}]
+    engine = EngineCore(config_from_dict(cfg))
+    drafted = _checked(engine)
+    got = reqs()
+    assert run_engine(engine, got) == {r.request_id: v for r, v in zip(got, expected.values(), strict=True)}
+    sched = engine.scheduler
+    assert sched.num_preemptions_total > 0 and sum(drafted) > 0
+    assert sched.connector.num_loaded_blocks > 0 and sched.connector.num_saved_blocks > 0
+    assert sum(r.num_accepted_tokens for r in got) == sum(r.num_draft_tokens for r in got)
+
+
+def test_a_policy_turning_speculation_off_keeps_the_draft_caught_up(model_dir: Any) -> None:
+    """Speculation only while at most one request runs: the draft still catches up on
+    every request every step, so when speculation comes back its drafts are right."""
+    path = model_dir("llama")
+    reqs = lambda: [greedy_request(str(i), p, 8 + 10 * i) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    expected = run_engine(EngineCore(paged_config(path)), reqs())
+    engine = _draft_engine(path, plugins=(SpeculateByBatch(max_batch=1),))
+    drafted = _checked(engine)
+    reqs = reqs()
+    assert run_engine(engine, reqs) == expected
+    assert 0 in drafted and sum(drafted) > 0  # off while crowded, on at the tail
+    assert sum(r.num_accepted_tokens for r in reqs) == sum(r.num_draft_tokens for r in reqs)
+
+
+def test_lookahead_slots_are_allocated_and_never_cached(model_dir: Any) -> None:
+    path = model_dir("llama")
+    engine = _draft_engine(path, k=4, block_size=8, enable_prefix_caching=True)
+    req = greedy_request("r", PROMPTS[0][:16], 10)
+    engine.add_request(req)
+    engine.step()
+    kv = engine.scheduler.kv_cache_manager
+    # 16 prompt tokens and 4 lookahead slots: three blocks of 8, the third never cached.
+    assert kv.get_num_blocks("r") == 3
+
+
+def test_bad_draft_configs_name_what_is_wrong(model_dir: Any, tmp_path: Path) -> None:
+    path = model_dir("llama")
+    with pytest.raises(ConfigError, match="speculative_method"):
+        paged_config(path, draft_model={"num_layers": 1}, scheduler={"num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="num_layers = 9"):
+        _draft_engine(path, {"num_layers": 9})
+    other = model_dir("llama", seed=1, vocab_size=256)
+    with pytest.raises(ConfigError, match="tokenizer"):
+        _draft_engine(path, {"name": str(other)})
+    with pytest.raises(ConfigError):
+        _draft_engine(path, {"name": str(tmp_path / "missing")})

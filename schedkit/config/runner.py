@@ -109,15 +109,17 @@ class PagedRunnerConfig(_RunnerBase):
     """Seed of the sampler for requests without their own seed."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)
     """On CPU: torch intra-op threads (None: torch's default)."""
-    speculative_method: Literal["ngram", "suffix", "draft_model"] = "ngram"
+    speculative_method: Literal["ngram", "suffix", "draft_model", "eagle"] = "ngram"
     """Proposer of draft tokens (with scheduler.num_speculative_tokens > 0): ngram (the
     tokens after the latest earlier occurrence of the last 1-3 tokens, within the
     request's last 1,024), suffix (suffix decoding: suffix trees of the request's
-    tokens and of recent requests' outputs, the continuation seen most often) or
+    tokens and of recent requests' outputs, the continuation seen most often),
     draft_model (a smaller model's greedy continuation, ``draft_model``; its KV cache
-    lies on the target's blocks)."""
+    lies on the target's blocks) or eagle (an EAGLE head over the target's hidden
+    states, its folder in ``draft_model.name``)."""
     draft_model: DraftModelConfig | None = None
-    """draft_model: the model drafting (None: the target's own weights, every layer)."""
+    """draft_model: the model drafting (None: the target's own weights, every layer);
+    eagle: the head's folder in ``name``."""
     suffix_max_depth: int = Field(default=16, ge=2, le=64)
     """suffix: longest suffix kept in a tree (the longest match plus continuation); a
     request's tree holds up to its length times this many nodes."""
@@ -129,9 +131,14 @@ class PagedRunnerConfig(_RunnerBase):
 
     @model_validator(mode="after")
     def _draft_model_only_for_its_method(self) -> PagedRunnerConfig:
-        if self.draft_model is not None and self.speculative_method != "draft_model":
-            raise ValueError(f"draft_model is set but speculative_method is {self.speculative_method!r}: "
-                             "set speculative_method: draft_model to draft with it")
+        method, dm = self.speculative_method, self.draft_model
+        if dm is not None and method not in ("draft_model", "eagle"):
+            raise ValueError(f"draft_model is set but speculative_method is {method!r}: "
+                             "set speculative_method: draft_model (or eagle) to draft with it")
+        if method == "eagle" and (dm is None or dm.name is None):
+            raise ValueError("speculative_method: eagle needs the head's folder in draft_model.name")
+        if method == "eagle" and dm is not None and dm.num_layers is not None:
+            raise ValueError("draft_model.num_layers does not apply to an EAGLE head (it has one layer)")
         return self
 
 

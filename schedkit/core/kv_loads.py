@@ -80,11 +80,12 @@ class KVLoads:
         if was_failed:
             self.failed.add(rid)
 
-    def blocks_reserved(self, running: Sequence[Request], max_model_len: int, num_spec_tokens: int) -> int:
+    def blocks_reserved(self, running: Sequence[Request], max_model_len: int, num_spec_tokens: int,
+                        num_lookahead_tokens: int = 0) -> int:
         """Free blocks a new load must leave for the loads and prefills already under way
-        to reach their full sequence (plus one speculative step)."""
+        to reach their full sequence (plus one speculative step and its lookahead slots)."""
         bs = self.kv.block_size
-        extra = 1 + num_spec_tokens if num_spec_tokens else 0
+        extra = 1 + num_spec_tokens + num_lookahead_tokens if num_spec_tokens else 0
         reserved = -(-extra // bs)
         in_flight = [r for r in self.holding if r.status is _LOADING]
         in_flight += [r for r in running if r.is_prefill_chunk]

@@ -700,7 +700,8 @@ class Scheduler:
         running = self.running
         computed = lookup.num_computed_tokens
         if lookup.load_async:
-            n, reserved = 0, self.kv_loads.blocks_reserved(running, self.max_model_len, self.num_spec_tokens)
+            n, reserved = 0, self.kv_loads.blocks_reserved(running, self.max_model_len, self.num_spec_tokens,
+                                                         self.num_lookahead_tokens)
         else:
             n, reserved = self._num_tokens_to_admit(req, computed, st), 0
             if n == 0:

@@ -92,3 +92,34 @@ def build_random_model(path: str | Path, config: dict[str, Any], seed: int = 0,
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def build_random_eagle_head(path: str | Path, target_config: dict[str, Any], seed: int = 0,
+                            std: float = 0.05, *, fc_bias: bool = False, input_norm: bool = False,
+                            own_embedding: bool = False) -> Path:
+    """Write a seeded random EAGLE head for a model of ``target_config`` to ``path``:
+    ``config.json`` of one layer of the target's shape, ``model.safetensors`` with
+    ``fc.weight`` (and ``fc.bias``), ``layers.0.*`` (with ``input_layernorm`` if
+    ``input_norm``) and ``embed_tokens.weight`` if ``own_embedding``
+    (:func:`~schedkit.runners.paged.models.eagle.load_eagle_head` reads it)."""
+    from safetensors.torch import save_file
+
+    config = {**target_config, "num_hidden_layers": 1}
+    drawn = random_state_dict(config, seed, std)
+    hidden = config["hidden_size"]
+    g = torch.Generator().manual_seed(seed + 1)
+    weights = {"fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * std}
+    if fc_bias:
+        weights["fc.bias"] = torch.randn(hidden, generator=g) * std
+    for name, tensor in drawn.items():
+        if name.startswith("model.layers.0."):
+            short = name[len("model."):]
+            if input_norm or "input_layernorm" not in short:
+                weights[short] = tensor
+    if own_embedding:
+        weights["embed_tokens.weight"] = drawn["model.embed_tokens.weight"]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

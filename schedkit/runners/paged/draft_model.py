@@ -32,7 +32,7 @@ from schedkit.runners.paged.models import CausalLM, ModelArgs
 
 
 @dataclass(slots=True)
-class _Span:
+class Span:
     state: RequestState
     start: int
     end: int
@@ -71,7 +71,7 @@ class DraftModel:
         """Catch up on every live request's new tokens, then draft up to ``plan[rid]``
         greedy tokens for each planned request that has caught up to its last token."""
         bs = ib.block_size
-        spans: list[_Span] = []
+        spans: list[Span] = []
         wanted: dict[str, int] = {}
         for rid, st in ib.states.items():
             room = st.num_blocks * bs  # slots the scheduler allocated
@@ -89,7 +89,7 @@ class DraftModel:
                 if k > 0:
                     wanted[rid] = k
             if end > start:
-                spans.append(_Span(st, start, end))
+                spans.append(Span(st, start, end))
         if not spans:
             return {}
         tokens = self._pass(ib, spans, [s.state.req_id in wanted for s in spans])
@@ -106,38 +106,45 @@ class DraftModel:
                 st = ib.states[rid]
                 pos = st.num_tokens - 1 + i  # the position of draft i
                 ib.token_ids[st.row, pos] = drafts[rid][-1]
-                steps.append(_Span(st, pos, pos + 1))
+                steps.append(Span(st, pos, pos + 1))
             for rid, tok in zip(going, self._pass(ib, steps, [True] * len(steps)), strict=True):
                 drafts[rid].append(tok)
         return drafts
 
-    def _pass(self, ib: InputBatch, spans: list[_Span], sample: list[bool]) -> list[int]:
+    def _pass(self, ib: InputBatch, spans: list[Span], sample: list[bool]) -> list[int]:
         """One forward pass of the draft over ``spans`` (writing their KV); the greedy
         next token after the last position of each span marked in ``sample``."""
-        bs = ib.block_size
-        rows = np.array([s.state.row for s in spans], dtype=np.int64)
-        starts = np.array([s.start for s in spans], dtype=np.int64)
-        counts = np.array([s.end - s.start for s in spans], dtype=np.int64)
-        cu = np.zeros(len(spans) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        total = int(cu[-1])
-        req_of_token = np.repeat(np.arange(len(spans)), counts)
-        positions = starts[req_of_token] + (np.arange(total) - cu[:-1][req_of_token])
-        token_rows = rows[req_of_token]
-        held = np.array([s.state.num_blocks for s in spans], dtype=np.int64)[req_of_token]
-        assert (positions // bs < held).all(), "a draft token outside its request's blocks"
-        blocks = ib.block_table[token_rows, positions // bs].astype(np.int64)
-        seq_lens = (starts + counts).astype(np.int32)
-        width = -(-int(seq_lens.max()) // bs)
-        last = (cu[1:] - 1)[np.asarray(sample, dtype=bool)]
-        inputs = StepInputs(
-            req_ids=[s.state.req_id for s in spans], input_ids=ib.token_ids[token_rows, positions],
-            positions=positions, slot_mapping=blocks * bs + positions % bs,
-            query_start_loc=cu.astype(np.int32), seq_lens=seq_lens, block_table=ib.block_table[rows, :width],
-            logits_indices=last)
+        inputs = pack_spans(ib, spans, sample)
         input_ids, pos, meta = device_inputs(inputs, self.device, self.attention_backend, self.args.num_kv_heads)
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
-        if not len(last):
+        if not len(inputs.logits_indices):
             return []
-        idx = torch.from_numpy(last).to(self.device)
+        idx = torch.from_numpy(inputs.logits_indices).to(self.device)
         return self.model.compute_logits(hidden[idx]).argmax(dim=-1).tolist()
+
+
+def pack_spans(ib: InputBatch, spans: list[Span], sample: list[bool], token_shift: int = 0) -> StepInputs:
+    """Packed inputs of positions ``[start, end)`` of each span's request, written to
+    their own slots, each with the token ``token_shift`` places on (an EAGLE head reads
+    the next token); ``logits_indices`` are the last rows of the spans marked in
+    ``sample``."""
+    bs = ib.block_size
+    rows = np.array([s.state.row for s in spans], dtype=np.int64)
+    starts = np.array([s.start for s in spans], dtype=np.int64)
+    counts = np.array([s.end - s.start for s in spans], dtype=np.int64)
+    cu = np.zeros(len(spans) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    total = int(cu[-1])
+    req_of_token = np.repeat(np.arange(len(spans)), counts)
+    positions = starts[req_of_token] + (np.arange(total) - cu[:-1][req_of_token])
+    token_rows = rows[req_of_token]
+    held = np.array([s.state.num_blocks for s in spans], dtype=np.int64)[req_of_token]
+    assert (positions // bs < held).all(), "a draft token outside its request's blocks"
+    blocks = ib.block_table[token_rows, positions // bs].astype(np.int64)
+    seq_lens = (starts + counts).astype(np.int32)
+    width = -(-int(seq_lens.max()) // bs)
+    return StepInputs(
+        req_ids=[s.state.req_id for s in spans], input_ids=ib.token_ids[token_rows, positions + token_shift],
+        positions=positions, slot_mapping=blocks * bs + positions % bs,
+        query_start_loc=cu.astype(np.int32), seq_lens=seq_lens, block_table=ib.block_table[rows, :width],
+        logits_indices=(cu[1:] - 1)[np.asarray(sample, dtype=bool)])

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -105,7 +105,7 @@ def read_model_args(path: Path) -> ModelArgs:
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
+_LAYER = re.compile(r"(model\.layers\.\d+|layer)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
 
 
 def _shard_of(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
@@ -117,9 +117,9 @@ def _shard_of(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
     if block == "self_attn":
         offset, rows = {"q": (0, args.q_size), "k": (args.q_size, args.kv_size),
                         "v": (args.q_size + args.kv_size, args.kv_size)}[proj]
-        return f"model.layers.{layer}.self_attn.qkv_proj.{kind}", offset, rows
+        return f"{layer}.self_attn.qkv_proj.{kind}", offset, rows
     offset = 0 if proj == "gate" else args.intermediate_size
-    return f"model.layers.{layer}.mlp.gate_up_proj.{kind}", offset, args.intermediate_size
+    return f"{layer}.mlp.gate_up_proj.{kind}", offset, args.intermediate_size
 
 
 def _copy_into(params: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor, args: ModelArgs,
@@ -163,24 +163,41 @@ def load_model(path: Path, args: ModelArgs, *, dtype: torch.dtype, device: torch
         model = CausalLM(args, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary_emb = RotaryEmbedding(args, max_positions).to(device)
-    params = dict(model.named_parameters())
-    offsets = {"qkv_proj": (0, args.q_size, args.q_size + args.kv_size),
-               "gate_up_proj": (0, args.intermediate_size)}
-    expected = {(n, off) for n in params
-                for off in offsets.get(n.split(".")[-2], (0,))}
-    filled: set[tuple[str, int]] = set()
-    with torch.no_grad():
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor, str]]:
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     layer = _LAYER_INDEX.match(name)
                     if first_layers is not None and layer is not None and int(layer.group(1)) >= first_layers:
                         continue  # a model truncated to its first layers
-                    got = _copy_into(params, name, f.get_tensor(name), args, str(file))
-                    if got is not None:
-                        filled.add(got)
+                    yield name, f.get_tensor(name), str(file)
+
+    fill_parameters(model, tensors(), args, str(path))
+    return model.eval()
+
+
+def fill_parameters(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor, str]],
+                    args: ModelArgs, where: str) -> None:
+    """Copy checkpoint tensors (name, tensor, file), named as in transformers, into
+    ``module``'s parameters (fusing q/k/v and gate/up).
+
+    Raises:
+        ConfigError: A tensor no parameter takes, of the wrong shape, or a parameter
+            (or a slice of a fused one) that no tensor filled.
+    """
+    params = dict(module.named_parameters())
+    offsets = {"qkv_proj": (0, args.q_size, args.q_size + args.kv_size),
+               "gate_up_proj": (0, args.intermediate_size)}
+    expected = {(n, off) for n in params
+                for off in offsets.get(n.split(".")[-2], (0,))}
+    filled: set[tuple[str, int]] = set()
+    with torch.no_grad():
+        for name, tensor, source in tensors:
+            got = _copy_into(params, name, tensor, args, source)
+            if got is not None:
+                filled.add(got)
     missing = sorted({n for n, _ in expected - filled})
     if missing:
-        raise ConfigError(f"{path}: checkpoint lacks weights for {missing[:6]}"
+        raise ConfigError(f"{where}: checkpoint lacks weights for {missing[:6]}"
                           f"{' ...' if len(missing) > 6 else ''}")
-    return model.eval()

@@ -46,10 +46,12 @@ from schedkit.runners.paged.attention_metadata import AttentionMetadata, device_
 from schedkit.runners.paged.cpu_linear import (
     WARM_ROWS,
     cpu_compute_dtype,
+    pack_linears,
     prepare_cpu_model,
     warm_gemm_row_counts,
 )
 from schedkit.runners.paged.draft_model import DraftModel
+from schedkit.runners.paged.eagle_drafter import EagleDrafter
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import (
     KVCacheAllocationError,
@@ -58,6 +60,7 @@ from schedkit.runners.paged.kv_cache import (
 )
 from schedkit.runners.paged.loader import load_model, read_model_args, resolve_model_path
 from schedkit.runners.paged.models import CausalLM, ModelArgs
+from schedkit.runners.paged.models.eagle import EagleHead, load_eagle_head
 from schedkit.runners.paged.sampler import Sampler, SamplingBatch, apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
@@ -132,7 +135,7 @@ class PagedModelRunner:
     """
 
     def __init__(self, model: CausalLM, options: RunnerOptions,
-                 model_path: Path | None = None, draft_model: CausalLM | None = None) -> None:
+                 model_path: Path | None = None, draft_model: CausalLM | EagleHead | None = None) -> None:
         self.model = model
         self.args: ModelArgs = model.args
         self.options = options
@@ -144,8 +147,12 @@ class PagedModelRunner:
                                                            self.args.head_dim, self.kv_dtype)
         """What ``auto`` became on this machine: ``triton``, ``cpu`` or ``torch``."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.draft = None if draft_model is None else DraftModel(draft_model, self.attention_backend, self.kv_dtype)
-        """The draft model (``speculative_method: draft_model``), else None."""
+        self.draft: DraftModel | EagleDrafter | None = None
+        """The drafting model (``speculative_method``: a draft model or an EAGLE head), else None."""
+        if isinstance(draft_model, EagleHead):
+            self.draft = EagleDrafter(draft_model, model, self.attention_backend, self.kv_dtype)
+        elif draft_model is not None:
+            self.draft = DraftModel(draft_model, self.attention_backend, self.kv_dtype)
         self.input_batch: InputBatch | None = None
         self.sampler = Sampler(self.device, options.seed)
         self.graphs: Any = None
@@ -217,9 +224,11 @@ class PagedModelRunner:
                            device=torch.device(rc.device), max_positions=sc.max_model_len + 32)
         if rc.device == "cpu":
             prepare_cpu_model(model, cpu_compute_dtype(model_dtype, rc.compute_dtype))
-        draft = None
+        draft: CausalLM | EagleHead | None = None
         if rc.speculative_method == "draft_model" and sc.num_speculative_tokens:
             draft = load_draft_model(config, args, model_dtype)
+        elif rc.speculative_method == "eagle" and sc.num_speculative_tokens:
+            draft = load_eagle(config, args, model_dtype)
         options = RunnerOptions(
             max_model_len=sc.max_model_len, max_num_batched_tokens=sc.max_num_batched_tokens,
             max_num_seqs=sc.max_num_seqs, attention_backend=rc.attention_backend,
@@ -357,6 +366,8 @@ class PagedModelRunner:
                     torch.tensor(inputs.fill_src, dtype=torch.int64).to(self.device, non_blocking=True),
                     prev.tokens)
         hidden = self._forward(inputs, fill)
+        if isinstance(self.draft, EagleDrafter):
+            self.draft.observe(inputs, hidden)
         if connector is not None:
             connector.wait_for_save()
         step.slices, step.drafts, step.placeholders = inputs.sample_slices, drafts, inputs.placeholders
@@ -679,6 +690,24 @@ def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> Caus
     if rc.device == "cpu":
         prepare_cpu_model(model, cpu_compute_dtype(dtype, rc.compute_dtype))
     return model
+
+
+def load_eagle(config: Any, target: ModelArgs, dtype: torch.dtype) -> EagleHead:
+    """The EAGLE head in ``config.runner.draft_model.name``, on the target's device and dtype.
+
+    Raises:
+        ConfigError: No such folder, or not a head for this target.
+    """
+    rc = config.runner
+    path = resolve_model_path(rc.draft_model.name, rc.draft_model.seed)
+    head = load_eagle_head(path, read_model_args(path), target, dtype=dtype, device=torch.device(rc.device),
+                           max_positions=config.scheduler.max_model_len + 32)
+    if rc.device == "cpu":
+        compute = cpu_compute_dtype(dtype, rc.compute_dtype)
+        for param in head.parameters():
+            param.data = param.data.to(compute)
+        pack_linears(head)
+    return head
 
 
 def check_fits(config: Any, args: ModelArgs) -> None:

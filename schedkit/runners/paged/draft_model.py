@@ -7,14 +7,16 @@ account for the draft's KV exactly. A block allocated, cached for a prefix, swap
 and in, or freed carries both models' KV; a rejected draft's slots are rewritten, as
 the target's are.
 
-After every step the draft catches up on the tokens each live request gained since it
-last ran (a prompt chunk, the accepted drafts, the token just sampled) in one batched
-pass that writes its KV, and reads each planned request's next token greedily off the
-last position. For a request planned ``k`` drafts it then decodes ``k - 1`` more, one
-batched pass per token, writing their KV into the request's *lookahead slots*: the
-scheduler allocates ``num_speculative_tokens`` slots past each step's tokens
-(``num_lookahead_tokens``). The draft writes nowhere else; a request whose blocks leave
-less room gets fewer drafts.
+Each request planned drafts first catches the draft up on the tokens it gained since
+the draft last ran for it (the accepted drafts and the token just sampled; every token,
+prompt and prefix hits included, when the request is new to the runner or resumed, so
+the draft never reads a block its own KV was not written to), all planned requests in
+one batched pass that writes the draft's KV, and reads the request's next token
+greedily off the last position. It then decodes ``k - 1`` more, one batched pass per
+token, writing their KV into the request's *lookahead slots*: the scheduler allocates
+``num_speculative_tokens`` slots past each step's tokens (``num_lookahead_tokens``).
+The draft writes nowhere else; a request whose blocks leave less room gets fewer
+drafts. A request the policy plans none costs the draft nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class DraftModel:
         self.attention_backend = attention_backend
         self.kv_dtype = kv_dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._done: dict[str, tuple[RequestState, int]] = {}
+        """Per request (its runner state, to tell a readmission): tokens whose KV the
+        draft has written."""
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV bytes the draft adds to every block."""
@@ -68,35 +73,36 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, ib: InputBatch, plan: Mapping[str, int], max_model_len: int) -> dict[str, list[int]]:
-        """Catch up on every live request's new tokens, then draft up to ``plan[rid]``
-        greedy tokens for each planned request that has caught up to its last token."""
+        """Draft up to ``plan[rid]`` greedy tokens for each planned request, first
+        catching the draft up on its tokens since it last drafted for it."""
         bs = ib.block_size
+        for rid in [r for r in self._done if r not in ib.states]:
+            del self._done[rid]
         spans: list[Span] = []
         wanted: dict[str, int] = {}
-        for rid, st in ib.states.items():
-            room = st.num_blocks * bs  # slots the scheduler allocated
-            # Tokens the scheduler took back (never those the draft saw) are redone.
-            st.num_draft_computed = min(st.num_draft_computed, st.num_tokens)
-            end = min(st.num_tokens, room)
-            start = min(st.num_draft_computed, end)
-            k = plan.get(rid, 0)
-            if k > 0 and end == st.num_tokens:
-                # Drafts continue the last token: feed it again if it was fed already.
-                start = min(start, end - 1)
-                # Draft i is decoded at position n - 1 + i and written there by the next
-                # draft: the last one needs no slot, and none may pass max_model_len.
-                k = min(k, room - end + 1, max_model_len - end)
-                if k > 0:
-                    wanted[rid] = k
-            if end > start:
-                spans.append(Span(st, start, end))
+        for rid, k in plan.items():
+            st = ib.states.get(rid)
+            if st is None or k <= 0:
+                continue
+            n, room = st.num_tokens, st.num_blocks * bs  # room: the slots the scheduler allocated
+            # Draft i is decoded at position n - 1 + i and written there by the next draft:
+            # the last one needs no slot, and none may pass max_model_len.
+            k = min(k, room - n + 1, max_model_len - n)
+            if k <= 0:
+                continue
+            seen = self._done.get(rid)
+            # New to the runner (admitted, resumed): from its first token, prefix hits
+            # included, whose blocks may hold no draft KV. Drafts continue the last
+            # token, fed again if it was fed already (or taken back by the scheduler).
+            start = min(seen[1], n - 1) if seen is not None and seen[0] is st else 0
+            spans.append(Span(st, start, n))
+            wanted[rid] = k
         if not spans:
             return {}
-        tokens = self._pass(ib, spans, [s.state.req_id in wanted for s in spans])
+        tokens = self._pass(ib, spans, [True] * len(spans))
         for span in spans:
-            span.state.num_draft_computed = span.end
-        drafts = {s.state.req_id: [tok] for s, tok in zip((s for s in spans if s.state.req_id in wanted),
-                                                          tokens, strict=True)}
+            self._done[span.state.req_id] = (span.state, span.end)
+        drafts = {s.state.req_id: [tok] for s, tok in zip(spans, tokens, strict=True)}
         for i in range(1, max(wanted.values(), default=0)):
             going = [rid for rid, k in wanted.items() if k > i]
             if not going:

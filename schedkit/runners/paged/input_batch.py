@@ -36,8 +36,8 @@ class RequestState:
     ``pending_pos`` (-1: every token is on the host)."""
     pending_pos: int = -1
     num_draft_computed: int = 0
-    """Leading tokens whose KV the draft model has written (``draft_model`` drafting):
-    those the request started with computed, then what the draft caught up on."""
+    """Leading positions whose KV an EAGLE head has written: those the request started
+    with computed, then what the head caught up on."""
 
 
 @dataclass(slots=True)

@@ -183,6 +183,12 @@ class PagedModelRunner:
         return self.args.vocab_size
 
     @property
+    def drafts_every_step(self) -> bool:
+        """Whether the engine must call :meth:`propose_draft_token_ids` after every step,
+        with or without a plan: an EAGLE head catches up on each step's hidden states."""
+        return isinstance(self.draft, EagleDrafter)
+
+    @property
     def num_lookahead_tokens(self) -> int:
         """Slots past each step's tokens the scheduler allocates for the draft model's
         own drafts (its KV lies on the target's blocks); 0 without one."""
@@ -536,9 +542,9 @@ class PagedModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
-        """Drafts continuing the tokens of each request planned some: the draft model's
-        (which also catches up on every request's new tokens, planned or not: the
-        engine calls this after every step), else the configured proposer's
+        """Drafts continuing the tokens of each request planned some: the drafting
+        model's (an EAGLE head also catches up on the last step, planned or not: the
+        engine calls this after every step then), else the configured proposer's
         (``options.proposer``: n-gram or suffix decoding). The scheduler drops those of
         requests still prefilling."""
         ib = self.input_batch

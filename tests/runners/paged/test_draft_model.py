@@ -136,9 +136,10 @@ def test_swap_carries_the_drafts_kv(model_dir: Any) -> None:
     assert sum(r.num_accepted_tokens for r in got) == sum(r.num_draft_tokens for r in got)
 
 
-def test_a_policy_turning_speculation_off_keeps_the_draft_caught_up(model_dir: Any) -> None:
-    """Speculation only while at most one request runs: the draft still catches up on
-    every request every step, so when speculation comes back its drafts are right."""
+def test_the_draft_catches_up_when_a_policy_turns_speculation_back_on(model_dir: Any) -> None:
+    """Speculation only while at most one request runs: the draft does not run while
+    it is off, and catches up on the request's tokens when it comes back, so its drafts
+    are right."""
     path = model_dir("llama")
     reqs = lambda: [greedy_request(str(i), p, 8 + 10 * i) for i, p in enumerate(PROMPTS)]  # noqa: E731
     expected = run_engine(EngineCore(paged_config(path)), reqs())

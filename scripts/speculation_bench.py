@@ -80,10 +80,11 @@ DEFAULT_MODES = "off,ngram,suffix,ngram+policy,suffix+policy"
 
 POLICY_SETTINGS = {"draft_cost": 0.04, "min_acceptance": 0.1}
 """speculate-by-acceptance as tuned for SmolLM2 on two CPU threads (docs/policies.md)."""
-DRAFT_POLICY_SETTINGS = {"draft_cost": 0.4, "min_acceptance": 0.1, "pooled_prior": True}
+DRAFT_POLICY_SETTINGS = {"draft_cost": 0.4, "min_acceptance": 0.1, "prior": 0.2, "pooled_prior": True}
 """The same for a draft model: a draft costs about 0.4 of a step (eight of SmolLM2's 30
-layers and its whole LM head), and one that does not fit the workload stops being
-tried on each new request."""
+layers and its whole LM head), a draft model is not trusted before it has shown what
+it is worth (prior 0.2), and one that does not fit the workload stops being tried on
+each new request."""
 
 
 def mode_config(base: dict[str, Any], mode: str, k: int, draft_layers: int = 8) -> dict[str, Any]:

@@ -102,9 +102,10 @@ class SpeculateByAcceptance:
             None: no limit).
         pooled_prior: Start a request with no record from what every request's drafts
             showed so far (their accepted drafts and misses, ``prior`` counted as
-            ``prior_weight`` drafts among them) instead of from ``prior`` alone: a
-            drafter bad for everyone (a draft model that does not fit the workload)
-            stops being tried on each new request (default false).
+            ``prior_weight`` drafts among them) instead of from ``prior`` alone, and
+            space a request's probes by everyone's misses as well as its own: a drafter
+            bad for everyone (a draft model that does not fit the workload) stops being
+            tried on each new request (default false).
 
     Raises:
         ValueError: A setting out of its range; the message names it.
@@ -140,11 +141,12 @@ class SpeculateByAcceptance:
         cost = b * self.draft_cost
         threshold = max(self.min_acceptance, cost / (1.0 + cost))
         prior = self._pooled(running) if self.pooled_prior else self.prior
+        pool_misses = self._pool[1] if self.pooled_prior else 0
         plan = {}
         for r in running:
             alpha = acceptance_estimate(r, prior, self.prior_weight)
             k = drafts_worth_proposing(alpha, num_speculative_tokens, threshold)
-            period = self.probe_every * max(1, r.num_draft_misses)
+            period = self.probe_every * max(1, r.num_draft_misses + pool_misses)
             if not k and (step + zlib.crc32(r.request_id.encode())) % period == 0:
                 k = 1
             plan[r.request_id] = k

@@ -75,7 +75,7 @@ def render(data: dict[str, Any]) -> str:
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "
-                  f"(mean {r['mean']:.2f}x) as slow as right after the fit; the middle column simulates each "
+                  f"(mean {r['mean']:.2f}x) as slow as during the fit; the middle column simulates each "
                   "experiment with the profile scaled by its runs' probe ratio."]
     lines += ["", f"Outside the bound (15% or twice the real runs' spread), profile as fitted: "
               f"{', '.join(o['outside_bound']) or 'none'}."]

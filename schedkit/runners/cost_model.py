@@ -153,8 +153,9 @@ class CostModel:
     many workers (:attr:`StepFeatures.idle_context_tokens`)."""
     probe_ratio: float = 1.0
     """The profile's ``speed_probe.ratio``: the speed probe's measured over predicted
-    step time right after the fit, the model's own bias on the probe's few steps. A
-    later probe reads the machine's speed against it (1: not recorded)."""
+    step time during the fit (run before each of its passes), the model's own bias on
+    the probe's few steps. A later probe reads the machine's speed against it (1: not
+    recorded)."""
 
     @classmethod
     def load(cls, name_or_path: str) -> CostModel:

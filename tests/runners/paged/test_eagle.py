@@ -170,3 +170,25 @@ def test_bad_heads_are_refused_with_what_is_wrong(model_dir: Any, tmp_path: Path
         _engine(path, _head(other, tmp_path))
     with pytest.raises(ConfigError, match="one decoder layer"):  # a whole model is not a head
         _engine(path, path)
+
+
+def test_swap_carries_the_heads_kv(model_dir: Any, tmp_path: Path) -> None:
+    """Preemption by swap (cpu-offload): the head's KV goes out and back in with the
+    target's, so a resumed request's drafts are still those of the head from scratch."""
+    from schedkit.config import config_from_dict
+
+    path = model_dir("llama")
+    prompts = PROMPTS + random_prompts([30, 26], 512, seed=12)
+    reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
+    small = {"num_blocks": 22, "block_size": 8, "enable_prefix_caching": True}
+    expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
+    cfg = paged_config(path, **small, speculative_method="eagle", draft_model={"name": str(_head(path, tmp_path))},
+                       scheduler={"num_speculative_tokens": 3}).model_dump(mode="json")
+    cfg["plugins"] = [{"name": "cpu-offload"}]
+    engine = EngineCore(config_from_dict(cfg))
+    seen = _record(engine)
+    assert run_engine(engine, reqs()) == expected
+    connector = engine.scheduler.connector
+    assert connector.num_loaded_blocks > 0 and connector.num_saved_blocks > 0
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(engine.runner, tokens, len(drafts)), tokens

@@ -104,15 +104,7 @@ class DraftModel:
             self._done[span.state.req_id] = (span.state, span.end)
         drafts = {s.state.req_id: [tok] for s, tok in zip(spans, tokens, strict=True)}
         for i in range(1, max(wanted.values(), default=0)):
-            going = [rid for rid, k in wanted.items() if k > i]
-            if not going:
-                break
-            steps = []
-            for rid in going:
-                st = ib.states[rid]
-                pos = st.num_tokens - 1 + i  # the position of draft i
-                ib.token_ids[st.row, pos] = drafts[rid][-1]
-                steps.append(Span(st, pos, pos + 1))
+            going, steps = next_draft_spans(ib, wanted, drafts, i)
             for rid, tok in zip(going, self._pass(ib, steps, [True] * len(steps)), strict=True):
                 drafts[rid].append(tok)
         return drafts
@@ -127,6 +119,21 @@ class DraftModel:
             return []
         idx = torch.from_numpy(inputs.logits_indices).to(self.device)
         return self.model.compute_logits(hidden[idx]).argmax(dim=-1).tolist()
+
+
+def next_draft_spans(ib: InputBatch, wanted: Mapping[str, int], drafts: Mapping[str, list[int]], i: int,
+                     behind: int = 0) -> tuple[list[str], list[Span]]:
+    """The requests that want more than ``i`` drafts and a one-token span each: draft
+    ``i`` written at its position (``n - 1 + i``) and fed from ``behind`` positions
+    before it (an EAGLE head runs one behind the tokens)."""
+    going = [rid for rid, k in wanted.items() if k > i]
+    steps = []
+    for rid in going:
+        st = ib.states[rid]
+        ib.token_ids[st.row, st.num_tokens - 1 + i] = drafts[rid][-1]
+        pos = st.num_tokens - 1 - behind + i
+        steps.append(Span(st, pos, pos + 1))
+    return going, steps
 
 
 def pack_spans(ib: InputBatch, spans: list[Span], sample: list[bool], token_shift: int = 0) -> StepInputs:

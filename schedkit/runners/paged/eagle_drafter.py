@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from schedkit.runners.paged.attention_metadata import device_inputs
-from schedkit.runners.paged.draft_model import Span, pack_spans
+from schedkit.runners.paged.draft_model import Span, next_draft_spans, pack_spans
 from schedkit.runners.paged.input_batch import InputBatch, StepInputs
 from schedkit.runners.paged.kv_cache import allocate_kv_cache, bytes_per_block
 from schedkit.runners.paged.models import CausalLM
@@ -116,15 +116,7 @@ class EagleDrafter:
             drafts[s.state.req_id] = [tok]
             feature[s.state.req_id] = g
         for i in range(1, max(wanted.values(), default=0)):
-            going = [rid for rid, k in wanted.items() if k > i]
-            if not going:
-                break
-            steps = []
-            for rid in going:
-                st = ib.states[rid]
-                pos = st.num_tokens - 2 + i  # fed with draft i, the token at pos + 1
-                ib.token_ids[st.row, pos + 1] = drafts[rid][-1]
-                steps.append(Span(st, pos, pos + 1))
+            going, steps = next_draft_spans(ib, wanted, drafts, i, behind=1)
             out = self._pass(ib, steps, torch.stack([feature[rid] for rid in going]), [True] * len(steps))
             for rid, tok, g in zip(going, self.target.compute_logits(out).argmax(dim=-1).tolist(), out,
                                    strict=True):

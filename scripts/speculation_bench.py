@@ -15,7 +15,7 @@ only). Modes:
   (``speculative_method: draft_model``), always or by the policy.
 
 Usage: python scripts/speculation_bench.py [--k 4] [--max-tokens 96] [--repeats 2]
-       [--workloads code-edit,json,chat] [--loads 1,all] [-o speculation.json]
+       [--workloads code-edit,json,chat] [--loads 1,all,full] [-o speculation.json]
 """
 
 from __future__ import annotations
@@ -148,7 +148,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="code-edit,json,chat")
-    ap.add_argument("--loads", default="1,all", help="1: one request at a time; all: every request at once")
+    ap.add_argument("--loads", default="1,all", help="1: one request at a time; all: every request at once; "
+                                                      "full: the requests repeated to fill max_num_seqs, at once "
+                                                      "(the server at its busiest)")
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"of {', '.join(MODES)} (draft: the model's first --draft-layers layers drafting)")
     ap.add_argument("--draft-layers", type=int, default=8)
@@ -171,10 +173,16 @@ def main() -> None:
                                                 add_generation_prompt=True, tokenize=True)
             prompts.append(list(ids["input_ids"] if not isinstance(ids, list) else ids))
         for load in a.loads.split(","):
-            cell = f"{workload}/{'batch 1' if load == '1' else 'all at once'}"
+            if load not in ("1", "all", "full"):
+                raise SystemExit(f"--loads takes 1, all and full, not {load!r}")
+            batch = prompts
+            if load == "full":  # every slot busy: the prompts repeated up to max_num_seqs
+                slots = first.config.scheduler.max_num_seqs
+                batch = [prompts[i % len(prompts)] for i in range(max(slots, len(prompts)))]
+            cell = f"{workload}/" + {"1": "batch 1", "all": "all at once", "full": f"{len(batch)} at once"}[load]
             for rep in range(a.repeats):
                 for m in modes:
-                    r = run(engines[m], prompts, a.max_tokens, eos, at_once=load != "1")
+                    r = run(engines[m], batch, a.max_tokens, eos, at_once=load != "1")
                     results[cell][m].append(r)
                     acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                     print(f"{cell:24} {m:14} rep {rep + 1}: {r['tokens_per_s']:6.1f} tok/s, "

@@ -68,6 +68,10 @@ class SimulatedRunnerConfig(_RunnerBase):
     """With scheduler.num_speculative_tokens: each request's chance that a draft is right
     (a number for all, or ``{mean, concentration}``: drawn per request from a Beta
     distribution); None: every third draft position is wrong."""
+    draft_token_s: float | None = Field(default=None, ge=0.0)
+    """Seconds each proposed draft costs its proposer (a draft model's pass per draft,
+    which a profile fitted with a model-free proposer does not know); None: the
+    profile's ``per_draft_token_s``."""
 
 
 class DraftModelConfig(StrictModel):

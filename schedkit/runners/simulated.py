@@ -18,7 +18,7 @@ the simulator warns when the two differ.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -64,6 +64,8 @@ class SimulatedRunner(FakeRunner):
                         model.fitted_async_scheduling, is_async,
                         "include host work that async scheduling hides" if is_async
                         else "leave out host work that async scheduling hid")
+        if rc.draft_token_s is not None:
+            model = replace(model, per_draft_token_s=rc.draft_token_s)
         return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id, cost_model=model,
                    draft_acceptance=draft_acceptance_of(rc))
 

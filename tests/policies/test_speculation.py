@@ -236,6 +236,33 @@ def _simulated(acceptance: float, k: int, plugins: list[dict[str, Any]] | None =
     return sum(m.e2e or 0.0 for m in result.metrics) / len(result.metrics)
 
 
+def test_the_simulator_prices_a_draft_model_that_does_not_fit():
+    """A draft model whose drafts are right 1% of the time and cost 12 ms each (about
+    0.4 of a SmolLM2 step on two CPU threads): always on is far slower than off (the
+    queue grows: about 20x the mean E2E), and the acceptance policy set for such a
+    drafter is within a few percent of off, as on the real runner (docs/policies.md)."""
+    from schedkit.config import config_from_dict
+    from schedkit.lab.simulate import run_workload
+
+    def mean_e2e(k: int, plugins: list[dict[str, Any]] | None = None) -> float:
+        cfg = config_from_dict({
+            "runner": {"kind": "simulated", "profile": "cpu-smollm2-135m", "vocab_size": 49152,
+                       "draft_acceptance": 0.01, "draft_token_s": 0.012},
+            "scheduler": {"num_speculative_tokens": k, "max_num_seqs": 16, "max_num_batched_tokens": 512},
+            "workload": {"kind": "poisson", "rate": 1, "num_requests": 30, "prompt_len": [64, 256],
+                         "output_len": [32, 96], "seed": 4},
+            "plugins": plugins or []})
+        result = run_workload(cfg)
+        assert not result.failed
+        return sum(m.e2e or 0.0 for m in result.metrics) / len(result.metrics)
+
+    off, on = mean_e2e(0), mean_e2e(4)
+    policy = mean_e2e(4, [{"name": "speculate-by-acceptance", "settings": {
+        "draft_cost": 0.4, "min_acceptance": 0.1, "prior": 0.2, "pooled_prior": True}}])
+    assert on > 1.5 * off, (on, off)
+    assert policy <= 1.05 * off, (policy, off)
+
+
 def test_the_simulator_compares_speculation_policies_before_they_run():
     """Speculation pays where drafts are accepted and costs where they are not; the
     acceptance policy follows the better of always-on and off in both."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from schedkit.runners.paged.attention_metadata import device_inputs
+from schedkit.runners.paged.device_inputs import device_inputs
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs
 from schedkit.runners.paged.kv_cache import allocate_kv_cache, bytes_per_block
 from schedkit.runners.paged.models import CausalLM, ModelArgs

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from schedkit.runners.paged.attention_metadata import device_inputs
+from schedkit.runners.paged.device_inputs import device_inputs
 from schedkit.runners.paged.draft_model import Span, next_draft_spans, pack_spans
 from schedkit.runners.paged.input_batch import InputBatch, StepInputs
 from schedkit.runners.paged.kv_cache import allocate_kv_cache, bytes_per_block

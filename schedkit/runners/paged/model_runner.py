@@ -42,7 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.request import SamplingParams
 from schedkit.runners.drafting import DraftProposer, NgramProposer, make_proposer
-from schedkit.runners.paged.attention_metadata import AttentionMetadata, device_inputs
+from schedkit.runners.paged.attention_metadata import AttentionMetadata
 from schedkit.runners.paged.cpu_linear import (
     WARM_ROWS,
     cpu_compute_dtype,
@@ -50,6 +50,7 @@ from schedkit.runners.paged.cpu_linear import (
     prepare_cpu_model,
     warm_gemm_row_counts,
 )
+from schedkit.runners.paged.device_inputs import device_inputs
 from schedkit.runners.paged.draft_model import DraftModel
 from schedkit.runners.paged.eagle_drafter import EagleDrafter
 from schedkit.runners.paged.input_batch import InputBatch, RequestState, StepInputs

@@ -20,8 +20,8 @@ from schedkit.core.request import SamplingParams  # noqa: E402
 from schedkit.engine.core import EngineCore  # noqa: E402
 from schedkit.errors import ConfigError  # noqa: E402
 from schedkit.plugins.testing import assert_scheduler_consistent  # noqa: E402
-from schedkit.runners.paged.attention_metadata import device_inputs  # noqa: E402
 from schedkit.runners.paged.builder import build_random_eagle_head  # noqa: E402
+from schedkit.runners.paged.device_inputs import device_inputs  # noqa: E402
 from schedkit.runners.paged.draft_model import Span, pack_spans  # noqa: E402
 from schedkit.runners.paged.input_batch import InputBatch  # noqa: E402
 from schedkit.runners.paged.kv_cache import allocate_kv_cache  # noqa: E402

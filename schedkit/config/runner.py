@@ -78,7 +78,7 @@ class DraftModelConfig(StrictModel):
     """The draft model of ``speculative_method: draft_model``: a smaller model sharing the
     target's tokenizer (its vocabulary must match)."""
 
-    name: str | None = None
+    name: str | None = Field(default=None, min_length=1)
     """The draft's weights, as ``model.name`` takes them (a built-in name or a folder of
     config.json and safetensors); None: the target's own."""
     seed: int = Field(default=0, ge=0)

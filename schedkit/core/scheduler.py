@@ -129,7 +129,7 @@ class Scheduler:
                  hooks: SchedulerHooks, *, clock: Callable[[], float] = time.monotonic,
                  log_stats: bool = True,
                  structured_output_manager: StructuredOutputManager | None = None,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, drop_last_hit_block: bool = False) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.hooks = hooks
@@ -154,7 +154,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             block_size=cache_config.block_size, num_blocks=cache_config.num_blocks,
             max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
-            watermark=cache_config.watermark, enable_kv_events=cache_config.enable_kv_events)
+            watermark=cache_config.watermark, enable_kv_events=cache_config.enable_kv_events,
+            drop_last_hit_block=drop_last_hit_block)
         self._hasher = (BlockHasher(cache_config.block_size, cache_config.hash_algo)
                         if cache_config.enable_prefix_caching else None)
         connector = hooks.create_kv_connector(role=KVConnectorRole.SCHEDULER, config=cache_config)

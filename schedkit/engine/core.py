@@ -113,9 +113,10 @@ class EngineCore:
             cache_size=so_cfg.cache_size, max_rollback_tokens=config.scheduler.num_speculative_tokens,
             jump_forward=so_cfg.jump_forward, limits=so_cfg)
         lookahead = int(getattr(self.runner, "num_lookahead_tokens", 0) or 0)
+        self._drafts_from_hidden = bool(getattr(self.runner, "drafts_from_hidden_states", False))
         self.scheduler = Scheduler(config.scheduler, cache_cfg, HookFacade(self.plugin_manager),
                                    clock=self.now, structured_output_manager=self.structured_output_manager,
-                                   num_lookahead_tokens=lookahead)
+                                   num_lookahead_tokens=lookahead, drop_last_hit_block=self._drafts_from_hidden)
         if so_cfg.jump_forward and config.scheduler.async_scheduling:
             log.warning("structured_outputs.jump_forward has no effect with scheduler.async_scheduling: "
                         "a request decoding steadily always has a token in flight, and a request "
@@ -132,6 +133,9 @@ class EngineCore:
         processing included (wall time with a real runner; what calibration fits). With
         steps in flight: the time since the previous step's output was processed."""
         self._consecutive_step_failures = 0
+        self.num_draft_failures = 0
+        """Steps after which the runner raised proposing drafts (each cost one step its drafts)."""
+        self._draft_log = RateLimitedLog(log, OBSERVER_LOG_INTERVAL_S)
         self._hook_logs: dict[tuple[str | None, str | None], RateLimitedLog] = {}
         self._empty_steps = 0
         self._empty_since = 0.0
@@ -423,8 +427,15 @@ class EngineCore:
             self._hook_log(e).error("%s; no draft tokens for the next step", e)
             plan = {}
         # An EAGLE head reads each step's hidden states: it catches up every step.
-        if plan or getattr(self.runner, "drafts_every_step", False):
-            sched.update_draft_token_ids(self.runner.propose_draft_token_ids(plan))
+        if plan or self._drafts_from_hidden:
+            try:
+                drafts = self.runner.propose_draft_token_ids(plan)
+            except Exception as e:  # the drafter's failure costs the next step its drafts only
+                self.num_draft_failures += 1
+                self._draft_log.error("the runner failed proposing drafts (%s: %s); no drafts for the "
+                                      "next step", type(e).__name__, e)
+                drafts = {}
+            sched.update_draft_token_ids(drafts)
 
     def _hook_log(self, e: PluginError) -> RateLimitedLog:
         """One rate-limited log per raising (plugin, hook): an observer that raises every

@@ -58,6 +58,7 @@ class KVCacheManager:
         "num_blocks",
         "max_model_len",
         "enable_caching",
+        "drop_last_hit_block",
         "block_pool",
         "prefix_cache_totals",
         "_watermark_blocks",
@@ -76,6 +77,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         watermark: float = 0.0,
         enable_kv_events: bool = False,
+        drop_last_hit_block: bool = False,
     ) -> None:
         """Create the manager and its block pool.
 
@@ -87,6 +89,10 @@ class KVCacheManager:
             watermark: Fraction of ``num_blocks`` kept free for admissions that pass
                 ``apply_watermark=True``; in [0, 1).
             enable_kv_events: Buffer KV events for ``take_events()``.
+            drop_last_hit_block: A prefix hit leaves out its last block, which the
+                request then computes (an EAGLE head needs the target's hidden states
+                there: its KV at a block's last position pairs it with the next token,
+                which another request's may not share).
         Raises:
             ConfigError: A value is out of range.
         """
@@ -97,6 +103,7 @@ class KVCacheManager:
             )
         if not 0.0 <= watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {watermark}")
+        self.drop_last_hit_block = drop_last_hit_block
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -187,6 +194,8 @@ class KVCacheManager:
         if max_blocks <= 0:
             return [], 0
         hits = self.cached_prefix(request.block_hashes[:max_blocks])
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:

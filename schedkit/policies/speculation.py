@@ -127,8 +127,10 @@ class SpeculateByAcceptance:
         if not isinstance(pooled_prior, bool):
             raise ValueError(f"pooled_prior must be true or false, got {pooled_prior!r}")
         self.pooled_prior = pooled_prior
-        self._seen: dict[str, tuple[int, int]] = {}
-        """Per running request, its (accepted drafts, misses) when last counted into the pool."""
+        self._seen: dict[str, tuple[Request, int, int]] = {}
+        """Per unfinished request seen running, its (accepted drafts, misses) when last
+        counted into the pool (kept through a preemption, so a resumed request's record
+        is not counted twice)."""
         self._pool = [0, 0]
         """Accepted drafts and misses of every request so far (``pooled_prior``)."""
 
@@ -155,13 +157,15 @@ class SpeculateByAcceptance:
     def _pooled(self, running: Sequence[Request]) -> float:
         """Count the running requests' new accepted drafts and misses into the pool
         and return its acceptance (``prior`` counted as ``prior_weight`` drafts)."""
-        pool, seen, now = self._pool, self._seen, {}
+        pool, seen = self._pool, self._seen
         for r in running:
             accepted, misses = r.num_accepted_tokens, r.num_draft_misses
-            was = seen.get(r.request_id, (0, 0))
-            pool[0] += accepted - was[0]
-            pool[1] += misses - was[1]
-            now[r.request_id] = (accepted, misses)
-        self._seen = now  # finished requests leave; what they showed stays in the pool
+            _, was_accepted, was_missed = seen.get(r.request_id, (r, 0, 0))
+            pool[0] += accepted - was_accepted
+            pool[1] += misses - was_missed
+            seen[r.request_id] = (r, accepted, misses)
+        if len(seen) > len(running):  # finished requests leave; what they showed stays in the pool
+            for rid in [rid for rid, (r, _, _) in seen.items() if r.is_finished]:
+                del seen[rid]
         total = pool[0] + pool[1] + self.prior_weight
         return (pool[0] + self.prior * self.prior_weight) / total if total > 0 else self.prior

@@ -72,10 +72,14 @@ class DraftModel:
         self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.kv_dtype, self.device)
 
     @torch.inference_mode()
-    def propose(self, ib: InputBatch, plan: Mapping[str, int], max_model_len: int) -> dict[str, list[int]]:
+    def propose(self, ib: InputBatch, plan: Mapping[str, int], max_model_len: int,
+                max_tokens: int) -> dict[str, list[int]]:
         """Draft up to ``plan[rid]`` greedy tokens for each planned request, first
-        catching the draft up on its tokens since it last drafted for it."""
+        catching the draft up on its tokens since it last drafted for it, at most
+        ``max_tokens`` of them in the pass (the step's token budget): a request whose
+        catch-up does not fit is caught up in part, and drafted for at a later step."""
         bs = ib.block_size
+        budget = max_tokens
         for rid in [r for r in self._done if r not in ib.states]:
             del self._done[rid]
         spans: list[Span] = []
@@ -95,14 +99,21 @@ class DraftModel:
             # included, whose blocks may hold no draft KV. Drafts continue the last
             # token, fed again if it was fed already (or taken back by the scheduler).
             start = min(seen[1], n - 1) if seen is not None and seen[0] is st else 0
-            spans.append(Span(st, start, n))
-            wanted[rid] = k
+            end = min(n, start + budget)
+            if end <= start:
+                continue
+            budget -= end - start
+            spans.append(Span(st, start, end))
+            if end == n:
+                wanted[rid] = k
         if not spans:
             return {}
-        tokens = self._pass(ib, spans, [True] * len(spans))
+        sample = [s.state.req_id in wanted for s in spans]
+        tokens = self._pass(ib, spans, sample)
         for span in spans:
             self._done[span.state.req_id] = (span.state, span.end)
-        drafts = {s.state.req_id: [tok] for s, tok in zip(spans, tokens, strict=True)}
+        drafts = {s.state.req_id: [tok] for s, tok in zip([s for s, m in zip(spans, sample, strict=True) if m],
+                                                          tokens, strict=True)}
         for i in range(1, max(wanted.values(), default=0)):
             going, steps = next_draft_spans(ib, wanted, drafts, i)
             for rid, tok in zip(going, self._pass(ib, steps, [True] * len(steps)), strict=True):

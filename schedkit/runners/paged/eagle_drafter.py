@@ -83,7 +83,7 @@ class EagleDrafter:
             start, end = st.num_draft_computed, n - 1
             step = rows.get(rid)
             caught_up = False
-            if step is not None and hidden is not None:
+            if step is not None and hidden is not None and start >= step[1]:
                 row0, pos0, count = step
                 start, end = max(start, pos0), min(end, pos0 + count)
                 if end > start:

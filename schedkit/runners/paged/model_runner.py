@@ -59,6 +59,7 @@ from schedkit.runners.paged.kv_cache import (
     allocate_kv_cache,
     num_blocks_from_free_memory,
 )
+from schedkit.runners.paged.kv_offload import CPUOffloadWorker
 from schedkit.runners.paged.loader import load_model, read_model_args, resolve_model_path
 from schedkit.runners.paged.models import CausalLM, ModelArgs
 from schedkit.runners.paged.models.eagle import EagleHead, load_eagle_head
@@ -184,9 +185,11 @@ class PagedModelRunner:
         return self.args.vocab_size
 
     @property
-    def drafts_every_step(self) -> bool:
-        """Whether the engine must call :meth:`propose_draft_token_ids` after every step,
-        with or without a plan: an EAGLE head catches up on each step's hidden states."""
+    def drafts_from_hidden_states(self) -> bool:
+        """Whether the drafter reads the target's hidden states (an EAGLE head): the
+        engine then calls :meth:`propose_draft_token_ids` after every step, plan or
+        not, and a prefix hit leaves out its last block, whose hidden states the head
+        needs."""
         return isinstance(self.draft, EagleDrafter)
 
     @property
@@ -232,8 +235,11 @@ class PagedModelRunner:
         if rc.device == "cpu":
             prepare_cpu_model(model, cpu_compute_dtype(model_dtype, rc.compute_dtype))
         draft: CausalLM | EagleHead | None = None
+        dm = rc.draft_model
         if rc.speculative_method == "draft_model" and sc.num_speculative_tokens:
-            draft = load_draft_model(config, args, model_dtype)
+            # The target's own weights, whole, serve as their own draft without a copy.
+            own = dm is None or (dm.name is None and dm.num_layers is None)
+            draft = model if own else load_draft_model(config, args, model_dtype)
         elif rc.speculative_method == "eagle" and sc.num_speculative_tokens:
             draft = load_eagle(config, args, model_dtype)
         options = RunnerOptions(
@@ -295,7 +301,11 @@ class PagedModelRunner:
         """Use ``connector`` (worker side): it sees this runner's KV cache, loads into it
         before each step's forward pass and saves from it after."""
         self.kv_connector = connector
-        connector.register_kv_caches(self.kv_caches + (self.draft.kv_caches if self.draft is not None else []))
+        # An EAGLE head's KV moves with the target's through a swap (saved after the head
+        # caught up); a draft model recomputes a resumed request, and stores that save
+        # right after the forward pass would keep the head's stale.
+        head = self.draft if isinstance(self.draft, EagleDrafter) and isinstance(connector, CPUOffloadWorker) else None
+        connector.register_kv_caches(self.kv_caches + (head.kv_caches if head is not None else []))
 
     @torch.inference_mode()
     def _profile_peak_memory(self, block_size: int) -> int:
@@ -551,6 +561,9 @@ class PagedModelRunner:
         ib = self.input_batch
         if ib is None:
             return {}
+        if isinstance(self.draft, DraftModel):
+            return self.draft.propose(ib, num_spec_tokens, self.options.max_model_len,
+                                      self.options.max_num_batched_tokens)
         if self.draft is not None:
             return self.draft.propose(ib, num_spec_tokens, self.options.max_model_len)
         drafts = {}

@@ -115,9 +115,10 @@ def test_preemption_and_prefix_caching_keep_the_drafts_exact(model_dir: Any) -> 
     assert kv.num_free_blocks == kv.num_blocks - 1
 
 
-def test_swap_carries_the_drafts_kv(model_dir: Any) -> None:
-    """Preemption by swap (cpu-offload): the draft's KV goes out and back in with the
-    target's, so the self-draft still accepts every draft after resuming."""
+def test_swap_keeps_the_drafts_exact(model_dir: Any) -> None:
+    """Preemption by swap (cpu-offload): the target's KV goes out and back in, and the
+    draft catches a resumed request up from its first token, so the self-draft still
+    accepts every draft after resuming."""
     path = model_dir("llama")
     prompts = PROMPTS + random_prompts([30, 26], 512, seed=12)
     reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
@@ -151,6 +152,46 @@ def test_the_draft_catches_up_when_a_policy_turns_speculation_back_on(model_dir:
     assert sum(r.num_accepted_tokens for r in reqs) == sum(r.num_draft_tokens for r in reqs)
 
 
+def test_a_long_catch_up_is_spread_over_steps_within_the_token_budget(model_dir: Any) -> None:
+    """A 150-token prompt under a 32-token budget: the draft never runs more than 32
+    tokens in one pass, catches up over several steps, and drafts once caught up."""
+    path = model_dir("llama")
+    prompt = random_prompts([150], 512, seed=21)[0]
+    expected = run_engine(EngineCore(paged_config(path, max_num_batched_tokens=32)),
+                          [greedy_request("r", prompt, 24)])
+    engine = _draft_engine(path, max_num_batched_tokens=32)
+    draft = engine.runner.draft
+    passes: list[int] = []
+    one_pass = draft._pass
+
+    def counted(ib: Any, spans: Any, sample: Any) -> Any:
+        passes.append(sum(s.end - s.start for s in spans))
+        return one_pass(ib, spans, sample)
+
+    draft._pass = counted
+    reqs = [greedy_request("r", prompt, 24)]
+    assert run_engine(engine, reqs) == expected
+    assert max(passes) <= 32 and passes[0] == 32  # the prompt's catch-up, cut to the budget
+    assert reqs[0].num_accepted_tokens == reqs[0].num_draft_tokens > 0
+
+
+def test_a_failing_drafter_costs_a_step_its_drafts_only(model_dir: Any) -> None:
+    path = model_dir("llama")
+    expected = run_engine(EngineCore(paged_config(path)), _requests())
+    engine = _draft_engine(path)
+    propose, calls = engine.runner.propose_draft_token_ids, []
+
+    def flaky(plan: Any) -> Any:
+        calls.append(plan)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("out of memory in the draft's pass")
+        return propose(plan)
+
+    engine.runner.propose_draft_token_ids = flaky
+    assert run_engine(engine, _requests()) == expected
+    assert engine.num_draft_failures == len(calls) // 3 > 0
+
+
 def test_lookahead_slots_are_allocated_and_never_cached(model_dir: Any) -> None:
     path = model_dir("llama")
     engine = _draft_engine(path, k=4, block_size=8, enable_prefix_caching=True)
@@ -173,6 +214,8 @@ def test_bad_draft_configs_name_what_is_wrong(model_dir: Any, tmp_path: Path) ->
         _draft_engine(path, {"name": str(other)})
     with pytest.raises(ConfigError):
         _draft_engine(path, {"name": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="draft_model.name"):
+        _draft_engine(path, {"name": ""})
 
 
 @pytest.mark.slow

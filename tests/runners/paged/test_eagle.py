@@ -158,6 +158,22 @@ def test_a_request_the_budget_leaves_out_is_drafted_from_its_kept_state(model_di
         assert drafts == reference_drafts(engine.runner, tokens, len(drafts)), tokens
 
 
+def test_a_prefix_hit_leaves_its_last_block_to_the_head(model_dir: Any, tmp_path: Path) -> None:
+    """With an EAGLE head a prefix hit stops one block short: the head's KV at a block's
+    last position pairs it with the next token, which the request that wrote it may
+    not share, so the request computes that block and the head gets its hidden states."""
+    path = model_dir("llama")
+    shared = PROMPTS[1][:32]
+    small = {"block_size": 8, "enable_prefix_caching": True}
+    plain = EngineCore(paged_config(path, **small))
+    engine = _engine(path, _head(path, tmp_path), **small)
+    for e in (plain, engine):
+        run_engine(e, [greedy_request("a", shared + [1, 2, 3], 4)])
+        run_engine(e, [greedy_request("b", shared + [4, 5, 6], 4)])
+    assert plain.stats()["prefix_cache_hits"] == 32
+    assert engine.stats()["prefix_cache_hits"] == 24
+
+
 def test_bad_heads_are_refused_with_what_is_wrong(model_dir: Any, tmp_path: Path) -> None:
     path = model_dir("llama")
     with pytest.raises(ConfigError, match="draft_model.name"):

@@ -98,6 +98,24 @@ def test_a_pooled_prior_stops_trying_a_drafter_bad_for_everyone():
     assert shared["5"] < shared["0"] and sum(shared.values()) < sum(each.values())
 
 
+def test_the_pool_counts_a_preempted_request_once():
+    """A request that leaves the running list (preempted) and comes back adds only what
+    it showed since: a new request's plan is the same as had it never left."""
+    def plan_for_new(leaves: bool) -> int:
+        policy = SpeculateByAcceptance(min_acceptance=0.3, pooled_prior=True, prior=0.0, prior_weight=10)
+        old = Request("old", [1, 2, 3], SamplingParams(max_tokens=50), 0.0)
+        old.num_accepted_tokens = 10  # ten drafts accepted, none missed
+        policy.schedkit_num_speculative_tokens(running=[old], num_speculative_tokens=4, step=1)
+        if leaves:
+            policy.schedkit_num_speculative_tokens(running=[], num_speculative_tokens=4, step=2)
+        new = Request("new", [1, 2, 3], SamplingParams(max_tokens=50), 0.0)
+        return policy.schedkit_num_speculative_tokens(running=[old, new], num_speculative_tokens=4, step=3)["new"]
+
+    # The pool: 10 accepted of 10 + the prior's 10 at 0 -> 0.5: one draft (0.5 ** 2 < 0.3).
+    # Counted twice it would read 20 of 30 -> 0.67: two drafts.
+    assert plan_for_new(leaves=False) == plan_for_new(leaves=True) == 1
+
+
 def test_acceptance_policy_with_a_batch_limit():
     plugins = [{"name": "speculate-by-acceptance", "settings": {"max_batch": 2}}]
     _, drafted, _, _ = serve(3, plugins, draft_error_every=0, num_requests=4, max_tokens=6)

@@ -38,7 +38,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -344,11 +344,14 @@ def pack_linears(model: nn.Module) -> None:
 
 
 def prepare_cpu_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
-    """Make a loaded CausalLM ready for the CPU: its arithmetic in ``compute_dtype``
-    (the RoPE tables stay float32), every linear layer packed, and a tied LM head given
-    its own packed copy of the embedding (the embedding lookup keeps the plain one)."""
+    """Make a loaded CausalLM (or an EAGLE head, which has no LM head) ready for the
+    CPU: its arithmetic in ``compute_dtype`` (the RoPE tables stay float32), every
+    linear layer packed, and a tied LM head given its own packed copy of the embedding
+    (the embedding lookup keeps the plain one)."""
     for param in model.parameters():  # parameters only: the RoPE buffers stay float32
         param.data = param.data.to(compute_dtype)
-    if model.lm_head is None and onednn_matmul_supported(compute_dtype):
-        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+    tied_head = getattr(model, "lm_head", False) is None
+    if tied_head and onednn_matmul_supported(compute_dtype):
+        embedding = cast(nn.Embedding, cast(nn.Module, model.model).embed_tokens)
+        model.lm_head = PackedLinear(embedding.weight, None)
     pack_linears(model)

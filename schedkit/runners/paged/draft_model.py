@@ -46,10 +46,12 @@ class DraftModel:
         model: The draft model, on the target's device.
         attention_backend: The target's resolved attention backend.
         kv_dtype: The target's KV cache dtype.
+        max_tokens: Most tokens one catch-up pass runs (the step's token budget).
     """
 
-    def __init__(self, model: CausalLM, attention_backend: str, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, attention_backend: str, kv_dtype: torch.dtype, max_tokens: int) -> None:
         self.model = model
+        self.max_tokens = max_tokens
         self.args: ModelArgs = model.args
         self.device = next(model.parameters()).device
         self.attention_backend = attention_backend
@@ -72,14 +74,13 @@ class DraftModel:
         self.kv_caches = allocate_kv_cache(self.args, num_blocks, block_size, self.kv_dtype, self.device)
 
     @torch.inference_mode()
-    def propose(self, ib: InputBatch, plan: Mapping[str, int], max_model_len: int,
-                max_tokens: int) -> dict[str, list[int]]:
+    def propose(self, ib: InputBatch, plan: Mapping[str, int], max_model_len: int) -> dict[str, list[int]]:
         """Draft up to ``plan[rid]`` greedy tokens for each planned request, first
         catching the draft up on its tokens since it last drafted for it, at most
-        ``max_tokens`` of them in the pass (the step's token budget): a request whose
-        catch-up does not fit is caught up in part, and drafted for at a later step."""
+        ``max_tokens`` of them in the pass: a request whose catch-up does not fit is
+        caught up in part, and drafted for at a later step."""
         bs = ib.block_size
-        budget = max_tokens
+        budget = self.max_tokens
         for rid in [r for r in self._done if r not in ib.states]:
             del self._done[rid]
         spans: list[Span] = []

@@ -46,7 +46,6 @@ from schedkit.runners.paged.attention_metadata import AttentionMetadata
 from schedkit.runners.paged.cpu_linear import (
     WARM_ROWS,
     cpu_compute_dtype,
-    pack_linears,
     prepare_cpu_model,
     warm_gemm_row_counts,
 )
@@ -154,7 +153,8 @@ class PagedModelRunner:
         if isinstance(draft_model, EagleHead):
             self.draft = EagleDrafter(draft_model, model, self.attention_backend, self.kv_dtype)
         elif draft_model is not None:
-            self.draft = DraftModel(draft_model, self.attention_backend, self.kv_dtype)
+            self.draft = DraftModel(draft_model, self.attention_backend, self.kv_dtype,
+                                    options.max_num_batched_tokens)
         self.input_batch: InputBatch | None = None
         self.sampler = Sampler(self.device, options.seed)
         self.graphs: Any = None
@@ -561,9 +561,6 @@ class PagedModelRunner:
         ib = self.input_batch
         if ib is None:
             return {}
-        if isinstance(self.draft, DraftModel):
-            return self.draft.propose(ib, num_spec_tokens, self.options.max_model_len,
-                                      self.options.max_num_batched_tokens)
         if self.draft is not None:
             return self.draft.propose(ib, num_spec_tokens, self.options.max_model_len)
         drafts = {}
@@ -723,10 +720,7 @@ def load_eagle(config: Any, target: ModelArgs, dtype: torch.dtype) -> EagleHead:
     head = load_eagle_head(path, read_model_args(path), target, dtype=dtype, device=torch.device(rc.device),
                            max_positions=config.scheduler.max_model_len + 32)
     if rc.device == "cpu":
-        compute = cpu_compute_dtype(dtype, rc.compute_dtype)
-        for param in head.parameters():
-            param.data = param.data.to(compute)
-        pack_linears(head)
+        prepare_cpu_model(head, cpu_compute_dtype(dtype, rc.compute_dtype))
     return head
 
 

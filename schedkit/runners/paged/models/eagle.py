@@ -55,9 +55,7 @@ class EagleHead(nn.Module):
         embed = self.embed_tokens if self.embed_tokens is not None else target_embedding
         e = embed(input_ids)
         x = self.fc(torch.cat((e, target_hidden.to(e.dtype)), dim=-1))
-        layer = self.layer
-        x = x + layer.self_attn(layer.input_layernorm(x), positions, self.rotary_emb, kv_cache, meta)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.layer(x, positions, self.rotary_emb, kv_cache, meta)
 
 
 def load_eagle_head(path: Path, args: ModelArgs, target: ModelArgs, *, dtype: torch.dtype,

@@ -461,7 +461,7 @@ class ClusterClient:
             return
         self._closed = True
         await self.migrator.stop()
-        await self._cleanups.wait()
+        await self._cleanups.wait(self.config.replicas.transfer_timeout_s)
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
         await asyncio.gather(*self._shutdowns, return_exceptions=True)
         await asyncio.to_thread(self.replicas.shutdown)

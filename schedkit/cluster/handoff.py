@@ -94,9 +94,18 @@ class Cleanups:
             if not isinstance(e, EngineDeadError):  # a dead replica freed everything already
                 log.warning("%s failed: %s: %s", what, type(e).__name__, e)
 
-    async def wait(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def wait(self, timeout: float) -> None:
+        """Let the calls still running end, for at most ``timeout`` seconds: a release
+        is best effort, and a replica that never answers must not stall a close. Those
+        left are cancelled."""
+        if not self._tasks:
+            return
+        _, left = await asyncio.wait(set(self._tasks), timeout=timeout)
+        if left:
+            log.warning("%d best-effort KV release(s) did not end within %.1f s; given up", len(left), timeout)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
 
 
 async def hand_off(prefill: AsyncEngineClient, decode: AsyncEngineClient, request_id: str,

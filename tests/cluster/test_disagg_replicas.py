@@ -66,12 +66,12 @@ def split_run(base: dict[str, Any], prompts: list[list[int]], sps: list[Sampling
 
 
 async def stream_all(llm: AsyncLLM, prompts: list[list[int]], sps: list[SamplingParams],
-                     first_seen: dict[str, float] | None = None,
+                     first_seen: dict[str, float] | None = None, tokens: dict[str, list[int]] | None = None,
                      ) -> tuple[dict[str, list[int]], Counter[str], dict[str, Any]]:
     """Stream every request at once: each one's tokens, how many times it ended, its
     last output (``first_seen``: filled with when each one's first token arrived,
-    ``time.monotonic()``)."""
-    tokens: dict[str, list[int]] = {}
+    ``time.monotonic()``; ``tokens``: filled as they come, for a caller that gives up)."""
+    tokens = {} if tokens is None else tokens
     ends: Counter[str] = Counter()
     finals: dict[str, Any] = {}
 

@@ -29,6 +29,8 @@ from tests.cluster.test_disagg_replicas import (
 )
 
 pytestmark = pytest.mark.timeout(180)
+STREAMS_DEADLINE_S = 120.0
+"""Far past a normal run (seconds): the streams of a run that hangs are reported then."""
 
 RANDOM_MOVES = '''
 import random
@@ -88,8 +90,17 @@ def test_moved_at_random_steps_the_tokens_equal_one_engine(random_moves, kind):
     async def run() -> tuple[Any, ...]:
         async with await AsyncLLM.create(moving(base)) as llm:
             seen: dict[str, float] = {}
+            so_far: dict[str, list[int]] = {}
             t0 = time.monotonic()
-            tokens, ends, finals = await stream_all(llm, prompts, sps, seen)
+            try:
+                tokens, ends, finals = await asyncio.wait_for(stream_all(llm, prompts, sps, seen, so_far),
+                                                              STREAMS_DEADLINE_S)
+            except TimeoutError:  # say where each request stands, not only that it hung
+                stats = await asyncio.wait_for(llm.call_utility("stats"), 10)
+                raise AssertionError(
+                    f"streams open after {STREAMS_DEADLINE_S} s: tokens per request "
+                    f"{ {r: len(t) for r, t in so_far.items()} }; migration {stats.get('migration')}; "
+                    f"router {stats['router']['replicas']}") from None
             return t0, seen, tokens, ends, finals, await llm.call_utility("stats")
 
     t0, seen, tokens, ends, finals, stats = asyncio.run(run())

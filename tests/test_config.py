@@ -11,6 +11,7 @@ from schedkit.config import (
     PagedRunnerConfig,
     PluginRunnerConfig,
     SimulatedRunnerConfig,
+    config_from_dict,
     load_config,
     load_yaml,
 )
@@ -229,3 +230,18 @@ def test_names_that_must_be_unique_point_at_the_second_one(tmp_path, text, where
     p = write(tmp_path, text)
     msg = str(pytest.raises(ConfigError, load_config, p).value)
     assert f"{p}{where}" in msg and "Value error" not in msg
+
+
+def test_async_scheduling_with_drafts_needs_a_drafter_inside_the_step():
+    def cfg(runner: dict, profile: dict | None = None) -> Config:
+        compare = {"profiles": [{"name": "a"}, {"name": "b", "scheduler": profile}]} if profile else None
+        scheduler = {"num_speculative_tokens": 2, "async_scheduling": profile is None}
+        return config_from_dict({"runner": runner, "scheduler": scheduler, "compare": compare})
+
+    for runner in ({"kind": "fake"}, {"kind": "simulated"}, {"kind": "paged", "speculative_method": "draft_model"}):
+        assert cfg(runner).scheduler.async_scheduling  # they propose inside the step
+    for method in ("ngram", "suffix"):
+        msg = str(pytest.raises(ConfigError, cfg, {"kind": "paged", "speculative_method": method}).value)
+        assert "scheduler.async_scheduling" in msg and repr(method) in msg and "draft_model or eagle" in msg
+    msg = str(pytest.raises(ConfigError, cfg, {"kind": "paged"}, {"async_scheduling": True}).value)
+    assert "compare.profiles.1.scheduler.async_scheduling" in msg

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from schedkit.config.base import LocatedValueError, StrictModel
@@ -89,6 +91,22 @@ class Config(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_async_drafting(self) -> Config:
+        schedulers: list[tuple[tuple[str | int, ...], SchedulerConfig]] = [(("scheduler",), self.scheduler)]
+        for k, profile in enumerate(self.compare.profiles if self.compare is not None else ()):
+            try:
+                schedulers.append((("compare", "profiles", k, "scheduler"), profile_scheduler(self.scheduler, profile)))
+            except LocatedValueError:  # a bad override: _check_plugins_unique names it where it is
+                continue
+        for loc, sc in schedulers:
+            if sc.async_scheduling and sc.num_speculative_tokens:
+                why = drafts_in_step_refusal(self.runner)
+                if why is not None:
+                    raise LocatedValueError(f"async_scheduling with num_speculative_tokens: {why}",
+                                            (*loc, "async_scheduling"), True)
+        return self
+
+    @model_validator(mode="after")
     def _check_plugins_unique(self) -> Config:
         check_listed_once(self.plugins, "plugin")
         for k, profile in enumerate(self.compare.profiles if self.compare is not None else ()):
@@ -97,6 +115,21 @@ class Config(StrictModel):
             except LocatedValueError as e:  # re-anchored at the profile's key
                 raise LocatedValueError(str(e), ("compare", "profiles", k, *e.loc), e.value) from None
         return self
+
+
+def drafts_in_step_refusal(runner: Any) -> str | None:
+    """Why ``runner`` cannot draft inside a step, as asynchronous scheduling with
+    speculation needs (None: it can): the fake and simulated runners and the paged
+    runner's drafting models can; n-gram and suffix decoding match the previous step's
+    tokens on the host, so, as vLLM's n-gram, they need synchronous scheduling."""
+    if runner.kind in ("fake", "simulated"):
+        return None
+    if runner.kind == "paged":
+        if runner.speculative_method in ("draft_model", "eagle"):
+            return None
+        return (f"speculative_method {runner.speculative_method!r} drafts from the previous step's tokens "
+                "on the host; use draft_model or eagle, or turn async_scheduling off")
+    return f"runner kind {runner.kind!r} does not propose drafts inside a step"
 
 
 def _switches_on(loc: tuple[int | str, ...]) -> bool:

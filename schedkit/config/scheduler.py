@@ -32,7 +32,9 @@ class SchedulerConfig(StrictModel):
     """Admit a waiting request only if blocks for its whole current sequence are free."""
     async_scheduling: bool = False
     """Schedule step t+1 while step t runs (vLLM's AsyncScheduler): decode requests are
-    scheduled again before their sampled token is known, with output placeholders."""
+    scheduled again before their sampled token is known, with output placeholders. With
+    num_speculative_tokens the runner proposes the drafts inside each step (draft
+    models and EAGLE heads; n-gram and suffix decoding need it off)."""
     max_voluntary_preemptions: int = Field(default=4, ge=0)
     """Most running requests a policy may preempt voluntarily at the start of one step
     (``schedkit_select_voluntary_preemptions``; 0: the hook is never called)."""
@@ -56,8 +58,4 @@ class SchedulerConfig(StrictModel):
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         if self.num_speculative_tokens and self.max_num_batched_tokens <= self.num_speculative_tokens:
             raise ValueError("max_num_batched_tokens must exceed num_speculative_tokens")
-        if self.async_scheduling and self.num_speculative_tokens:
-            raise ValueError(
-                "async_scheduling does not combine with num_speculative_tokens: n-gram drafts "
-                "need the previous step's tokens (vLLM turns async scheduling off for n-gram too)")
         return self

@@ -50,6 +50,15 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
+DRAFT_PADDING = -1
+"""A scheduled draft slot with no draft in it (a resumed request's padded admission):
+the runner computes it and never accepts it."""
+DRAFT_PLACEHOLDER = -2
+"""A scheduled draft the runner proposes itself, inside the step (asynchronous
+scheduling: the tokens the drafts continue are not on the host when the step is
+planned). A runner that proposes fewer fills the rest with :data:`DRAFT_PADDING`."""
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan: which requests run, with how many tokens and which blocks."""
@@ -59,6 +68,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]]
+    """Per request, the drafts this step verifies (:data:`DRAFT_PADDING` and
+    :data:`DRAFT_PLACEHOLDER` entries are no tokens yet)."""
     num_common_prefix_blocks: list[int]
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
@@ -113,6 +124,10 @@ class ModelRunnerOutput:
     step_duration: float | None = None
     """Seconds the step took (simulator: modelled; real runners: measured)."""
     kv_connector_output: KVConnectorOutput | None = None
+    num_proposed_drafts: dict[str, int] = field(default_factory=dict)
+    """Requests whose :data:`DRAFT_PLACEHOLDER` drafts the runner proposed inside the
+    step -> how many it proposed (the rest of their slots were :data:`DRAFT_PADDING`);
+    the acceptance counts count those alone."""
 
 
 class RequestMetricsData(msgspec.Struct, frozen=True):

@@ -22,6 +22,8 @@ from schedkit.config import CacheConfig, SchedulerConfig
 from schedkit.core.hooks import AdmissionDecision, Preemption, SchedulerHooks
 from schedkit.core.kv_loads import KVLoads
 from schedkit.core.outputs import (
+    DRAFT_PADDING,
+    DRAFT_PLACEHOLDER,
     EngineCoreOutput,
     EngineCoreOutputs,
     KVConnectorOutput,
@@ -378,6 +380,23 @@ class Scheduler:
                 plan[req.request_id] = n
         self._spec_plan = plan
         return plan
+
+    def plan_draft_placeholders(self) -> None:
+        """Asynchronous scheduling: give each request :meth:`plan_speculation` plans
+        drafts that many :data:`DRAFT_PLACEHOLDER` drafts for its next step, which the
+        runner proposes inside that step (vLLM's in-step drafter). Structured requests
+        get none: their grammar must see a draft before the step's bitmask is built.
+
+        Raises:
+            PluginError: The speculation policy raised (no drafts for the next step).
+        """
+        plan = self.plan_speculation()
+        self._spec_plan = None
+        requests = self.requests
+        for rid, k in plan.items():
+            req = requests[rid]
+            if req.structured_output is None:
+                req.spec_token_ids = [DRAFT_PLACEHOLDER] * k
 
     def update_draft_token_ids(self, draft_token_ids: Mapping[str, list[int]]) -> None:
         """Set next step's draft tokens; drafts for a request still prefilling are dropped,
@@ -870,7 +889,7 @@ class Scheduler:
         st.num_scheduled[req.request_id] = n
         st.budget -= n
         if n > 1 and req.num_tokens - computed == 1:
-            st.spec_tokens[rid] = [-1] * (n - 1)  # padded admission
+            st.spec_tokens[rid] = [DRAFT_PADDING] * (n - 1)  # padded admission
 
     def _remove_queued(self, reqs: list[Request]) -> None:
         """Take finished requests out of the queues. If the policy's queue raises, they
@@ -951,8 +970,8 @@ class Scheduler:
             req.num_computed_tokens = done + n
             req.num_in_flight_tokens += n
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
-            if placeholders and not req.is_prefill_chunk:
-                req.num_output_placeholders += 1  # the token this step samples
+            if placeholders and not req.is_prefill_chunk:  # the token this step samples, and its drafts
+                req.num_output_placeholders += 1 + len(st.spec_tokens.get(rid, ()))
             so = req.structured_output
             if so is not None and so.jump_forward:
                 so.jump_forward = []  # the runner has them (appended or resumed tokens)
@@ -1114,7 +1133,7 @@ class Scheduler:
             if not gen or (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
                 continue  # a prefill chunk that sampled nothing, finished while the step ran, read bad KV
             if spec_sched and not stale and (drafts := spec_sched.get(rid)):
-                self._apply_spec_result(req, drafts, len(gen), spec_stats)
+                self._apply_spec_result(req, drafts, len(gen), spec_stats, runner_output.num_proposed_drafts.get(rid))
             # The tokens.
             is_first = not req.output_token_ids
             error = None
@@ -1236,17 +1255,23 @@ class Scheduler:
             so.matcher_s += time.perf_counter() - t0  # counted against its step budget
 
     def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
-                           spec_stats: SpecDecodingStats | None) -> None:
+                           spec_stats: SpecDecodingStats | None, num_proposed: int | None = None) -> None:
+        """Take back the rejected drafts' tokens and count the request's acceptance
+        (``num_proposed``: the drafts the runner proposed in the step, the rest of the
+        scheduled slots being padding; None: every slot held a draft)."""
         num_accepted = num_gen - 1
         num_rejected = len(drafts) - num_accepted
         if num_rejected > 0 and req.num_computed_tokens > 0:
             req.num_computed_tokens -= num_rejected
-        if drafts[0] != -1:
-            req.num_draft_tokens += len(drafts)
+        if num_rejected > 0 and req.num_output_placeholders:  # the drafts were counted as placeholders
+            req.num_output_placeholders = max(req.num_output_placeholders - num_rejected, 0)
+        real = len(drafts) if num_proposed is None else num_proposed
+        if drafts[0] != DRAFT_PADDING and real:
+            req.num_draft_tokens += real
             req.num_accepted_tokens += num_accepted
-            req.num_draft_misses += int(num_rejected > 0)
+            req.num_draft_misses += int(num_accepted < real)
             if spec_stats is not None:
-                spec_stats.observe(len(drafts), num_accepted)
+                spec_stats.observe(real, num_accepted)
 
     def _append_tokens(self, req: Request, gen: list[int]) -> tuple[list[int], bool]:
         max_model_len = self.max_model_len

@@ -133,8 +133,7 @@ class EngineCore:
         processing included (wall time with a real runner; what calibration fits). With
         steps in flight: the time since the previous step's output was processed."""
         self._consecutive_step_failures = 0
-        self.num_draft_failures = 0
-        """Steps after which the runner raised proposing drafts (each cost one step its drafts)."""
+        self._num_draft_failures = 0
         self._draft_log = RateLimitedLog(log, OBSERVER_LOG_INTERVAL_S)
         self._hook_logs: dict[tuple[str | None, str | None], RateLimitedLog] = {}
         self._empty_steps = 0
@@ -144,6 +143,9 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_done = float("-inf")
         self._launch_async = self._depth > 1 and hasattr(self.runner, "execute_async")
+        self._drafts_in_step = self._depth > 1 and bool(config.scheduler.num_speculative_tokens)
+        """Asynchronous scheduling with speculation: the runner drafts inside each step
+        (the scheduler plans placeholders), not between steps."""
         self._vocab_size: int | None = getattr(self.runner, "vocab_size", None) if getattr(
             self.runner, "checks_token_ids", False) else None
         """Prompt token ids must be below it (runners that index embeddings with them)."""
@@ -187,6 +189,12 @@ class EngineCore:
     def _build_runner(config: Config) -> Any:
         cls = configured_runner_class(config)
         return cls.from_config(config)
+
+    @property
+    def num_draft_failures(self) -> int:
+        """Steps whose drafts the runner failed to propose (each cost one step its
+        drafts): after the step before, or inside the step (asynchronous scheduling)."""
+        return self._num_draft_failures + int(getattr(self.runner, "num_draft_failures", 0))
 
     # -- clock ---------------------------------------------------------------------------
     @property
@@ -345,6 +353,8 @@ class EngineCore:
         queue = self._in_flight
         if len(queue) < self._depth and sched.has_requests():
             t0 = self.now()
+            if self._drafts_in_step:  # from the outputs processed so far
+                self._plan_draft_placeholders()
             try:
                 scheduler_output = sched.schedule()
             except PluginError as e:
@@ -406,7 +416,7 @@ class EngineCore:
             log.exception("update_from_output failed")
             return self.fail_requests(
                 list(scheduler_output.num_scheduled_tokens), f"output processing failed: {type(e).__name__}: {e}")
-        if sched.num_spec_tokens:
+        if sched.num_spec_tokens and not self._drafts_in_step:
             self._propose_drafts()
         self.num_steps += 1
         if scheduler_output.total_num_scheduled_tokens:
@@ -431,11 +441,20 @@ class EngineCore:
             try:
                 drafts = self.runner.propose_draft_token_ids(plan)
             except Exception as e:  # the drafter's failure costs the next step its drafts only
-                self.num_draft_failures += 1
+                self._num_draft_failures += 1
                 self._draft_log.error("the runner failed proposing drafts (%s: %s); no drafts for the "
                                       "next step", type(e).__name__, e)
                 drafts = {}
             sched.update_draft_token_ids(drafts)
+
+    def _plan_draft_placeholders(self) -> None:
+        """Asynchronous scheduling: the speculation policy's plan for the step about to
+        be scheduled, as placeholders the runner fills inside that step. A raising
+        policy costs that step its drafts, nothing else."""
+        try:
+            self.scheduler.plan_draft_placeholders()
+        except PluginError as e:
+            self._hook_log(e).error("%s; no draft tokens for the next step", e)
 
     def _hook_log(self, e: PluginError) -> RateLimitedLog:
         """One rate-limited log per raising (plugin, hook): an observer that raises every

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.core.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.structured_output import GrammarBitmask
 
 
@@ -146,13 +146,16 @@ class FakeRunner:
             num_prompt, seed = self._parked.pop(rid)
             eos_at = self.output_len(rid) if self.output_len is not None else None
             states[rid] = _ReqState(seed, num_prompt, list(tokens), 0, eos_at)
+        for rid, tokens in cached.appended_token_ids.items():  # jump-forward decoding
+            states[rid].tokens.extend(tokens)
         for rid, computed, num_out in zip(cached.req_ids, cached.num_computed_tokens,
                                           cached.num_output_tokens, strict=True):
             st = states[rid]
-            st.num_computed_tokens = computed
+            # Planned before the step in flight's output was processed (asynchronous
+            # scheduling), the scheduler still counts the drafts that step rejected.
+            behind = st.num_prompt_tokens + num_out - len(st.tokens)
+            st.num_computed_tokens = computed - max(behind, 0)
             del st.tokens[st.num_prompt_tokens + num_out:]  # tokens the scheduler dropped
-        for rid, tokens in cached.appended_token_ids.items():  # jump-forward decoding
-            states[rid].tokens.extend(tokens)
         spec = scheduler_output.scheduled_spec_decode_tokens
         bitmask = scheduler_output.grammar_bitmask
         rows = scheduler_output.structured_output_request_ids if bitmask is not None else {}
@@ -161,6 +164,8 @@ class FakeRunner:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = states[rid]
             drafts = spec.get(rid, ())
+            if drafts and drafts[0] == DRAFT_PLACEHOLDER:  # proposed here, inside the step
+                drafts = self._propose(rid, st, len(drafts))
             end = st.num_computed_tokens + n - len(drafts)
             st.num_computed_tokens += n
             req_ids.append(rid)
@@ -209,22 +214,25 @@ class FakeRunner:
         for rid in self._last_sampled:
             st = self.states.get(rid)
             k = num_spec_tokens.get(rid, 0)
-            if st is None or not k:
-                continue
-            base = len(st.tokens) - st.num_prompt_tokens
-            alpha = self.acceptance_of(rid, st.seed)
-            props = []
-            for j in range(k):
-                tok = self.token_at(st, base + j)
-                if alpha is None:
-                    wrong = bool(self.draft_error_every) and (st.seed + base + j) % self.draft_error_every == 0
-                else:
-                    wrong = unit_hash(st.seed, base + j) >= alpha
-                if wrong:
-                    tok = (tok + 1) % self.vocab_size
-                props.append(tok)
-            drafts[rid] = props
+            if st is not None and k:
+                drafts[rid] = self._propose(rid, st, k)
         return drafts
+
+    def _propose(self, rid: str, st: _ReqState, k: int) -> list[int]:
+        """``k`` drafts continuing the request's tokens."""
+        base = len(st.tokens) - st.num_prompt_tokens
+        alpha = self.acceptance_of(rid, st.seed)
+        props = []
+        for j in range(k):
+            tok = self.token_at(st, base + j)
+            if alpha is None:
+                wrong = bool(self.draft_error_every) and (st.seed + base + j) % self.draft_error_every == 0
+            else:
+                wrong = unit_hash(st.seed, base + j) >= alpha
+            if wrong:
+                tok = (tok + 1) % self.vocab_size
+            props.append(tok)
+        return props
 
     def acceptance_of(self, request_id: str, seed: int) -> float | None:
         """The chance that a draft of this request is right (None: the fixed pattern of

@@ -7,6 +7,7 @@ from collections import deque
 
 import pytest
 
+from schedkit.core.outputs import DRAFT_PLACEHOLDER
 from schedkit.core.request import RequestStatus
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
@@ -86,6 +87,35 @@ def test_placeholders_allow_rescheduling_before_the_update():  # docs/scheduler-
     assert req.output_token_ids == [7] and req.num_output_placeholders == 1
     sched.update_from_output(out2, one_token_each(out2, 8))
     assert req.output_token_ids == [7, 8] and req.num_output_placeholders == 0
+
+
+def test_drafts_planned_as_placeholders_are_rolled_back_by_the_update():  # docs/scheduler-behaviour.md#async-drafts
+    """Asynchronous scheduling with speculation: the next step's drafts are placeholders
+    the runner fills; the step is scheduled before the one in flight is known, and its
+    update takes back the drafts rejected from the computed tokens and the placeholders."""
+    sched = make_scheduler(async_scheduling=True, num_speculative_tokens=2)
+    (req,) = make_requests(1, num_tokens=8, max_tokens=20)
+    sched.add_request(req)
+    out1 = sched.schedule()
+    sched.plan_draft_placeholders()
+    assert req.spec_token_ids == [DRAFT_PLACEHOLDER] * 2
+    out2 = sched.schedule()  # before out1's update: the sampled token and two drafts
+    sched.plan_draft_placeholders()
+    assert out2.num_scheduled_tokens == {"0": 3}
+    assert out2.scheduled_spec_decode_tokens == {"0": [DRAFT_PLACEHOLDER] * 2}
+    assert req.num_output_placeholders == 1 + 3 and req.num_computed_tokens == 8 + 3
+    sched.update_from_output(out1, one_token_each(out1, 7))
+    assert req.output_token_ids == [7] and req.num_output_placeholders == 3
+    out3 = sched.schedule()  # out2 in flight: its drafts still count
+    assert out3.num_scheduled_tokens == {"0": 3} and out3.scheduled_cached_reqs.num_computed_tokens == [11]
+    sched.update_from_output(out2, runner_output(out2, {"0": [8, 9]}))  # one of two drafts accepted
+    assert req.output_token_ids == [7, 8, 9]
+    assert req.num_computed_tokens == 8 + 3 + 3 - 1 and req.num_output_placeholders == 3
+    assert req.num_draft_tokens == 2 and req.num_accepted_tokens == 1
+    sched.update_from_output(out3, runner_output(out3, {"0": [10]}))  # both rejected
+    assert req.output_token_ids == [7, 8, 9, 10] and req.num_output_placeholders == 0
+    assert req.num_computed_tokens == 8 + 4 - 1  # the newest token's KV is the next step's
+    assert_scheduler_consistent(sched)
 
 
 def test_sync_scheduler_never_adds_placeholders():

@@ -48,8 +48,9 @@ def fake_config(async_scheduling: bool, drafts: bool = False) -> dict:
         "cache": {"block_size": 4, "num_blocks": 40, "enable_prefix_caching": True},
         "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 6, "max_model_len": 120,
                       "long_prefill_token_threshold": 16, "async_scheduling": async_scheduling,
-                      # drafts (and the speculation hook) where they combine
-                      "num_speculative_tokens": 2 if drafts and not async_scheduling else 0},
+                      # drafts (and the speculation hook; under async scheduling, placeholders
+                      # the runner proposes inside the step)
+                      "num_speculative_tokens": 2 if drafts else 0},
     }
 
 

@@ -364,7 +364,7 @@ class BackendPlugin:
         return self.backend if config.backend == "sequence" else None
 
 
-@pytest.mark.parametrize("async_scheduling,num_spec", [(False, 0), (True, 0), (False, 2)])
+@pytest.mark.parametrize("async_scheduling,num_spec", [(False, 0), (True, 0), (False, 2), (True, 2)])
 def test_grammars_follow_every_token_through_the_engine(async_scheduling, num_spec):
     config = config_from_dict({
         "cache": {"block_size": 4, "num_blocks": 9},

@@ -216,3 +216,33 @@ def test_kv_storage_loads_give_transformers_tokens(models: dict[str, Path], tmp_
     assert [r.num_cached_tokens for r in reqs] == [(len(p) - 1) // 16 * 16 for p in prompts]
     expected = hf_greedy(load_hf_model(path, device="cuda"), prompts, 16)
     assert [got[str(i)] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafters_on_cuda_keep_greedy_output(models: dict[str, Path], tmp_path: Path,
+                                             async_scheduling: bool) -> None:
+    """The draft model and the EAGLE head on CUDA (their KV sized with the target's from
+    free memory, CUDA graphs on): greedy output equals the target's alone; the target
+    drafting for itself has every draft accepted (its KV right at every position)."""
+    import json
+
+    from schedkit.runners.paged.builder import build_random_eagle_head
+
+    path = models["llama"]
+    prompts = random_prompts([41, 17, 33, 60, 9, 25], 512, seed=13)
+    reqs = lambda: [greedy_request(str(i), p, 24) for i, p in enumerate(prompts)]  # noqa: E731
+
+    def run(**runner: object) -> tuple[dict[str, list[int]], list]:
+        spec = {"num_speculative_tokens": 3} if runner else {}
+        engine = EngineCore(paged_config(path, device="cuda", num_blocks=400, **runner,
+                                         scheduler={"async_scheduling": async_scheduling, **spec}))
+        served = reqs()
+        return run_engine(engine, served), served
+
+    expected, _ = run()
+    got, served = run(speculative_method="draft_model")
+    assert got == expected
+    assert sum(r.num_accepted_tokens for r in served) == sum(r.num_draft_tokens for r in served) > 0
+    head = build_random_eagle_head(tmp_path / "head", json.loads((path / "config.json").read_text()), seed=5)
+    got, served = run(speculative_method="eagle", draft_model={"name": str(head)})
+    assert got == expected and sum(r.num_draft_tokens for r in served) > 0

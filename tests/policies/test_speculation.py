@@ -57,27 +57,36 @@ def serve(k: int, plugins: list[dict[str, Any]] | None = None, extra: list[Any] 
     return tokens, drafted, engine.num_steps, engine
 
 
-def test_batch_cutoff_speculates_only_in_small_batches():
-    plain, _, plain_steps, _ = serve(0)
+# Under asynchronous scheduling the runner proposes the drafts inside each step, in the
+# places the scheduler planned for them: the policies decide the same things.
+either_scheduling = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@either_scheduling
+def test_batch_cutoff_speculates_only_in_small_batches(async_scheduling):
+    plain, _, plain_steps, _ = serve(0, async_scheduling=async_scheduling)
     # four requests running: above a cutoff of 2 nobody drafts, at 4 everybody does
-    tokens, drafted, steps, _ = serve(3, [{"name": "speculate-by-batch", "settings": {"max_batch": 2}}])
+    tokens, drafted, steps, _ = serve(3, [{"name": "speculate-by-batch", "settings": {"max_batch": 2}}],
+                                      async_scheduling=async_scheduling)
     assert tokens == plain and not drafted and steps == plain_steps
-    tokens, drafted, steps, _ = serve(3, [{"name": "speculate-by-batch", "settings": {"max_batch": 4}}])
+    tokens, drafted, steps, _ = serve(3, [{"name": "speculate-by-batch", "settings": {"max_batch": 4}}],
+                                      async_scheduling=async_scheduling)
     assert tokens == plain and set(drafted) == set(plain) and steps < plain_steps
 
 
-def test_acceptance_policy_gives_good_drafters_all_and_bad_ones_probes():
+@either_scheduling
+def test_acceptance_policy_gives_good_drafters_all_and_bad_ones_probes(async_scheduling):
     plugins = [{"name": "speculate-by-acceptance",
                 "settings": {"min_acceptance": 0.5, "prior": 0.9, "probe_every": 8}}]
-    plain, _, _, _ = serve(0, max_tokens=40)
+    plain, _, _, _ = serve(0, max_tokens=40, async_scheduling=async_scheduling)
     # every draft right: the estimate stays above 0.9, every request gets all 3 each step
-    tokens, good, _, _ = serve(3, plugins, draft_error_every=0, max_tokens=40)
-    _, always, _, _ = serve(3, draft_error_every=0, max_tokens=40)
+    tokens, good, _, _ = serve(3, plugins, draft_error_every=0, max_tokens=40, async_scheduling=async_scheduling)
+    _, always, _, _ = serve(3, draft_error_every=0, max_tokens=40, async_scheduling=async_scheduling)
     assert tokens == plain and good == always
     # every draft wrong: 3 drafts (0.9), then 1 (0.6 after a miss), then none (0.45),
     # but for one probe draft every 8 steps
-    tokens, bad, _, _ = serve(3, plugins, draft_error_every=1, max_tokens=40)
-    _, wasted, _, _ = serve(3, draft_error_every=1, max_tokens=40)
+    tokens, bad, _, _ = serve(3, plugins, draft_error_every=1, max_tokens=40, async_scheduling=async_scheduling)
+    _, wasted, _, _ = serve(3, draft_error_every=1, max_tokens=40, async_scheduling=async_scheduling)
     assert tokens == plain
     assert 0 < sum(bad.values()) < sum(wasted.values()) / 4
     assert all(bad[rid] > 4 for rid in plain)  # probed after the first four, not given up on
@@ -197,11 +206,12 @@ class Broken:
     lambda running, k: {running[0].request_id: 1.0},
     lambda running, k: {running[0].request_id: True},
 ])
-def test_a_broken_speculation_plugin_costs_only_drafts(bad, caplog):
-    plain, _, _, _ = serve(0)
+@either_scheduling
+def test_a_broken_speculation_plugin_costs_only_drafts(bad, caplog, async_scheduling):
+    plain, _, _, _ = serve(0, async_scheduling=async_scheduling)
     plugin = Broken(bad)
     with caplog.at_level(logging.ERROR, logger="schedkit.engine"):
-        tokens, drafted, _, engine = serve(3, extra=[plugin])
+        tokens, drafted, _, engine = serve(3, extra=[plugin], async_scheduling=async_scheduling)
     assert tokens == plain  # every request served, its tokens unchanged
     assert plugin.calls > 6 and drafted  # asked again after each failure; its good answers used
     assert "schedkit_num_speculative_tokens" in caplog.text and "no draft tokens" in caplog.text
@@ -238,14 +248,15 @@ def test_fake_runner_drafts_are_right_with_each_requests_chance():
 
 
 def _simulated(acceptance: float, k: int, plugins: list[dict[str, Any]] | None = None,
-               rate: float = 2.0) -> float:
+               rate: float = 2.0, async_scheduling: bool = False) -> float:
     """Mean E2E latency of 60 requests on the simulator (SmolLM2's CPU profile)."""
     from schedkit.lab.simulate import run_workload
 
     cfg = config_from_dict({
         "runner": {"kind": "simulated", "profile": "cpu-smollm2-135m", "vocab_size": 49152,
                    "draft_acceptance": {"mean": acceptance, "concentration": 20}},
-        "scheduler": {"num_speculative_tokens": k, "max_num_seqs": 16, "max_num_batched_tokens": 512},
+        "scheduler": {"num_speculative_tokens": k, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+                      "async_scheduling": async_scheduling},
         "workload": {"kind": "poisson", "rate": rate, "num_requests": 60, "prompt_len": [64, 256],
                      "output_len": [32, 128], "seed": 3},
         "plugins": plugins or []})
@@ -281,13 +292,19 @@ def test_the_simulator_prices_a_draft_model_that_does_not_fit():
     assert policy <= 1.05 * off, (policy, off)
 
 
-def test_the_simulator_compares_speculation_policies_before_they_run():
+@either_scheduling
+def test_the_simulator_compares_speculation_policies_before_they_run(async_scheduling):
     """Speculation pays where drafts are accepted and costs where they are not; the
-    acceptance policy follows the better of always-on and off in both."""
-    policy = [{"name": "speculate-by-acceptance", "settings": {"draft_cost": 0.04}}]
+    acceptance policy follows the better of always-on and off in both. Under
+    asynchronous scheduling it plans each step before the one in flight is known, so a
+    request's record reaches it a step later and a new request ramps up from the prior
+    more slowly (6% behind always-on at 0.9 acceptance from the default prior): there
+    the pooled prior, every request's record so far, starts new requests."""
+    settings = {"draft_cost": 0.04, "pooled_prior": async_scheduling}
+    policy = [{"name": "speculate-by-acceptance", "settings": settings}]
     for acceptance, better in ((0.9, "on"), (0.15, "off")):
-        off = _simulated(acceptance, 0)
-        on = _simulated(acceptance, 4)
-        dynamic = _simulated(acceptance, 4, policy)
+        off = _simulated(acceptance, 0, async_scheduling=async_scheduling)
+        on = _simulated(acceptance, 4, async_scheduling=async_scheduling)
+        dynamic = _simulated(acceptance, 4, policy, async_scheduling=async_scheduling)
         assert (on < off) == (better == "on"), (acceptance, on, off)
         assert dynamic <= 1.05 * min(on, off), (acceptance, dynamic, on, off)

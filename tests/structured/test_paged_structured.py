@@ -40,12 +40,17 @@ def requests(with_constraints: bool) -> list[Request]:
     return out
 
 
-def run(model, device: str = "cpu", constrained: bool = True, **kw) -> dict[str, list[int]]:
+def run(model, device: str = "cpu", constrained: bool = True, served: list | None = None,
+        **kw) -> dict[str, list[int]]:
+    """Each request's tokens (``served``: filled with the requests)."""
     cfg = paged_config(model, device=device, max_num_seqs=8, num_blocks=128, **kw)
     cfg = cfg.model_copy(update={"structured_outputs": cfg.structured_outputs.model_copy(
         update={"backend": "synthetic"})})
     engine = EngineCore(cfg, extra_plugins=[structured_backend_plugin(VOCAB)])
-    return run_engine(engine, requests(constrained))
+    reqs = requests(constrained)
+    if served is not None:
+        served += reqs
+    return run_engine(engine, reqs)
 
 
 def check(outs: dict[str, list[int]], plain: dict[str, list[int]]) -> None:
@@ -68,20 +73,31 @@ def test_regex_outputs_match_and_neighbours_are_unchanged(model, kw):
     check(run(model, **kw), run(model, constrained=False, **kw))
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "draft_model-1-layer", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "draft_model-1-layer", "eagle",
+                                    "draft_model-async", "eagle-async"])
 def test_every_proposer_keeps_structured_outputs_token_for_token(model, tmp_path, method):
     """Drafts of every proposer, checked against each request's grammar before they are
     scheduled and verified against masked targets: constrained and unconstrained,
-    greedy and seeded requests come out exactly as without speculation."""
+    greedy and seeded requests come out exactly as without speculation. Under
+    asynchronous scheduling (the drafting models: drafts proposed inside the step) the
+    structured requests get no drafts and the others do."""
     runner: dict = {"speculative_method": method.split("-")[0]}
+    scheduler: dict = {"num_speculative_tokens": 3}
+    if method.endswith("-async"):
+        scheduler["async_scheduling"] = True
     if method == "draft_model-1-layer":
         runner["draft_model"] = {"num_layers": 1}
-    if method == "eagle":
+    if method.startswith("eagle"):
         import json
 
         from schedkit.runners.paged.builder import build_random_eagle_head
 
         head = build_random_eagle_head(tmp_path / "head", json.loads((model / "config.json").read_text()), seed=4)
         runner["draft_model"] = {"name": str(head)}
-    plain = run(model)
-    assert run(model, scheduler={"num_speculative_tokens": 3}, **runner) == plain
+    plain = run(model, scheduler={"async_scheduling": scheduler.get("async_scheduling", False)})
+    served: list[Request] = []
+    assert run(model, scheduler=scheduler, served=served, **runner) == plain
+    drafted = {r.request_id: r.num_draft_tokens for r in served}
+    assert sum(drafted[str(i)] for i in range(1, 8, 2)) > 0  # the unconstrained ones were drafted for
+    if "async_scheduling" in scheduler:
+        assert all(drafted[str(i)] == 0 for i in range(0, 8, 2))

@@ -39,7 +39,13 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ConfigError("runner.kind = 'paged' needs PyTorch: pip install 'schedkit[paged]'") from e
 
-from schedkit.core.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from schedkit.core.outputs import (
+    DRAFT_PADDING,
+    DRAFT_PLACEHOLDER,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from schedkit.core.request import SamplingParams
 from schedkit.runners.drafting import DraftProposer, NgramProposer, make_proposer
 from schedkit.runners.paged.attention_metadata import AttentionMetadata
@@ -66,6 +72,9 @@ from schedkit.runners.paged.sampler import Sampler, SamplingBatch, apply_grammar
 
 logger = logging.getLogger(__name__)
 
+DRAFT_FAILURE_LOG_S = 10.0
+"""At most one log line per this many seconds for a drafter failing inside steps."""
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -90,6 +99,9 @@ class RunnerOptions:
     num_speculative_tokens: int = 0
     """``scheduler.num_speculative_tokens``: with a draft model, the lookahead slots it
     needs past each step's tokens."""
+    drafts_in_step: bool = False
+    """Asynchronous scheduling with speculation: each step proposes the drafts the
+    scheduler left placeholders for, once the step before it is settled on the host."""
 
 
 @dataclass(slots=True)
@@ -119,6 +131,10 @@ class _InFlightStep:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     placeholders: list[tuple[RequestState, int, int]] = field(default_factory=list)
     """(request state, token position, index in ``tokens``) per pending token."""
+    num_proposed: dict[str, int] = field(default_factory=dict)
+    """Requests drafted inside the step -> the drafts proposed (the rest padding)."""
+    sampled: list[list[int]] | None = None
+    """Per request, its tokens (the accepted drafts and the bonus) once settled."""
     done: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -160,6 +176,10 @@ class PagedModelRunner:
         self.graphs: Any = None
         self._parked: dict[str, _Parked] = {}
         self._in_flight: _InFlightStep | None = None
+        self.num_draft_failures = 0
+        """Steps whose drafts the drafter failed to propose inside the step (they ran
+        without); ``EngineCore.num_draft_failures`` counts them too."""
+        self._draft_failure_logged = float("-inf")
         """The last launched step while its tokens have not been collected."""
         self._num_uncollected = 0
         self.kv_connector: Any = None
@@ -249,7 +269,8 @@ class PagedModelRunner:
             cuda_graph_max_batch_size=min(rc.cuda_graph_max_batch_size, sc.max_num_seqs),
             gpu_memory_utilization=rc.gpu_memory_utilization, seed=rc.seed,
             kv_cache_dtype=config.model.dtype, proposer=make_proposer(rc),
-            num_speculative_tokens=sc.num_speculative_tokens)
+            num_speculative_tokens=sc.num_speculative_tokens,
+            drafts_in_step=sc.async_scheduling and bool(sc.num_speculative_tokens))
         return cls(model, options, path, draft)
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
@@ -356,6 +377,11 @@ class PagedModelRunner:
         """
         t0 = time.perf_counter()
         assert self._num_uncollected <= 1, "more than two steps in flight"
+        if self.options.drafts_in_step:
+            if self._in_flight is not None:
+                self._settle(self._in_flight)  # its accepted drafts place this step's tokens
+            if scheduler_output.preempted_req_ids and self.drafts_from_hidden_states:
+                self._propose_or_none({})  # the head's KV of the victims' last step, before it is swapped out
         self._update_states(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         step = _InFlightStep(self, req_ids, t0, finished_ids=scheduler_output.finished_req_ids)
@@ -369,6 +395,8 @@ class PagedModelRunner:
         ib = self.input_batch
         assert ib is not None, "initialize() was not called"
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        if self.options.drafts_in_step:
+            drafts, step.num_proposed = self._draft_in_step(drafts)
         connector = self.kv_connector
         if connector is not None:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
@@ -462,21 +490,31 @@ class PagedModelRunner:
 
     def _collect(self, step: _InFlightStep) -> ModelRunnerOutput:
         """The step's tokens on the host: placeholders filled, drafts verified."""
-        ib = self.input_batch
-        assert ib is not None
         req_ids = step.req_ids
-        sampled: list[list[int]] = [[] for _ in req_ids]
         try:
-            tokens = []
-            if step.tokens is not None:
-                if step.copied is not None:
-                    step.copied.synchronize()
-                tokens = step.host_tokens.tolist()
+            sampled = self._settle(step)
         finally:  # collected, even if the device failed: the pipeline must not wedge
             self._num_uncollected -= 1
             if self._in_flight is step:
                 self._in_flight = None
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - step.t0,
+                                 kv_connector_output=self._connector_output(step), num_proposed_drafts=step.num_proposed)
+
+    def _settle(self, step: _InFlightStep) -> list[list[int]]:
+        """Bring the step's tokens to the host (once): its pending tokens written, its
+        drafts verified and the accepted ones appended. With drafts proposed inside
+        each step, the next launch settles the step before it (a device sync on CUDA)."""
+        if step.sampled is not None:
+            return step.sampled
+        ib = self.input_batch
+        assert ib is not None
+        req_ids = step.req_ids
+        sampled: list[list[int]] = [[] for _ in req_ids]
         if step.tokens is not None:
+            if step.copied is not None:
+                step.copied.synchronize()
+            tokens = step.host_tokens.tolist()
             ib.resolve(step.placeholders, tokens)
             drafts = step.drafts
             for i, (a, b) in enumerate(step.slices):
@@ -484,12 +522,43 @@ class PagedModelRunner:
                     continue
                 if drafts and drafts.get(req_ids[i]):
                     sampled[i] = _accept(tokens[a:b], drafts[req_ids[i]])
-                    ib.append_tokens(req_ids[i], sampled[i])
+                    if req_ids[i] in ib.states:
+                        ib.append_tokens(req_ids[i], sampled[i])
                 else:
                     sampled[i] = tokens[a:b]
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, step_duration=time.perf_counter() - step.t0,
-                                 kv_connector_output=self._connector_output(step))
+        step.sampled = sampled
+        return sampled
+
+    def _propose_or_none(self, plan: Mapping[str, int]) -> dict[str, list[int]]:
+        """:meth:`propose_draft_token_ids` inside a step: a drafter that fails costs the
+        step its drafts only (counted, logged at most every DRAFT_FAILURE_LOG_S)."""
+        try:
+            return self.propose_draft_token_ids(plan)
+        except Exception as e:
+            self.num_draft_failures += 1
+            now = time.monotonic()
+            if now - self._draft_failure_logged >= DRAFT_FAILURE_LOG_S:
+                self._draft_failure_logged = now
+                logger.error("the drafter failed (%s: %s; %d times so far); this step runs without drafts",
+                             type(e).__name__, e, self.num_draft_failures)
+            return {}
+
+    def _draft_in_step(self, scheduled: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """The step's drafts with its placeholders proposed, and how many were proposed
+        per request: the drafter caught up on the settled step before (an EAGLE head
+        every step); a request it drafts fewer for (its catch-up cut to the budget) is
+        padded with never-accepted slots."""
+        plan = {rid: len(d) for rid, d in scheduled.items() if d and d[0] == DRAFT_PLACEHOLDER}
+        if not plan and not self.drafts_from_hidden_states:
+            return scheduled, {}
+        proposed = self._propose_or_none(plan)
+        drafts = dict(scheduled)
+        num_proposed = {}
+        for rid, k in plan.items():
+            got = list(proposed.get(rid, ()))[:k]
+            drafts[rid] = got + [DRAFT_PADDING] * (k - len(got))
+            num_proposed[rid] = len(got)
+        return drafts, num_proposed
 
     def _connector_output(self, step: _InFlightStep) -> KVConnectorOutput | None:
         """The transfers the worker-side connector finished since the last step."""
@@ -531,13 +600,17 @@ class PagedModelRunner:
             st = ib.states[rid]
             if blocks:
                 ib.append_blocks(rid, blocks)
-            st.num_computed_tokens = cached.num_computed_tokens[i]
             appended = cached.appended_token_ids.get(rid)
             if appended:  # tokens jump-forward decoding appended: this step computes them
                 ib.append_tokens(rid, appended)
             known = st.num_prompt_tokens + cached.num_output_tokens[i]
-            assert known <= st.num_tokens, f"{rid}: scheduler knows tokens the runner never sampled"
-            st.num_tokens = known
+            # Planned before the step in flight's output was processed (drafts proposed
+            # inside the step), the scheduler still counts the drafts that step rejected.
+            behind = known - st.num_tokens
+            assert behind <= 0 or self.options.drafts_in_step, \
+                f"{rid}: scheduler knows tokens the runner never sampled"
+            st.num_computed_tokens = cached.num_computed_tokens[i] - max(behind, 0)
+            st.num_tokens = min(known, st.num_tokens)
 
     def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return device_inputs(inputs, self.device, self.attention_backend, self.args.num_kv_heads)

@@ -38,7 +38,9 @@ def _requests(max_tokens: int = 24) -> list[Any]:
 
 def _checked(engine: EngineCore) -> list[int]:
     """Check the scheduler's invariants before every step; returns the drafts per step."""
-    execute = engine.runner.execute
+    runner = engine.runner
+    name = "execute_async" if engine._launch_async else "execute"
+    execute = getattr(runner, name)
     drafted: list[int] = []
 
     def run(so: Any) -> Any:
@@ -46,22 +48,28 @@ def _checked(engine: EngineCore) -> list[int]:
         drafted.append(sum(len(d) for d in so.scheduled_spec_decode_tokens.values()))
         return execute(so)
 
-    engine.runner.execute = run
+    setattr(runner, name, run)
     return drafted
 
 
 def _draft_engine(path: Path, draft: dict[str, Any] | None = None, k: int = 3, plugins: tuple[Any, ...] = (),
-                  **kw: Any) -> EngineCore:
+                  async_scheduling: bool = False, **kw: Any) -> EngineCore:
     cfg = paged_config(path, speculative_method="draft_model", draft_model=draft,
-                       scheduler={"num_speculative_tokens": k}, **kw)
+                       scheduler={"num_speculative_tokens": k, "async_scheduling": async_scheduling}, **kw)
     return EngineCore(cfg, extra_plugins=plugins)
 
 
-def test_the_target_drafting_for_itself_is_accepted_every_time(model_dir: Any) -> None:
+# Asynchronous scheduling: the scheduler plans placeholders, and the runner drafts inside
+# each step once the step before is settled; every claim holds the same.
+either_scheduling = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@either_scheduling
+def test_the_target_drafting_for_itself_is_accepted_every_time(model_dir: Any, async_scheduling: bool) -> None:
     path = model_dir("llama")
     plain = EngineCore(paged_config(path))
     expected = run_engine(plain, _requests())
-    engine = _draft_engine(path)
+    engine = _draft_engine(path, async_scheduling=async_scheduling)
     assert engine.scheduler.num_lookahead_tokens == 3
     drafted = _checked(engine)
     reqs = _requests()
@@ -79,13 +87,15 @@ def test_the_target_drafting_for_itself_is_accepted_every_time(model_dir: Any) -
     {"num_layers": 2},                                # the target's first two layers
     {"name": "tiny-llama", "seed": 3},                # another model of another shape
 ], ids=["truncated", "unrelated"])
-def test_greedy_output_is_the_targets_whatever_the_draft(model_dir: Any, draft: dict[str, Any]) -> None:
+@either_scheduling
+def test_greedy_output_is_the_targets_whatever_the_draft(model_dir: Any, draft: dict[str, Any],
+                                                         async_scheduling: bool) -> None:
     path = model_dir("llama")
     expected = run_engine(EngineCore(paged_config(path)), _requests())
     if "name" in draft:  # a draft of another shape, sharing the vocabulary
         draft = {"name": str(model_dir("llama", seed=3, num_layers=2, hidden_size=64, num_heads=2,
                                        num_kv_heads=1))}
-    engine = _draft_engine(path, draft)
+    engine = _draft_engine(path, draft, async_scheduling=async_scheduling)
     drafted = _checked(engine)
     assert run_engine(engine, _requests()) == expected
     assert sum(drafted) > 0
@@ -93,7 +103,8 @@ def test_greedy_output_is_the_targets_whatever_the_draft(model_dir: Any, draft: 
     assert kv.num_free_blocks == kv.num_blocks - 1
 
 
-def test_preemption_and_prefix_caching_keep_the_drafts_exact(model_dir: Any) -> None:
+@either_scheduling
+def test_preemption_and_prefix_caching_keep_the_drafts_exact(model_dir: Any, async_scheduling: bool) -> None:
     """A cache too small for every request: requests are preempted and recompute, with
     prefix caching on and shared prefixes; the self-draft still accepts every draft (its
     KV in cached blocks and after a recompute is right), output is the target's."""
@@ -103,7 +114,7 @@ def test_preemption_and_prefix_caching_keep_the_drafts_exact(model_dir: Any) -> 
     reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
     small = {"num_blocks": 24, "block_size": 8, "enable_prefix_caching": True}
     expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
-    engine = _draft_engine(path, **small)
+    engine = _draft_engine(path, async_scheduling=async_scheduling, **small)
     drafted = _checked(engine)
     got = reqs()
     assert run_engine(engine, got) == {r.request_id: v for r, v in zip(got, expected.values(), strict=True)}
@@ -115,7 +126,8 @@ def test_preemption_and_prefix_caching_keep_the_drafts_exact(model_dir: Any) -> 
     assert kv.num_free_blocks == kv.num_blocks - 1
 
 
-def test_swap_keeps_the_drafts_exact(model_dir: Any) -> None:
+@either_scheduling
+def test_swap_keeps_the_drafts_exact(model_dir: Any, async_scheduling: bool) -> None:
     """Preemption by swap (cpu-offload): the target's KV goes out and back in, and the
     draft catches a resumed request up from its first token, so the self-draft still
     accepts every draft after resuming."""
@@ -125,7 +137,8 @@ def test_swap_keeps_the_drafts_exact(model_dir: Any) -> None:
     small = {"num_blocks": 22, "block_size": 8, "enable_prefix_caching": True}
     expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
     cfg = paged_config(path, **small, speculative_method="draft_model",
-                       scheduler={"num_speculative_tokens": 3}).model_dump(mode="json")
+                       scheduler={"num_speculative_tokens": 3, "async_scheduling": async_scheduling}
+                       ).model_dump(mode="json")
     cfg["plugins"] = [{"name": "cpu-offload"}]
     engine = EngineCore(config_from_dict(cfg))
     drafted = _checked(engine)
@@ -137,14 +150,15 @@ def test_swap_keeps_the_drafts_exact(model_dir: Any) -> None:
     assert sum(r.num_accepted_tokens for r in got) == sum(r.num_draft_tokens for r in got)
 
 
-def test_the_draft_catches_up_when_a_policy_turns_speculation_back_on(model_dir: Any) -> None:
+@either_scheduling
+def test_the_draft_catches_up_when_a_policy_turns_speculation_back_on(model_dir: Any, async_scheduling: bool) -> None:
     """Speculation only while at most one request runs: the draft does not run while
     it is off, and catches up on the request's tokens when it comes back, so its drafts
     are right."""
     path = model_dir("llama")
     reqs = lambda: [greedy_request(str(i), p, 8 + 10 * i) for i, p in enumerate(PROMPTS)]  # noqa: E731
     expected = run_engine(EngineCore(paged_config(path)), reqs())
-    engine = _draft_engine(path, plugins=(SpeculateByBatch(max_batch=1),))
+    engine = _draft_engine(path, plugins=(SpeculateByBatch(max_batch=1),), async_scheduling=async_scheduling)
     drafted = _checked(engine)
     reqs = reqs()
     assert run_engine(engine, reqs) == expected
@@ -175,10 +189,11 @@ def test_a_long_catch_up_is_spread_over_steps_within_the_token_budget(model_dir:
     assert reqs[0].num_accepted_tokens == reqs[0].num_draft_tokens > 0
 
 
-def test_a_failing_drafter_costs_a_step_its_drafts_only(model_dir: Any) -> None:
+@either_scheduling
+def test_a_failing_drafter_costs_a_step_its_drafts_only(model_dir: Any, async_scheduling: bool) -> None:
     path = model_dir("llama")
     expected = run_engine(EngineCore(paged_config(path)), _requests())
-    engine = _draft_engine(path)
+    engine = _draft_engine(path, async_scheduling=async_scheduling)
     propose, calls = engine.runner.propose_draft_token_ids, []
 
     def flaky(plan: Any) -> Any:

@@ -40,9 +40,19 @@ def _head(model_path: Path, tmp_path: Path, seed: int = 0, **flavour: Any) -> Pa
     return build_random_eagle_head(tmp_path / f"head-{seed}-{sorted(flavour.items())}", config, seed, **flavour)
 
 
-def _engine(path: Path, head: Path, k: int = 3, **kw: Any) -> EngineCore:
+def _engine(path: Path, head: Path, k: int = 3, async_scheduling: bool = False, **kw: Any) -> EngineCore:
     return EngineCore(paged_config(path, speculative_method="eagle", draft_model={"name": str(head)},
-                                   scheduler={"num_speculative_tokens": k}, **kw))
+                                   scheduler={"num_speculative_tokens": k, "async_scheduling": async_scheduling},
+                                   **kw))
+
+
+# Asynchronous scheduling: the head catches up and drafts inside each step, once the
+# step before is settled; every draft is still the head's from scratch.
+either_scheduling = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+def _execute_name(engine: EngineCore) -> str:
+    return "execute_async" if engine._launch_async else "execute"
 
 
 @torch.inference_mode()
@@ -81,7 +91,7 @@ def _record(engine: EngineCore) -> list[tuple[list[int], list[int]]]:
     """Every proposal as (the request's tokens then, its drafts); the scheduler's
     invariants checked before every step."""
     runner, seen = engine.runner, []
-    propose, execute = runner.propose_draft_token_ids, runner.execute
+    propose, execute = runner.propose_draft_token_ids, getattr(runner, _execute_name(engine))
 
     def spy(plan: Any) -> Any:
         drafts = propose(plan)
@@ -95,18 +105,21 @@ def _record(engine: EngineCore) -> list[tuple[list[int], list[int]]]:
         assert_scheduler_consistent(engine.scheduler)
         return execute(so)
 
-    runner.propose_draft_token_ids, runner.execute = spy, checked
+    runner.propose_draft_token_ids = spy
+    setattr(runner, _execute_name(engine), checked)
     return seen
 
 
 @pytest.mark.parametrize("flavour", [{}, {"fc_bias": True, "input_norm": True, "own_embedding": True}],
                          ids=["eagle1", "with-norm-bias-embedding"])
+@either_scheduling
 def test_greedy_output_is_the_targets_and_every_draft_is_the_heads(model_dir: Any, tmp_path: Path,
-                                                                   flavour: dict[str, Any]) -> None:
+                                                                   flavour: dict[str, Any],
+                                                                   async_scheduling: bool) -> None:
     path = model_dir("llama")
     expected = run_engine(EngineCore(paged_config(path)), [greedy_request(str(i), p, 24)
                                                            for i, p in enumerate(PROMPTS)])
-    engine = _engine(path, _head(path, tmp_path, **flavour))
+    engine = _engine(path, _head(path, tmp_path, **flavour), async_scheduling=async_scheduling)
     assert engine.scheduler.num_lookahead_tokens == 3
     seen = _record(engine)
     assert run_engine(engine, [greedy_request(str(i), p, 24) for i, p in enumerate(PROMPTS)]) == expected
@@ -117,14 +130,16 @@ def test_greedy_output_is_the_targets_and_every_draft_is_the_heads(model_dir: An
     assert kv.num_free_blocks == kv.num_blocks - 1
 
 
-def test_drafts_stay_exact_through_preemption_and_prefix_hits(model_dir: Any, tmp_path: Path) -> None:
+@either_scheduling
+def test_drafts_stay_exact_through_preemption_and_prefix_hits(model_dir: Any, tmp_path: Path,
+                                                              async_scheduling: bool) -> None:
     path = model_dir("llama")
     shared = PROMPTS[1][:32]
     prompts = [shared + p[:8] for p in PROMPTS] + [shared]
     reqs = lambda: [greedy_request(str(i), p, 40) for i, p in enumerate(prompts)]  # noqa: E731
     small = {"num_blocks": 24, "block_size": 8, "enable_prefix_caching": True}
     expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
-    engine = _engine(path, _head(path, tmp_path, seed=1), **small)
+    engine = _engine(path, _head(path, tmp_path, seed=1), async_scheduling=async_scheduling, **small)
     seen = _record(engine)
     assert run_engine(engine, reqs()) == expected
     assert engine.scheduler.num_preemptions_total > 0 and engine.stats()["prefix_cache_hits"] > 0
@@ -133,16 +148,18 @@ def test_drafts_stay_exact_through_preemption_and_prefix_hits(model_dir: Any, tm
         assert drafts == reference_drafts(engine.runner, tokens, len(drafts)), tokens
 
 
-def test_a_request_the_budget_leaves_out_is_drafted_from_its_kept_state(model_dir: Any, tmp_path: Path) -> None:
+@either_scheduling
+def test_a_request_the_budget_leaves_out_is_drafted_from_its_kept_state(model_dir: Any, tmp_path: Path,
+                                                                        async_scheduling: bool) -> None:
     """A 12-token budget runs three of four decoding requests a step (1 + 3 drafts each):
     the others are still drafted for, from the target hidden state kept for them."""
     path = model_dir("llama")
     reqs = lambda: [greedy_request(str(i), p[:3], 16) for i, p in enumerate(PROMPTS)]  # noqa: E731
     tight = {"max_num_batched_tokens": 12, "max_num_seqs": 4}
     expected = run_engine(EngineCore(paged_config(path, **tight)), reqs())
-    engine = _engine(path, _head(path, tmp_path, seed=2), **tight)
+    engine = _engine(path, _head(path, tmp_path, seed=2), async_scheduling=async_scheduling, **tight)
     runner = engine.runner
-    execute, left_out = runner.execute, []
+    execute, left_out = getattr(runner, _execute_name(engine)), []
 
     def watch(so: Any) -> Any:
         ib = runner.input_batch
@@ -150,7 +167,7 @@ def test_a_request_the_budget_leaves_out_is_drafted_from_its_kept_state(model_di
                             if rid not in so.num_scheduled_tokens and st.num_tokens > st.num_prompt_tokens))
         return execute(so)
 
-    runner.execute = watch
+    setattr(runner, _execute_name(engine), watch)
     seen = _record(engine)
     assert run_engine(engine, reqs()) == expected
     assert sum(left_out) > 0 and seen
@@ -188,7 +205,8 @@ def test_bad_heads_are_refused_with_what_is_wrong(model_dir: Any, tmp_path: Path
         _engine(path, path)
 
 
-def test_swap_carries_the_heads_kv(model_dir: Any, tmp_path: Path) -> None:
+@either_scheduling
+def test_swap_carries_the_heads_kv(model_dir: Any, tmp_path: Path, async_scheduling: bool) -> None:
     """Preemption by swap (cpu-offload): the head's KV goes out and back in with the
     target's, so a resumed request's drafts are still those of the head from scratch."""
     from schedkit.config import config_from_dict
@@ -199,7 +217,8 @@ def test_swap_carries_the_heads_kv(model_dir: Any, tmp_path: Path) -> None:
     small = {"num_blocks": 22, "block_size": 8, "enable_prefix_caching": True}
     expected = run_engine(EngineCore(paged_config(path, **small)), reqs())
     cfg = paged_config(path, **small, speculative_method="eagle", draft_model={"name": str(_head(path, tmp_path))},
-                       scheduler={"num_speculative_tokens": 3}).model_dump(mode="json")
+                       scheduler={"num_speculative_tokens": 3, "async_scheduling": async_scheduling}
+                       ).model_dump(mode="json")
     cfg["plugins"] = [{"name": "cpu-offload"}]
     engine = EngineCore(config_from_dict(cfg))
     seen = _record(engine)

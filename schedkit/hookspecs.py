@@ -287,7 +287,10 @@ def schedkit_num_speculative_tokens(running: Sequence[Request], num_speculative_
     Called:
         In the engine-core process, once after each step's output is processed while
         requests run, with ``scheduler.num_speculative_tokens`` > 0, before the runner
-        proposes drafts; never without speculation configured.
+        proposes drafts; never without speculation configured. Under
+        ``scheduler.async_scheduling`` instead once before each step is scheduled (the
+        step in flight not yet processed), the runner proposing the drafts inside the
+        step; answers for structured requests are then not used (they get no drafts).
 
     Args:
         running: Running requests in admission order (those still prefilling get no
@@ -297,7 +300,8 @@ def schedkit_num_speculative_tokens(running: Sequence[Request], num_speculative_
             one was rejected). Do not mutate.
         num_speculative_tokens: The configured most per request and step (the answer's
             upper bound).
-        step: The step just finished (the next one will verify the drafts).
+        step: The step just finished (the next one will verify the drafts); under
+            asynchronous scheduling the step in flight.
 
     Returns:
         A mapping from request id to draft tokens in ``[0, num_speculative_tokens]``;

@@ -120,16 +120,20 @@ class Config(StrictModel):
 def drafts_in_step_refusal(runner: Any) -> str | None:
     """Why ``runner`` cannot draft inside a step, as asynchronous scheduling with
     speculation needs (None: it can): the fake and simulated runners and the paged
-    runner's drafting models can; n-gram and suffix decoding match the previous step's
-    tokens on the host, so, as vLLM's n-gram, they need synchronous scheduling."""
+    runner's drafting models can. n-gram and suffix decoding often find no draft, and
+    under asynchronous scheduling a step's draft slots are planned before the proposer
+    runs, so each slot it leaves empty would be computed for nothing: as vLLM's n-gram,
+    they run with synchronous scheduling. A plugin runner says itself, at start-up
+    (``drafts_in_step``)."""
     if runner.kind in ("fake", "simulated"):
         return None
     if runner.kind == "paged":
         if runner.speculative_method in ("draft_model", "eagle"):
             return None
-        return (f"speculative_method {runner.speculative_method!r} drafts from the previous step's tokens "
-                "on the host; use draft_model or eagle, or turn async_scheduling off")
-    return f"runner kind {runner.kind!r} does not propose drafts inside a step"
+        return (f"speculative_method {runner.speculative_method!r} often finds no draft, and the step's draft "
+                "slots are planned before it runs (each empty one computed for nothing); use draft_model or "
+                "eagle, or turn async_scheduling off")
+    return None
 
 
 def _switches_on(loc: tuple[int | str, ...]) -> bool:

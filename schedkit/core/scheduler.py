@@ -360,8 +360,8 @@ class Scheduler:
         """How many draft tokens to propose for each running request for the next step:
         the ``schedkit_num_speculative_tokens`` policy's answer, the configured
         ``num_speculative_tokens`` for the requests it leaves out. Only requests that get
-        at least one are listed (none still prefilling). :meth:`update_draft_token_ids`
-        holds the proposer's drafts to the plan.
+        at least one are listed (none still prefilling). Drafts left from the last plan
+        are dropped; :meth:`update_draft_token_ids` holds the proposer's drafts to the plan.
 
         Raises:
             PluginError: The policy raised or gave an answer it may not (nothing is
@@ -369,6 +369,8 @@ class Scheduler:
         """
         k = self.num_spec_tokens
         self._spec_plan = {}
+        for req in self.running:  # the last plan's, left by a request no step scheduled since
+            req.spec_token_ids = []
         if not k or not self.running:
             return {}
         answer = self.hooks.num_speculative_tokens(running=self.running, num_speculative_tokens=k,

@@ -101,6 +101,11 @@ class EngineCore:
         self.plugin_manager = get_plugin_manager(config, extra_plugins=extra_plugins)
         self.runner = runner if runner is not None else self._build_runner(config)
         self._owns_runner = runner is None
+        sc = config.scheduler
+        if sc.async_scheduling and sc.num_speculative_tokens and not getattr(self.runner, "drafts_in_step", False):
+            raise ConfigError(f"scheduler.async_scheduling with num_speculative_tokens needs a runner that proposes "
+                              f"drafts inside the step; {type(self.runner).__name__} does not (its drafts_in_step "
+                              "is false): turn one of them off")
         self._virtual = bool(getattr(self.runner, "is_virtual_clock", False))
         self._now = 0.0
         self._future: list[tuple[float, int, Request]] = []

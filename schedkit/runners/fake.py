@@ -16,7 +16,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from schedkit.core.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from schedkit.core.structured_output import GrammarBitmask
@@ -106,6 +106,9 @@ class FakeRunner:
     _parked: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Preempted request -> its prompt length (to resume counting outputs) and seed."""
     _last_sampled: list[str] = field(default_factory=list)
+    drafts_in_step: ClassVar[bool] = True
+    """It proposes the drafts of placeholder slots inside the step (asynchronous
+    scheduling with speculation)."""
 
     @classmethod
     def from_config(cls, config: Any) -> FakeRunner:

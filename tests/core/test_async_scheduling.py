@@ -7,8 +7,10 @@ from collections import deque
 
 import pytest
 
+from schedkit import hookimpl
 from schedkit.core.outputs import DRAFT_PLACEHOLDER
 from schedkit.core.request import RequestStatus
+from schedkit.errors import PluginError
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
     make_requests,
@@ -116,6 +118,35 @@ def test_drafts_planned_as_placeholders_are_rolled_back_by_the_update():  # docs
     assert req.output_token_ids == [7, 8, 9, 10] and req.num_output_placeholders == 0
     assert req.num_computed_tokens == 8 + 4 - 1  # the newest token's KV is the next step's
     assert_scheduler_consistent(sched)
+
+
+def test_a_plan_replaces_the_placeholders_of_the_last_one():
+    """A request the last plan gave drafts but no step scheduled since (here: none was)
+    gets what the new plan says: none when the policy now answers 0 or raises."""
+    answers = iter([2, RuntimeError("speculation policy down"), 2, 0])
+
+    class Plan:
+        @hookimpl
+        def schedkit_num_speculative_tokens(self, running, num_speculative_tokens, step):
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return {r.request_id: answer for r in running}
+
+    sched = make_scheduler(async_scheduling=True, num_speculative_tokens=2, plugins=[Plan()])
+    (req,) = make_requests(1, num_tokens=8, max_tokens=20)
+    sched.add_request(req)
+    sched.schedule()
+    sched.plan_draft_placeholders()
+    assert req.spec_token_ids == [DRAFT_PLACEHOLDER] * 2
+    with pytest.raises(PluginError, match="speculation policy down"):
+        sched.plan_draft_placeholders()
+    assert req.spec_token_ids == []
+    sched.plan_draft_placeholders()
+    assert req.spec_token_ids == [DRAFT_PLACEHOLDER] * 2
+    sched.plan_draft_placeholders()
+    assert req.spec_token_ids == []
+    assert sched.schedule().num_scheduled_tokens == {"0": 1}  # its sampled token alone
 
 
 def test_sync_scheduler_never_adds_placeholders():

@@ -14,7 +14,7 @@ from schedkit import hookimpl
 from schedkit.config import config_from_dict
 from schedkit.core.request import Request, SamplingParams
 from schedkit.engine.core import EngineCore
-from schedkit.errors import PluginError
+from schedkit.errors import ConfigError, PluginError
 from schedkit.plugins.testing import assert_scheduler_consistent, drive_engine, make_requests
 from schedkit.policies.speculation import (
     SpeculateByAcceptance,
@@ -308,3 +308,12 @@ def test_the_simulator_compares_speculation_policies_before_they_run(async_sched
         dynamic = _simulated(acceptance, 4, policy, async_scheduling=async_scheduling)
         assert (on < off) == (better == "on"), (acceptance, on, off)
         assert dynamic <= 1.05 * min(on, off), (acceptance, dynamic, on, off)
+
+
+def test_a_runner_that_cannot_draft_inside_the_step_is_refused_under_async():
+    class BetweenSteps(FakeRunner):
+        drafts_in_step = False
+
+    with pytest.raises(ConfigError, match="drafts inside the step; BetweenSteps does not"):
+        EngineCore(_config(2, async_scheduling=True), runner=BetweenSteps(vocab_size=1000))
+    EngineCore(_config(2), runner=BetweenSteps(vocab_size=1000))  # synchronous: proposed between steps

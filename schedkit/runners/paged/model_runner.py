@@ -208,9 +208,16 @@ class PagedModelRunner:
     def drafts_from_hidden_states(self) -> bool:
         """Whether the drafter reads the target's hidden states (an EAGLE head): the
         engine then calls :meth:`propose_draft_token_ids` after every step, plan or
-        not, and a prefix hit leaves out its last block, whose hidden states the head
-        needs."""
+        not (under asynchronous scheduling the runner does, inside every step), and a
+        prefix hit leaves out its last block, whose hidden states the head needs."""
         return isinstance(self.draft, EagleDrafter)
+
+    @property
+    def drafts_in_step(self) -> bool:
+        """Whether the runner proposes the drafts of :data:`DRAFT_PLACEHOLDER` slots
+        inside the step (``options.drafts_in_step``), as asynchronous scheduling with
+        speculation needs."""
+        return self.options.drafts_in_step
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -378,10 +385,14 @@ class PagedModelRunner:
         t0 = time.perf_counter()
         assert self._num_uncollected <= 1, "more than two steps in flight"
         if self.options.drafts_in_step:
-            if self._in_flight is not None:
-                self._settle(self._in_flight)  # its accepted drafts place this step's tokens
-            if scheduler_output.preempted_req_ids and self.drafts_from_hidden_states:
-                self._propose_or_none({})  # the head's KV of the victims' last step, before it is swapped out
+            try:
+                if self._in_flight is not None:
+                    self._settle(self._in_flight)  # its accepted drafts place this step's tokens
+                if scheduler_output.preempted_req_ids and self.drafts_from_hidden_states:
+                    self._propose_or_none({})  # the head's KV of the victims' last step, before it is swapped out
+            except BaseException:  # the device failed: the runner still follows the scheduler
+                self._update_states(scheduler_output)
+                raise
         self._update_states(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         step = _InFlightStep(self, req_ids, t0, finished_ids=scheduler_output.finished_req_ids)
@@ -394,13 +405,13 @@ class PagedModelRunner:
             return step
         ib = self.input_batch
         assert ib is not None, "initialize() was not called"
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        if self.options.drafts_in_step:
-            drafts, step.num_proposed = self._draft_in_step(drafts)
         connector = self.kv_connector
         if connector is not None:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
             connector.start_load_kv(None)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if self.options.drafts_in_step:  # after the connector saved what leaves and loaded what returns
+            drafts, step.num_proposed = self._draft_in_step(drafts)
         inputs = ib.prepare(scheduler_output.num_scheduled_tokens, drafts)
         grammar = self._grammar_inputs(scheduler_output, req_ids, inputs.sample_slices)
         fill = None
@@ -628,9 +639,10 @@ class PagedModelRunner:
     def propose_draft_token_ids(self, num_spec_tokens: Mapping[str, int]) -> dict[str, list[int]]:
         """Drafts continuing the tokens of each request planned some: the drafting
         model's (an EAGLE head also catches up on the last step, planned or not: the
-        engine calls this after every step then), else the configured proposer's
-        (``options.proposer``: n-gram or suffix decoding). The scheduler drops those of
-        requests still prefilling."""
+        engine calls this after every step then, or the runner inside every step under
+        asynchronous scheduling), else the configured proposer's (``options.proposer``:
+        n-gram or suffix decoding). The scheduler drops those of requests still
+        prefilling."""
         ib = self.input_batch
         if ib is None:
             return {}

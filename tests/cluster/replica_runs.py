@@ -99,6 +99,11 @@ class KillRun:
     """The replicas' handles (closed by the end of the run)."""
 
 
+QUIET_S = 1.0
+"""Seconds without a new token from a stopped replica before its requests' tokens count
+as all it sent."""
+
+
 async def kill_mid_run(config: Config, n: int, *, stop: Callable[[Any], None],
                        kill: Callable[[Any], None],
                        after_detect: Callable[[Any], None] | None = None,
@@ -137,9 +142,10 @@ async def kill_mid_run(config: Config, n: int, *, stop: Callable[[Any], None],
             await asyncio.sleep(0.01)
         there = [r for r in run.tokens if not run.finishes[r] and router.replica_of(r) == KILLED]
         stop(handle)
-        # Let what the stopped engine had sent arrive: no new token for 0.3 s.
+        # Let what the stopped engine had sent arrive: no new token for QUIET_S (a busy
+        # front end can take a few tenths of a second to read what is already on its way).
         seen, quiet_since = -1, time.monotonic()
-        while time.monotonic() - quiet_since < 0.3:
+        while time.monotonic() - quiet_since < QUIET_S:
             total = sum(len(run.tokens[r]) for r in there)
             if total != seen:
                 seen, quiet_since = total, time.monotonic()

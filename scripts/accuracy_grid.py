@@ -70,8 +70,8 @@ def render(data: dict[str, Any]) -> str:
     if o.get("speed_ratio"):
         r = o["speed_ratio"]
         lines += ["", f"The real runs' steps took {r['min']:.2f}-{r['max']:.2f}x (mean {r['mean']:.2f}x) what "
-                  "the profile predicts for those very steps" + _steal(o.get("steal")) + "; the last column "
-                  "simulates each experiment with the profile scaled by its runs' own ratio."]
+                  "the profile predicts for those very steps" + _by_kind(o) + _steal(o.get("steal"))
+                  + "; the last column simulates each experiment with the profile scaled by its runs' own ratio."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "
@@ -93,6 +93,16 @@ def render(data: dict[str, Any]) -> str:
     for cell, r in rankings(results).items():
         lines.append(f"| {cell} | {' < '.join(r['real'])} | {' < '.join(r['sim'])} | {r['tau']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _by_kind(o: dict[str, Any]) -> str:
+    """The decode-only and prompt-chunk steps' ratios apart (runs recorded before they
+    were kept have none)."""
+    d, p = o.get("speed_ratio_decode"), o.get("speed_ratio_prefill")
+    if not d or not p:
+        return ""
+    return (f" (decode-only steps {d['min']:.2f}-{d['max']:.2f}x, mean {d['mean']:.2f}x; steps with a prompt "
+            f"chunk {p['min']:.2f}-{p['max']:.2f}x, mean {p['mean']:.2f}x)")
 
 
 def _fitted(c: dict[str, Any] | None) -> str:

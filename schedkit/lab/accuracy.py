@@ -350,7 +350,8 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     sim_s = sum(r["sim_wall_s"] for r in results.values())
     real_s = sum(statistics.fmean(r["real_wall_s"]) for r in results.values())
     spans = {}
-    for name in ("real_speed_ratio", "real_probe_ratio", "real_steal"):
+    for name in ("real_speed_ratio", "real_speed_ratio_decode", "real_speed_ratio_prefill", "real_probe_ratio",
+                 "real_steal"):
         values = _values(results, name)
         spans[name] = ({"min": min(values), "mean": statistics.fmean(values), "max": max(values)}
                        if values else None)
@@ -361,6 +362,8 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             "kendall_tau_mean": mean_tau("compare"), "kendall_tau_mean_anchored": mean_tau("compare_anchored"),
             "speedup": real_s / sim_s if sim_s else math.nan,
             "speed_ratio": spans["real_speed_ratio"], "probe_ratio": spans["real_probe_ratio"],
+            "speed_ratio_decode": spans["real_speed_ratio_decode"],
+            "speed_ratio_prefill": spans["real_speed_ratio_prefill"],
             "steal": spans["real_steal"]}
 
 
@@ -393,12 +396,26 @@ class RunOutcome:
     """The profile's prediction of those same steps, summed."""
     steal: float | None = None
     """The machine's steal share over the run (:func:`~schedkit.runners.machine.steal_share`)."""
+    prefill_step_s: float = 0.0
+    """Of ``step_s``, the steps with a prompt chunk (the others are decode-only)."""
+    prefill_predicted_s: float = 0.0
+    """Of ``predicted_s``, the prediction of those steps."""
 
     @property
     def speed_ratio(self) -> float:
         """Measured over predicted step time: how much slower than the profile the
         machine ran these very steps (1: as fitted; nan: not recorded)."""
         return self.step_s / self.predicted_s if self.predicted_s > 0 else math.nan
+
+    @property
+    def speed_ratio_by_kind(self) -> dict[str, float]:
+        """:attr:`speed_ratio` of the decode-only steps and of those with a prompt chunk
+        apart: a drift that slows memory-bound decodes and compute-bound prefills
+        differently shows here (nan: no such step)."""
+        decode_s, decode_p = self.step_s - self.prefill_step_s, self.predicted_s - self.prefill_predicted_s
+        return {"decode": decode_s / decode_p if decode_p > 0 else math.nan,
+                "prefill": self.prefill_step_s / self.prefill_predicted_s if self.prefill_predicted_s > 0
+                else math.nan}
 
 
 def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel | None = None,
@@ -431,8 +448,13 @@ def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel |
                           "an accuracy experiment needs every request served")
     out = RunOutcome(result.metrics, result.wall_s, steal=steal)
     if recorder is not None and model is not None:
-        out.step_s = sum(seconds for _, seconds in recorder.records)
-        out.predicted_s = sum(model.step_time(features) for features, _ in recorder.records)
+        for features, seconds in recorder.records:
+            predicted = model.step_time(features)
+            out.step_s += seconds
+            out.predicted_s += predicted
+            if features.is_prefill_step:
+                out.prefill_step_s += seconds
+                out.prefill_predicted_s += predicted
     return out
 
 
@@ -543,7 +565,8 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
                 requests[e.key] = at_rate(base[w], grid.config.loads[e.load] * cap)
     for e in experiments:
         r = results.setdefault(e.key, {})
-        for k in ("real_runs", "real_wall_s", "real_speed_ratio", "real_steal"):
+        for k in ("real_runs", "real_wall_s", "real_speed_ratio", "real_speed_ratio_decode",
+                  "real_speed_ratio_prefill", "real_steal"):
             r.setdefault(k, [])
         reqs = requests[e.key]
         r["offered_req_s"] = offered_rate(reqs)
@@ -563,6 +586,9 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
             r["real_runs"].append(run_metrics(out.metrics))
             r["real_wall_s"].append(out.wall_s)
             r["real_speed_ratio"].append(out.speed_ratio)
+            by_kind = out.speed_ratio_by_kind
+            r["real_speed_ratio_decode"].append(by_kind["decode"])
+            r["real_speed_ratio_prefill"].append(by_kind["prefill"])
             r["real_steal"].append(out.steal)
             note = ""
             if probe and last_probe is not None:
@@ -571,7 +597,8 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
                 note, last_probe = f", probe {r['real_probe_ratio'][-1]:.2f}x", after
             steal = "" if out.steal is None else f", steal {100 * out.steal:.1f}%"
             say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {out.wall_s:.1f} s, "
-                f"steps {out.speed_ratio:.2f}x the profile's{note}{steal}")
+                f"steps {out.speed_ratio:.2f}x the profile's (decode-only {by_kind['decode']:.2f}x, "
+                f"with a prompt chunk {by_kind['prefill']:.2f}x){note}{steal}")
             if save is not None:
                 save(results)
     for e in experiments:

@@ -135,6 +135,8 @@ def test_a_simulator_equal_to_the_real_side_has_no_error_and_ranks_alike(tmp_pat
         # The profile predicts the 'real' steps exactly: the speed ratio is 1 and the
         # simulator at the runs' own speed is the simulator.
         assert r["real_speed_ratio"] == [pytest.approx(1.0), pytest.approx(1.0)]
+        assert r["real_speed_ratio_decode"] == [pytest.approx(1.0)] * 2
+        assert r["real_speed_ratio_prefill"] == [pytest.approx(1.0)] * 2
         assert r["sim_at_run_speed"] == pytest.approx(r["sim"])
         # So does the speed probe's: re-anchoring changes nothing.
         assert r["real_probe_ratio"] == [pytest.approx(1.0), pytest.approx(1.0)]
@@ -161,6 +163,9 @@ def test_a_different_cost_model_shows_as_error(tmp_path):
     # The 'real' (CPU-profile) steps take many times what the H200 profile predicts;
     # scaled by that ratio, the H200 model comes far closer (its shape still differs).
     assert o["speed_ratio"]["min"] > 5
+    # Decodes and prefills are slower by different factors: one ratio cannot hold both.
+    assert o["speed_ratio_decode"]["min"] > 3 and o["speed_ratio_prefill"]["min"] > 3
+    assert abs(o["speed_ratio_decode"]["mean"] / o["speed_ratio_prefill"]["mean"] - 1) > 0.1
     assert o["mape_at_run_speed"]["e2e_mean_s"] < o["mape"]["e2e_mean_s"] / 2
     # The speed probe sees the same slowdown without looking at the experiments' own
     # steps, and re-anchored by it the H200 model comes far closer too.
@@ -207,6 +212,7 @@ def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_pat
             "date": "2026-01-01", "machine": "test", "wall_s": 60.0, "results": results, "overall": overall(results)}
     text = script.render(data)
     assert "| e2e_mean_s | 0.0% |" in text and "small/overload/wide/sjf" in text
+    assert "decode-only steps 1.00-1.00x, mean 1.00x; steps with a prompt chunk 1.00-1.00x" in text
     page = tmp_path / "page.md"
     page.write_text("intro\n<!-- accuracy_grid:reduced -->\nold\n<!-- /accuracy_grid:reduced -->\nend\n")
     script.write_doc(text, page)

@@ -168,7 +168,9 @@ def main() -> None:
         experiments = grid.experiments(reduced=a.reduced)
         before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
         done, wall_before = before.get("results"), before.get("wall_s", 0.0)
-        data = {"grid": a.grid, "reduced": a.reduced, "profile": grid.profile, "repeats": grid.config.repeats,
+        # A profile fitted for this run lives in a scratch file: name where it came from.
+        label = f"fitted right before ({a.calibrate})" if a.calibrate else grid.profile
+        data = {"grid": a.grid, "reduced": a.reduced, "profile": label, "repeats": grid.config.repeats,
                 "commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine(),
                 "calibrated": calibrated}
         t0 = time.perf_counter()

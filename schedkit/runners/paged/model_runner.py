@@ -176,11 +176,11 @@ class PagedModelRunner:
         self.graphs: Any = None
         self._parked: dict[str, _Parked] = {}
         self._in_flight: _InFlightStep | None = None
+        """The last launched step while its tokens have not been collected."""
         self.num_draft_failures = 0
         """Steps whose drafts the drafter failed to propose inside the step (they ran
         without); ``EngineCore.num_draft_failures`` counts them too."""
         self._draft_failure_logged = float("-inf")
-        """The last launched step while its tokens have not been collected."""
         self._num_uncollected = 0
         self.kv_connector: Any = None
         """The worker side of the KV connector, if one is configured."""

@@ -2,6 +2,13 @@
 output tokens/s of each model-free proposer against no speculation, on repetitive work
 (code edits, JSON) and on chat, one request at a time and with every request at once.
 
+Loads: ``1``, one request at a time; ``all``, the workload's requests at once; ``full``,
+the server at its busiest: twice ``max_num_seqs`` distinct requests (each workload's
+prompts varied, :func:`busy_prompts`) at once, so that a queue stands behind every slot
+and a request that finishes early is replaced at once, as on a saturated server. (Every
+request of a batch that only drains has to wait for the slowest one, which hides what
+speculation does for the others.)
+
 Each (workload, load) cell runs every mode in turn, ``--repeats`` times in rounds
 (A B C ... A B C ...), so the machine's drift spreads over all of them; greedy
 decoding, so every mode produces the same text (checked). Every run starts with an
@@ -47,6 +54,12 @@ CODE = [
 ]
 EDITS = ["Rename the function to a clearer name and add type hints.",
          "Add a docstring and keep everything else the same."]
+MORE_EDITS = ["Add a comment above every line that is not obvious.",
+              "Make it raise a ValueError on empty or invalid input.",
+              "Rewrite it with clearer variable names.",
+              "Add a short usage example as a doctest in a docstring.",
+              "Add type hints only; change nothing else.",
+              "Add logging of its inputs with the logging module."]
 PEOPLE = [("Ada", 36, "London"), ("Linus", 54, "Portland"), ("Grace", 85, "Arlington"),
           ("Alan", 41, "Manchester"), ("Barbara", 83, "Boston")]
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -69,6 +82,31 @@ def workload_prompts(name: str) -> list[str]:
     if name == "chat":
         return list(CHAT)
     raise SystemExit(f"unknown workload {name!r}")
+
+
+CHAT_STYLES = ["", " Answer in one sentence.", " Explain it to a ten-year-old.", " Answer as a short list."]
+
+
+def busy_prompts(name: str, count: int) -> list[str]:
+    """``count`` distinct prompts of workload ``name`` for the busiest load (cycled if it
+    has fewer): each code snippet under more kinds of edit, each chat question asked in
+    more ways, each JSON listing in more orders and lengths. Distinct, so that no request
+    is the copy of an earlier one whose output suffix decoding's shared tree already
+    holds."""
+    if name == "code-edit":
+        prompts = [f"{edit}\n\n```python\n{code}```" for code in CODE for edit in EDITS + MORE_EDITS]
+    elif name == "chat":
+        prompts = [q + style for style in CHAT_STYLES for q in CHAT]
+    elif name == "json":
+        prompts = []
+        for i in range(30):
+            rows = PEOPLE[i % 5:] + PEOPLE[:i % 5]
+            keys = "name, age and city" if i < 15 else "city, name and age"
+            listing = "\n".join(f"- {n}, age {a}, lives in {c}" for n, a, c in rows[:3 + (i // 5) % 3])
+            prompts.append(f"Write these people as a JSON list of objects with the keys {keys}:\n{listing}")
+    else:
+        raise SystemExit(f"unknown workload {name!r}")
+    return [prompts[i % len(prompts)] for i in range(count)]
 
 
 MODES: dict[str, tuple[str, bool]] = {
@@ -167,19 +205,22 @@ def main() -> None:
     eos = eos_ids[0] if eos_ids else None
     results: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for workload in a.workloads.split(","):
-        prompts = []
-        for text in workload_prompts(workload):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids["input_ids"] if not isinstance(ids, list) else ids))
+        def encode(texts: list[str]) -> list[list[int]]:
+            out = []
+            for text in texts:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                    add_generation_prompt=True, tokenize=True)
+                out.append(list(ids["input_ids"] if not isinstance(ids, list) else ids))
+            return out
+
         for load in a.loads.split(","):
             if load not in ("1", "all", "full"):
                 raise SystemExit(f"--loads takes 1, all and full, not {load!r}")
-            batch = prompts
-            if load == "full":  # every slot busy: the prompts repeated up to max_num_seqs
-                slots = first.config.scheduler.max_num_seqs
-                batch = [prompts[i % len(prompts)] for i in range(max(slots, len(prompts)))]
-            cell = f"{workload}/" + {"1": "batch 1", "all": "all at once", "full": f"{len(batch)} at once"}[load]
+            if load == "full":  # every slot busy, a queue behind them
+                batch = encode(busy_prompts(workload, 2 * first.config.scheduler.max_num_seqs))
+            else:
+                batch = encode(workload_prompts(workload))
+            cell = f"{workload}/" + {"1": "batch 1", "all": "all at once", "full": f"{len(batch)} queued"}[load]
             for rep in range(a.repeats):
                 for m in modes:
                     r = run(engines[m], batch, a.max_tokens, eos, at_once=load != "1")

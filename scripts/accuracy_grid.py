@@ -63,15 +63,20 @@ def render(data: dict[str, Any]) -> str:
              f"wall {data['wall_s'] / 60:.1f} min; simulator {o['speedup']:.0f}x faster than real time."
              + _fitted(data.get("calibrated")), "",
              "| metric | mean abs. % error, profile as fitted | re-anchored by the speed probe "
-             "| at the runs' own speed |", "|---|---|---|---|"]
+             "| at the runs' own speed |" + (" at each step kind's own speed |" if o.get("mape_at_kind_speed") else ""),
+             "|---|---|---|---|" + ("---|" if o.get("mape_at_kind_speed") else "")]
     anchored, at_speed = o.get("mape_anchored") or {}, o.get("mape_at_run_speed") or {}
+    at_kind = o.get("mape_at_kind_speed")
     lines += [f"| {m} | {_pct(o['mape'][m])} | {_pct(anchored.get(m, math.nan))} "
-              f"| {_pct(at_speed.get(m, math.nan))} |" for m in METRICS]
+              f"| {_pct(at_speed.get(m, math.nan))} |" + (f" {_pct(at_kind[m])} |" if at_kind else "")
+              for m in METRICS]
     if o.get("speed_ratio"):
         r = o["speed_ratio"]
         lines += ["", f"The real runs' steps took {r['min']:.2f}-{r['max']:.2f}x (mean {r['mean']:.2f}x) what "
                   "the profile predicts for those very steps" + _by_kind(o) + _steal(o.get("steal"))
-                  + "; the last column simulates each experiment with the profile scaled by its runs' own ratio."]
+                  + "; the fourth column simulates each experiment with the profile scaled by its runs' own "
+                  "ratio" + (", the fifth with its decode-only steps and those with a prompt chunk scaled by "
+                             "their own ratios apart" if o.get("mape_at_kind_speed") else "") + "."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "

@@ -359,6 +359,7 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             "mape_anchored": _mape(results, "compare_anchored"),
             "outside_bound_anchored": _outside(results, "compare_anchored"),
             "mape_at_run_speed": _mape(results, "compare_at_run_speed"),
+            "mape_at_kind_speed": _mape(results, "compare_at_kind_speed"),
             "kendall_tau_mean": mean_tau("compare"), "kendall_tau_mean_anchored": mean_tau("compare_anchored"),
             "speedup": real_s / sim_s if sim_s else math.nan,
             "speed_ratio": spans["real_speed_ratio"], "probe_ratio": spans["real_probe_ratio"],
@@ -542,7 +543,9 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     around it. Finally every experiment is simulated once more with the profile scaled
     by its real runs' mean speed ratio (``sim_at_run_speed``): what the error would be
     had the machine run at the speed the profile was fitted at, which separates the
-    machine's drift from the model's error.
+    machine's drift from the model's error; and once more with the decode-only steps and
+    those with a prompt chunk scaled by their own ratios (``sim_at_kind_speed``), for a
+    drift that slows the two kinds by different amounts.
 
     With ``probe``, the speed probe (:func:`probe_speed`) runs before the first real run
     and after every one; each run's *probe ratio* is the mean of the probes around it,
@@ -605,17 +608,27 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
         r = results[e.key]
         r["compare"] = compare_runs(r["real_runs"], r["sim"])
         for ratios_key, name in (("real_probe_ratio", "anchored"), ("real_speed_ratio", "at_run_speed")):
-            ratios = [x for x in r.get(ratios_key, ()) if x is not None and math.isfinite(x)]
-            if ratios:
-                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, statistics.fmean(ratios))
+            ratio = _mean_ratio(r, ratios_key)
+            if ratio is not None:
+                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, ratio)
                 r[f"compare_{name}"] = compare_runs(r["real_runs"], r[f"sim_{name}"])
+        decode, prefill = _mean_ratio(r, "real_speed_ratio_decode"), _mean_ratio(r, "real_speed_ratio_prefill")
+        if decode is not None and prefill is not None:
+            r["sim_at_kind_speed"] = _simulate_scaled(grid, e, requests[e.key], model, decode, prefill)
+            r["compare_at_kind_speed"] = compare_runs(r["real_runs"], r["sim_at_kind_speed"])
     return results
 
 
+def _mean_ratio(r: Mapping[str, Any], key: str) -> float | None:
+    """The mean of an experiment's recorded ratios under ``key`` (None: none recorded)."""
+    ratios = [x for x in r.get(key, ()) if x is not None and math.isfinite(x)]
+    return statistics.fmean(ratios) if ratios else None
+
+
 def _simulate_scaled(grid: Grid, e: Experiment, requests: list[WorkloadRequest], model: CostModel,
-                     factor: float) -> dict[str, float]:
+                     factor: float, prefill_factor: float | None = None) -> dict[str, float]:
     runner = SimulatedRunner(vocab_size=grid.base.runner.vocab_size, eos_token_id=grid.base.runner.eos_token_id,
-                             cost_model=model.scaled(factor))
+                             cost_model=model.scaled(factor, prefill_factor))
     return run_metrics(run_once(grid.shape_config(e.shape, e.policy, simulated=True), requests, runner=runner).metrics)
 
 

@@ -151,6 +151,10 @@ class CostModel:
     kernel spread a step's sequences over (the CPU runner's ``num_threads``; 0: not
     modelled, as on a GPU). The simulator reads each decode step's imbalance over that
     many workers (:attr:`StepFeatures.idle_context_tokens`)."""
+    prefill_scale: float = 1.0
+    """A factor on the predicted time of every step with a prompt chunk, over the
+    decode-only steps' (:meth:`scaled` with ``prefill_factor``: a machine that slows the
+    two kinds of step by different amounts)."""
     probe_ratio: float = 1.0
     """The profile's ``speed_probe.ratio``: the speed probe's measured over predicted
     step time during the fit (run before each of its passes), the model's own bias on
@@ -228,12 +232,18 @@ class CostModel:
     def coefficients(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in FEATURES}
 
-    def scaled(self, factor: float) -> CostModel:
+    def scaled(self, factor: float, prefill_factor: float | None = None) -> CostModel:
         """The same model with every duration multiplied by ``factor`` (a machine that runs
-        ``factor`` times slower than the one the profile was fitted on)."""
+        ``factor`` times slower than the one the profile was fitted on); with
+        ``prefill_factor``, the steps with a prompt chunk by that instead (a neighbour that
+        slows memory-bound decodes and compute-bound prefills by different amounts)."""
         values: dict[str, Any] = {k: v * factor for k, v in self.coefficients.items()}
         values["decode_batch_residual_s"] = tuple((b, t * factor) for b, t in self.decode_batch_residual_s)
-        return replace(self, **values, name=f"{self.name} x{factor:.3f}")
+        name = f"{self.name} x{factor:.3f}"
+        if prefill_factor is not None:
+            values["prefill_scale"] = self.prefill_scale * prefill_factor / factor
+            name += f" (prefill x{prefill_factor:.3f})"
+        return replace(self, **values, name=name)
 
     def step_time(self, f: StepFeatures) -> float:
         t = (self.base_s + self.per_token_s * f[0] + self.per_request_s * f[1]
@@ -252,6 +262,8 @@ class CostModel:
                         t += self.per_draft_token_s * f[14]
         if self.decode_batch_residual_s and not f[4]:
             t += self.decode_residual(f[1])
+        elif f[4] and self.prefill_scale != 1.0:
+            t *= self.prefill_scale
         return max(t, 0.0)
 
     def transfer_time(self, f: StepFeatures) -> float:

@@ -138,6 +138,7 @@ def test_a_simulator_equal_to_the_real_side_has_no_error_and_ranks_alike(tmp_pat
         assert r["real_speed_ratio_decode"] == [pytest.approx(1.0)] * 2
         assert r["real_speed_ratio_prefill"] == [pytest.approx(1.0)] * 2
         assert r["sim_at_run_speed"] == pytest.approx(r["sim"])
+        assert r["sim_at_kind_speed"] == pytest.approx(r["sim"])
         # So does the speed probe's: re-anchoring changes nothing.
         assert r["real_probe_ratio"] == [pytest.approx(1.0), pytest.approx(1.0)]
         assert r["sim_anchored"] == pytest.approx(r["sim"])
@@ -167,6 +168,8 @@ def test_a_different_cost_model_shows_as_error(tmp_path):
     assert o["speed_ratio_decode"]["min"] > 3 and o["speed_ratio_prefill"]["min"] > 3
     assert abs(o["speed_ratio_decode"]["mean"] / o["speed_ratio_prefill"]["mean"] - 1) > 0.1
     assert o["mape_at_run_speed"]["e2e_mean_s"] < o["mape"]["e2e_mean_s"] / 2
+    # Scaled by each kind's own ratio, the prompt-chunk steps (TTFT) come closer still.
+    assert o["mape_at_kind_speed"]["ttft_p50_s"] < o["mape_at_run_speed"]["ttft_p50_s"]
     # The speed probe sees the same slowdown without looking at the experiments' own
     # steps, and re-anchored by it the H200 model comes far closer too.
     assert o["probe_ratio"]["min"] > 5

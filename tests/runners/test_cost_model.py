@@ -18,7 +18,13 @@ from schedkit.kv.connectors.offload import OffloadMetadata
 from schedkit.lab.profiles import minimal_payload, write_profile
 from schedkit.lab.simulate import run_workload
 from schedkit.plugins.testing import make_scheduler
-from schedkit.runners.cost_model import PROFILE_DIR, CostModel, StepShapes, attention_idle
+from schedkit.runners.cost_model import (
+    PROFILE_DIR,
+    CostModel,
+    StepFeatures,
+    StepShapes,
+    attention_idle,
+)
 from schedkit.runners.machine import cpu_times, describe_machine, steal_share, this_machine
 from schedkit.runners.simulated import SimulatedRunner
 
@@ -169,6 +175,24 @@ def test_a_scaled_model_predicts_every_step_that_many_times_longer():
         assert slow.step_time(features) == pytest.approx(1.25 * model.step_time(features))
     assert slow.decode_residual(5) == pytest.approx(1.25 * model.decode_residual(5))
     assert slow.coefficients == {k: 1.25 * v for k, v in model.coefficients.items()}
+
+
+def test_a_model_scaled_by_step_kind_scales_prompt_chunk_steps_by_their_own_factor():
+    model = CostModel.load("cpu-smollm2-135m")
+    decode = StepFeatures(tokens=6, requests=6, context_tokens=3000, prefill_attention=0, is_prefill_step=0,
+                          sampled_rows=6)
+    prefill = StepFeatures(tokens=300, requests=1, context_tokens=300, prefill_attention=300 * 150,
+                           is_prefill_step=1, sampled_rows=1)
+    mixed = prefill._replace(tokens=305, requests=6, is_mixed_step=1, sampled_rows=6)
+    slow = model.scaled(1.1, prefill_factor=0.9)
+    assert slow.step_time(decode) == pytest.approx(1.1 * model.step_time(decode))
+    for f in (prefill, mixed):
+        assert slow.step_time(f) == pytest.approx(0.9 * model.step_time(f)), f.kind
+    # Scaled again, the factors compound per kind; one factor alone scales both alike.
+    again = slow.scaled(2.0, prefill_factor=3.0)
+    assert again.step_time(decode) == pytest.approx(2.2 * model.step_time(decode))
+    assert again.step_time(prefill) == pytest.approx(2.7 * model.step_time(prefill))
+    assert slow.scaled(2.0).step_time(prefill) == pytest.approx(1.8 * model.step_time(prefill))
 
 
 def test_steal_share_is_the_steal_column_over_all_cpu_time():

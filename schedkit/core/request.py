@@ -227,6 +227,10 @@ class Request:
     ``num_computed_high`` (prefix-cache hits on resumption are not recomputed)."""
     num_computed_high: int = 0
     """The most leading tokens whose KV had been computed when the request was preempted."""
+    num_unconfirmed_high: int = 0
+    """Of ``num_computed_high``, the positions above the mark before its last preemption
+    that steps still in flight had scheduled (asynchronous scheduling): their rejected
+    drafts, once the stale output arrives, are taken back from the mark."""
     is_prefill_chunk: bool = True
     num_output_placeholders: int = 0
     """Async scheduling: tokens sampled by steps in flight, not yet appended."""

@@ -641,7 +641,10 @@ class Scheduler:
                                        req.num_computed_tokens, save_kv))
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_high = max(req.num_computed_high, req.num_computed_tokens)
+        high = req.num_computed_high
+        req.num_computed_high = max(high, req.num_computed_tokens)
+        # Positions of steps in flight count as computed; their rejected drafts will not be.
+        req.num_unconfirmed_high = req.num_computed_high - high if req.num_in_flight_tokens else 0
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.stale_drop = drop_stale or (req.stale_drop and req.num_stale_output_tokens > 0)
@@ -1134,8 +1137,14 @@ class Scheduler:
             gen = sampled[i] if i is not None else None
             if not gen or (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
                 continue  # a prefill chunk that sampled nothing, finished while the step ran, read bad KV
-            if spec_sched and not stale and (drafts := spec_sched.get(rid)):
-                self._apply_spec_result(req, drafts, len(gen), spec_stats, runner_output.num_proposed_drafts.get(rid))
+            if spec_sched and (drafts := spec_sched.get(rid)):
+                if not stale:
+                    self._apply_spec_result(req, drafts, len(gen), spec_stats,
+                                            runner_output.num_proposed_drafts.get(rid))
+                else:  # preempted with the step in flight: its rejected drafts were never computed
+                    cut = min(len(drafts) - (len(gen) - 1), req.num_unconfirmed_high)
+                    req.num_computed_high -= cut
+                    req.num_unconfirmed_high -= cut
             # The tokens.
             is_first = not req.output_token_ids
             error = None

@@ -22,8 +22,8 @@ from schedkit.core.request import Request
 from schedkit.kv.metrics import PrefixCacheStats
 
 UNDO_FIELDS = ("status", "num_computed_tokens", "num_preemptions", "num_cached_tokens",
-               "num_recomputed_tokens", "num_computed_high", "num_output_placeholders",
-               "num_stale_output_tokens", "stale_drop", "spec_token_ids")
+               "num_recomputed_tokens", "num_computed_high", "num_unconfirmed_high",
+               "num_output_placeholders", "num_stale_output_tokens", "stale_drop", "spec_token_ids")
 """The request fields ``schedule()`` may change (a failed step restores them)."""
 
 

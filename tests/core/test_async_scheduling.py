@@ -7,12 +7,13 @@ from collections import deque
 
 import pytest
 
-from schedkit import hookimpl
+from schedkit import Preemption, hookimpl
 from schedkit.core.outputs import DRAFT_PLACEHOLDER
 from schedkit.core.request import RequestStatus
 from schedkit.errors import PluginError
 from schedkit.plugins.testing import (
     assert_scheduler_consistent,
+    make_request,
     make_requests,
     make_scheduler,
     runner_output,
@@ -117,6 +118,45 @@ def test_drafts_planned_as_placeholders_are_rolled_back_by_the_update():  # docs
     sched.update_from_output(out3, runner_output(out3, {"0": [10]}))  # both rejected
     assert req.output_token_ids == [7, 8, 9, 10] and req.num_output_placeholders == 0
     assert req.num_computed_tokens == 8 + 4 - 1  # the newest token's KV is the next step's
+    assert_scheduler_consistent(sched)
+
+
+def test_a_preempted_request_does_not_count_its_rejected_drafts_as_lost_work():
+    """Preempted while a step with two drafts is in flight, the request's mark of work
+    done counts the drafts' positions; when the stale output shows both rejected, the
+    mark drops to what was computed, and resuming recomputes only that."""
+
+    class PreemptWhenArmed:
+        armed = False
+
+        @hookimpl
+        def schedkit_select_voluntary_preemptions(self, running, max_preemptions):
+            if not self.armed:
+                return None
+            self.armed = False
+            return [Preemption(running[0], "test")]
+
+    plugin = PreemptWhenArmed()
+    sched = make_scheduler(async_scheduling=True, num_speculative_tokens=2, max_num_seqs=1, plugins=[plugin])
+    a = make_request("a", list(range(10, 18)), max_tokens=20)
+    sched.add_request(a)
+    out1 = sched.schedule()  # the prompt: 8 positions
+    sched.plan_draft_placeholders()
+    out2 = sched.schedule()  # the sampled token and two drafts, positions 8-10
+    sched.update_from_output(out1, runner_output(out1, {"a": [7]}))
+    sched.add_request(make_request("b", list(range(30, 38)), max_tokens=1))
+    plugin.armed = True
+    sched.plan_draft_placeholders()
+    out3 = sched.schedule()
+    assert out3.preempted_req_ids == {"a"} and out3.num_scheduled_tokens == {"b": 8}
+    assert a.num_computed_high == 11 and a.num_unconfirmed_high == 11
+    sched.update_from_output(out2, runner_output(out2, {"a": [8]}))  # both drafts rejected
+    assert a.output_token_ids == [7, 8]
+    assert a.num_computed_high == 9  # the prompt and token 7's position
+    sched.update_from_output(out3, runner_output(out3, {"b": [5]}))
+    out4 = sched.schedule()
+    assert out4.num_scheduled_tokens == {"a": 10}  # resumed: prompt and both outputs
+    assert a.num_recomputed_tokens == 9
     assert_scheduler_consistent(sched)
 
 

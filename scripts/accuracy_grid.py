@@ -57,16 +57,18 @@ def _pct(x: float) -> str:
 def render(data: dict[str, Any]) -> str:
     """Markdown: the overall figures, the per-experiment table, the rankings."""
     results, o = data["results"], data["overall"]
+    at_kind = o.get("mape_at_kind_speed")
+    if at_kind and not any(math.isfinite(v) for v in at_kind.values()):
+        at_kind = None  # runs recorded before the two kinds' ratios were kept
     lines = [f"Grid `{data['grid']}` ({'reduced' if data['reduced'] else 'full'}), commit {data['commit']}, "
              f"{data['date']}, {data['machine']}; profile `{data['profile']}`; "
              f"{o['experiments']} experiments, real runner {data['repeats']} runs each; "
              f"wall {data['wall_s'] / 60:.1f} min; simulator {o['speedup']:.0f}x faster than real time."
              + _fitted(data.get("calibrated")), "",
              "| metric | mean abs. % error, profile as fitted | re-anchored by the speed probe "
-             "| at the runs' own speed |" + (" at each step kind's own speed |" if o.get("mape_at_kind_speed") else ""),
-             "|---|---|---|---|" + ("---|" if o.get("mape_at_kind_speed") else "")]
+             "| at the runs' own speed |" + (" at each step kind's own speed |" if at_kind else ""),
+             "|---|---|---|---|" + ("---|" if at_kind else "")]
     anchored, at_speed = o.get("mape_anchored") or {}, o.get("mape_at_run_speed") or {}
-    at_kind = o.get("mape_at_kind_speed")
     lines += [f"| {m} | {_pct(o['mape'][m])} | {_pct(anchored.get(m, math.nan))} "
               f"| {_pct(at_speed.get(m, math.nan))} |" + (f" {_pct(at_kind[m])} |" if at_kind else "")
               for m in METRICS]
@@ -76,7 +78,7 @@ def render(data: dict[str, Any]) -> str:
                   "the profile predicts for those very steps" + _by_kind(o) + _steal(o.get("steal"))
                   + "; the fourth column simulates each experiment with the profile scaled by its runs' own "
                   "ratio" + (", the fifth with its decode-only steps and those with a prompt chunk scaled by "
-                             "their own ratios apart" if o.get("mape_at_kind_speed") else "") + "."]
+                             "their own ratios apart" if at_kind else "") + "."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "

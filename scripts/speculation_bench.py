@@ -4,10 +4,10 @@ output tokens/s of each model-free proposer against no speculation, on repetitiv
 
 Loads: ``1``, one request at a time; ``all``, the workload's requests at once; ``full``,
 the server at its busiest: twice ``max_num_seqs`` distinct requests (each workload's
-prompts varied, :func:`busy_prompts`) at once, so that a queue stands behind every slot
-and a request that finishes early is replaced at once, as on a saturated server. (Every
-request of a batch that only drains has to wait for the slowest one, which hides what
-speculation does for the others.)
+prompts varied, :func:`busy_prompts`) at once, half of them queued, so that a request
+that finishes early is replaced at once, as on a saturated server, until the queue runs
+out. (In a batch that only drains, the run lasts as long as its slowest request, which
+hides what speculation does for the others.)
 
 Each (workload, load) cell runs every mode in turn, ``--repeats`` times in rounds
 (A B C ... A B C ...), so the machine's drift spreads over all of them; greedy
@@ -99,9 +99,9 @@ def busy_prompts(name: str, count: int) -> list[str]:
         prompts = [q + style for style in CHAT_STYLES for q in CHAT]
     elif name == "json":
         prompts = []
-        for i in range(30):
+        for i in range(45):
             rows = PEOPLE[i % 5:] + PEOPLE[:i % 5]
-            keys = "name, age and city" if i < 15 else "city, name and age"
+            keys = ("name, age and city", "city, name and age", "age, city and name")[i // 15]
             listing = "\n".join(f"- {n}, age {a}, lives in {c}" for n, a, c in rows[:3 + (i // 5) % 3])
             prompts.append(f"Write these people as a JSON list of objects with the keys {keys}:\n{listing}")
     else:
@@ -141,8 +141,10 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: int, eos: int 
         at_once: bool) -> dict[str, Any]:
     """Serve ``prompts`` (all at once, or one after the other) and measure. The proposer
     starts empty: suffix decoding's shared tree learns only from this run's finished
-    requests, not from an earlier run of the same prompts."""
+    requests, not from an earlier run of the same prompts, and the prefix cache starts
+    empty (every run computes its prompts)."""
     engine.runner.options.proposer = make_proposer(engine.config.runner)
+    assert engine.reset_prefix_cache(), "a run starts with no request in the engine"
     tokens: dict[str, list[int]] = {}
     drafted = accepted = misses = 0
 
@@ -187,8 +189,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="code-edit,json,chat")
     ap.add_argument("--loads", default="1,all", help="1: one request at a time; all: every request at once; "
-                                                      "full: the requests repeated to fill max_num_seqs, at once "
-                                                      "(the server at its busiest)")
+                                                      "full: twice max_num_seqs distinct requests at once, "
+                                                      "half of them queued (the server at its busiest)")
     ap.add_argument("--modes", default=DEFAULT_MODES,
                     help=f"of {', '.join(MODES)} (draft: the model's first --draft-layers layers drafting)")
     ap.add_argument("--draft-layers", type=int, default=8)
@@ -220,7 +222,7 @@ def main() -> None:
                 batch = encode(busy_prompts(workload, 2 * first.config.scheduler.max_num_seqs))
             else:
                 batch = encode(workload_prompts(workload))
-            cell = f"{workload}/" + {"1": "batch 1", "all": "all at once", "full": f"{len(batch)} queued"}[load]
+            cell = f"{workload}/" + {"1": "batch 1", "all": "all at once", "full": f"{len(batch)} at once, queued"}[load]
             for rep in range(a.repeats):
                 for m in modes:
                     r = run(engines[m], batch, a.max_tokens, eos, at_once=load != "1")

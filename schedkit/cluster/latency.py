@@ -201,6 +201,7 @@ class LatencyPredictor:
         t = base + per_token * tokens + per_request * requests + per_context * context + per_row * rows
         if is_prefill:
             t += per_attention * attention + prefill + (mixed if is_mixed else 0.0)
+            t *= self.cost_model.prefill_scale
         elif self.cost_model.decode_batch_residual_s:
             t += self.cost_model.decode_residual(requests)
         return t if t > 0.0 else 0.0

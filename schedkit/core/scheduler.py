@@ -644,7 +644,7 @@ class Scheduler:
         high = req.num_computed_high
         req.num_computed_high = max(high, req.num_computed_tokens)
         # Positions of steps in flight count as computed; their rejected drafts will not be.
-        req.num_unconfirmed_high = req.num_computed_high - high if req.num_in_flight_tokens else 0
+        req.num_unconfirmed_high = min(req.num_computed_high - high, req.num_in_flight_tokens)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.stale_drop = drop_stale or (req.stale_drop and req.num_stale_output_tokens > 0)
@@ -1128,23 +1128,19 @@ class Scheduler:
                 continue  # finished while the step ran
             req.num_in_flight_tokens -= n
             stale = req.num_stale_output_tokens > 0
+            i = index.get(rid)
+            gen = sampled[i] if i is not None else None
             if stale:  # scheduled before the request's last preemption
                 req.num_stale_output_tokens -= n
+                if gen and spec_sched and (drafts := spec_sched.get(rid)):
+                    self._forget_stale_drafts(req, len(drafts), len(gen))
                 if req.stale_drop:
                     continue
             status = req.status
-            i = index.get(rid)
-            gen = sampled[i] if i is not None else None
             if not gen or (status is not _RUNNING and not (stale and status is _PREEMPTED)) or rid in skip:
                 continue  # a prefill chunk that sampled nothing, finished while the step ran, read bad KV
-            if spec_sched and (drafts := spec_sched.get(rid)):
-                if not stale:
-                    self._apply_spec_result(req, drafts, len(gen), spec_stats,
-                                            runner_output.num_proposed_drafts.get(rid))
-                else:  # preempted with the step in flight: its rejected drafts were never computed
-                    cut = min(len(drafts) - (len(gen) - 1), req.num_unconfirmed_high)
-                    req.num_computed_high -= cut
-                    req.num_unconfirmed_high -= cut
+            if spec_sched and not stale and (drafts := spec_sched.get(rid)):
+                self._apply_spec_result(req, drafts, len(gen), spec_stats, runner_output.num_proposed_drafts.get(rid))
             # The tokens.
             is_first = not req.output_token_ids
             error = None
@@ -1264,6 +1260,15 @@ class Scheduler:
             return gen, None
         finally:
             so.matcher_s += time.perf_counter() - t0  # counted against its step budget
+
+    @staticmethod
+    def _forget_stale_drafts(req: Request, num_drafts: int, num_gen: int) -> None:
+        """A step in flight when ``req`` was preempted verified ``num_drafts`` drafts and
+        kept ``num_gen - 1`` of them: the rejected ones' positions, counted in its mark of
+        work done (``num_computed_high``) at the preemption, were never computed."""
+        cut = min(max(num_drafts - (num_gen - 1), 0), req.num_unconfirmed_high)
+        req.num_computed_high -= cut
+        req.num_unconfirmed_high -= cut
 
     def _apply_spec_result(self, req: Request, drafts: list[int], num_gen: int,
                            spec_stats: SpecDecodingStats | None, num_proposed: int | None = None) -> None:

@@ -106,6 +106,9 @@ def rescaled_payload(source: str, ratio: float, probe_s: float, config_path: str
     model = CostModel.from_profile(data, default_name=path.stem).scaled(ratio)
     data["coefficients"] = model.coefficients
     data["decode_batch_residual_s"] = {str(b): t for b, t in model.decode_batch_residual_s}
+    if data.get("kv_transfer"):
+        scaled = {"latency_s": model.kv_transfer_latency_s, "per_block_s": model.per_block_transfer_s}
+        data["kv_transfer"] = {**data["kv_transfer"], **{k: v for k, v in scaled.items() if v is not None}}
     data["rescaled"] = {"from": str(source), "ratio": ratio, "probe_step_s": probe_s, "config": config_path,
                         "date": time.strftime("%Y-%m-%d %H:%M"), "steal_share": steal}
     return data

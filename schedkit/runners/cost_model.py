@@ -239,6 +239,9 @@ class CostModel:
         slows memory-bound decodes and compute-bound prefills by different amounts)."""
         values: dict[str, Any] = {k: v * factor for k, v in self.coefficients.items()}
         values["decode_batch_residual_s"] = tuple((b, t * factor) for b, t in self.decode_batch_residual_s)
+        for key in ("kv_transfer_latency_s", "per_block_transfer_s"):
+            if getattr(self, key) is not None:
+                values[key] = getattr(self, key) * factor
         name = f"{self.name} x{factor:.3f}"
         if prefill_factor is not None:
             values["prefill_scale"] = self.prefill_scale * prefill_factor / factor
@@ -262,8 +265,9 @@ class CostModel:
                         t += self.per_draft_token_s * f[14]
         if self.decode_batch_residual_s and not f[4]:
             t += self.decode_residual(f[1])
-        elif f[4] and self.prefill_scale != 1.0:
-            t *= self.prefill_scale
+        elif f[4] and self.prefill_scale != 1.0:  # the compute, not the KV swap
+            swap = self.transfer_time(f) if len(f) > 11 else 0.0
+            t = (t - swap) * self.prefill_scale + swap
         return max(t, 0.0)
 
     def transfer_time(self, f: StepFeatures) -> float:

@@ -31,11 +31,50 @@ __all__ = ["SuffixProposer", "SuffixTree"]
 
 
 class _Node:
-    __slots__ = ("children", "count")
+    """A trie node: how many suffixes pass through it, and its children by token. Most
+    nodes have at most one child (a suffix of text seen once is a single chain), so a
+    lone child is kept in two fields and a dict made only for a second one: a node costs
+    about a quarter of what a dict per node would."""
+
+    __slots__ = ("count", "_token", "_child", "_kids")
 
     def __init__(self) -> None:
         self.count = 0
-        self.children: dict[int, _Node] = {}
+        self._token = 0
+        self._child: _Node | None = None
+        self._kids: dict[int, _Node] | None = None
+
+    def get(self, token: int) -> _Node | None:
+        if self._kids is not None:
+            return self._kids.get(token)
+        return self._child if self._child is not None and self._token == token else None
+
+    def add(self, token: int) -> _Node:
+        """A new child under ``token`` (which has none yet)."""
+        child = _Node()
+        if self._kids is not None:
+            self._kids[token] = child
+        elif self._child is None:
+            self._token, self._child = token, child
+        else:
+            self._kids = {self._token: self._child, token: child}
+            self._child = None
+        return child
+
+    def remove(self, token: int) -> None:
+        if self._kids is not None:
+            del self._kids[token]
+        else:
+            assert self._child is not None and self._token == token
+            self._child = None
+
+    def has_children(self) -> bool:
+        return self._child is not None or bool(self._kids)
+
+    def items(self) -> list[tuple[int, _Node]]:
+        if self._kids is not None:
+            return list(self._kids.items())
+        return [(self._token, self._child)] if self._child is not None else []
 
 
 class SuffixTree:
@@ -57,9 +96,9 @@ class SuffixTree:
         starts with it, and the one reaching ``max_depth`` tokens closes."""
         opened: deque[_Node] = deque()
         for node in (*self._open, self.root):
-            child = node.children.get(token)
+            child = node.get(token)
             if child is None:
-                child = node.children[token] = _Node()
+                child = node.add(token)
                 self.num_nodes += 1
             child.count += 1
             opened.append(child)
@@ -85,16 +124,16 @@ class SuffixTree:
         for start in range(len(tokens)):
             node = self.root
             for t in tokens[start:start + depth]:
-                child = node.children.get(t)
+                child = node.get(t)
                 if child is None:
                     if sign < 0:
                         raise ValueError("remove_sequence: the sequence was not added")
-                    child = node.children[t] = _Node()
+                    child = node.add(t)
                     self.num_nodes += 1
                 child.count += sign
                 if child.count == 0:
                     self.num_nodes -= _size(child)
-                    del node.children[t]
+                    node.remove(t)
                     break
                 node = child
 
@@ -106,10 +145,10 @@ class SuffixTree:
         for n in range(longest, 0, -1):
             node: _Node | None = self.root
             for t in tokens[len(tokens) - n:]:
-                node = node.children.get(t) if node is not None else None
+                node = node.get(t) if node is not None else None
                 if node is None:
                     break
-            if node is not None and node.children:
+            if node is not None and node.has_children():
                 return node, n
         return None, 0
 
@@ -120,8 +159,8 @@ class SuffixTree:
         node, _ = self.match(tokens, self.max_depth - k)
         out: list[int] = []
         score = 1.0
-        while node is not None and len(out) < k and node.children:
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
+        while node is not None and len(out) < k and node.has_children():
+            token, child = max(node.items(), key=lambda item: item[1].count)
             share = child.count / node.count
             if share < min_probability:
                 break
@@ -137,7 +176,7 @@ def _size(node: _Node) -> int:
     while stack:
         cur = stack.pop()
         n += 1
-        stack.extend(cur.children.values())
+        stack.extend(child for _, child in cur.items())
     return n
 
 
@@ -161,7 +200,8 @@ class SuffixProposer:
     Args:
         max_depth: Longest suffix kept in a tree (>= 2): the longest match, plus the
             longest continuation walked from it in one node chain. A request's tree
-            holds up to its length times this many nodes.
+            holds up to its length times this many nodes (about 70 bytes each on
+            CPython 3.11: 1.1 KB a token at depth 16 for text seen once).
         max_cached_tokens: Most output tokens of finished requests in the shared tree
             (0: no shared tree).
         min_probability: Least share of its parent's count a drafted token needs.

@@ -149,7 +149,7 @@ def test_a_preempted_request_does_not_count_its_rejected_drafts_as_lost_work():
     sched.plan_draft_placeholders()
     out3 = sched.schedule()
     assert out3.preempted_req_ids == {"a"} and out3.num_scheduled_tokens == {"b": 8}
-    assert a.num_computed_high == 11 and a.num_unconfirmed_high == 11
+    assert a.num_computed_high == 11 and a.num_unconfirmed_high == 3  # out2's positions
     sched.update_from_output(out2, runner_output(out2, {"a": [8]}))  # both drafts rejected
     assert a.output_token_ids == [7, 8]
     assert a.num_computed_high == 9  # the prompt and token 7's position
@@ -157,6 +157,25 @@ def test_a_preempted_request_does_not_count_its_rejected_drafts_as_lost_work():
     out4 = sched.schedule()
     assert out4.num_scheduled_tokens == {"a": 10}  # resumed: prompt and both outputs
     assert a.num_recomputed_tokens == 9
+    assert_scheduler_consistent(sched)
+
+
+def test_a_cache_reset_drops_a_stale_drafted_step_and_its_rejected_drafts_from_the_mark():
+    """The same when the preemption is a prefix-cache reset's, whose stale outputs are
+    dropped: the drafts the output shows rejected still leave the mark."""
+    sched = make_scheduler(async_scheduling=True, num_speculative_tokens=2, enable_prefix_caching=True)
+    a = make_request("a", list(range(10, 18)), max_tokens=20)
+    sched.add_request(a)
+    out1 = sched.schedule()
+    sched.plan_draft_placeholders()
+    out2 = sched.schedule()
+    sched.update_from_output(out1, runner_output(out1, {"a": [7]}))
+    assert sched.reset_prefix_cache(reset_running_requests=True)
+    assert a.status is RequestStatus.PREEMPTED and a.num_computed_high == 11
+    sched.update_from_output(out2, runner_output(out2, {"a": [8]}))  # dropped; both drafts rejected
+    assert a.output_token_ids == [7] and a.num_computed_high == 9
+    out3 = sched.schedule()
+    assert out3.num_scheduled_tokens == {"a": 9} and a.num_recomputed_tokens == 9
     assert_scheduler_consistent(sched)
 
 

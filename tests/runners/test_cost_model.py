@@ -175,6 +175,8 @@ def test_a_scaled_model_predicts_every_step_that_many_times_longer():
         assert slow.step_time(features) == pytest.approx(1.25 * model.step_time(features))
     assert slow.decode_residual(5) == pytest.approx(1.25 * model.decode_residual(5))
     assert slow.coefficients == {k: 1.25 * v for k, v in model.coefficients.items()}
+    assert model.per_block_transfer_s  # the profile measured its hand-offs: they slow down too
+    assert slow.kv_transfer_time(10) == pytest.approx(1.25 * model.kv_transfer_time(10))
 
 
 def test_a_model_scaled_by_step_kind_scales_prompt_chunk_steps_by_their_own_factor():
@@ -188,6 +190,11 @@ def test_a_model_scaled_by_step_kind_scales_prompt_chunk_steps_by_their_own_fact
     assert slow.step_time(decode) == pytest.approx(1.1 * model.step_time(decode))
     for f in (prefill, mixed):
         assert slow.step_time(f) == pytest.approx(0.9 * model.step_time(f)), f.kind
+    # The KV swap of a prompt-chunk step is a copy, not compute: it keeps the one factor.
+    swapping = prefill._replace(blocks_stored=4, blocks_loaded=2)
+    swap = model.transfer_time(swapping)
+    assert swap > 0
+    assert slow.step_time(swapping) == pytest.approx(0.9 * (model.step_time(swapping) - swap) + 1.1 * swap)
     # Scaled again, the factors compound per kind; one factor alone scales both alike.
     again = slow.scaled(2.0, prefill_factor=3.0)
     assert again.step_time(decode) == pytest.approx(2.2 * model.step_time(decode))

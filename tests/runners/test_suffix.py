@@ -20,7 +20,7 @@ def _counts(tree: SuffixTree) -> Counter[tuple[int, ...]]:
     stack = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for t, child in node.children.items():
+        for t, child in node.items():
             out[path + (t,)] = child.count
             stack.append((path + (t,), child))
     return out

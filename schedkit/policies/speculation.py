@@ -106,6 +106,10 @@ class SpeculateByAcceptance:
             space a request's probes by everyone's misses as well as its own: a drafter
             bad for everyone (a draft model that does not fit the workload) stops being
             tried on each new request (default false).
+        pool_half_life: With ``pooled_prior``, the drafts (accepted drafts and misses)
+            after which what the pool showed counts half: a workload that changes (a
+            drafter that stops fitting, or starts to) moves the pool within a few of
+            them (> 0; default None: the pool never forgets).
 
     Raises:
         ValueError: A setting out of its range; the message names it.
@@ -113,7 +117,7 @@ class SpeculateByAcceptance:
 
     def __init__(self, min_acceptance: float = 0.3, draft_cost: float = 0.0, prior: float = 0.5,
                  prior_weight: float = 2.0, probe_every: int = 16, max_batch: int | None = None,
-                 pooled_prior: bool = False) -> None:
+                 pooled_prior: bool = False, pool_half_life: float | None = None) -> None:
         self.min_acceptance = check_number("min_acceptance", min_acceptance, minimum=0.0, strict=True)
         if self.min_acceptance > 1:
             raise ValueError(f"min_acceptance must be at most 1, got {min_acceptance!r}")
@@ -127,12 +131,15 @@ class SpeculateByAcceptance:
         if not isinstance(pooled_prior, bool):
             raise ValueError(f"pooled_prior must be true or false, got {pooled_prior!r}")
         self.pooled_prior = pooled_prior
+        self.pool_half_life = (None if pool_half_life is None
+                               else check_number("pool_half_life", pool_half_life, minimum=0.0, strict=True))
         self._seen: dict[str, tuple[Request, int, int]] = {}
         """Per unfinished request seen running, its (accepted drafts, misses) when last
         counted into the pool (kept through a preemption, so a resumed request's record
         is not counted twice)."""
-        self._pool = [0, 0]
-        """Accepted drafts and misses of every request so far (``pooled_prior``)."""
+        self._pool = [0.0, 0.0]
+        """Accepted drafts and misses of every request so far (``pooled_prior``), each
+        weighed down by the drafts seen since (``pool_half_life``)."""
 
     @hookimpl
     def schedkit_num_speculative_tokens(self, running: Sequence[Request], num_speculative_tokens: int,
@@ -143,7 +150,7 @@ class SpeculateByAcceptance:
         cost = b * self.draft_cost
         threshold = max(self.min_acceptance, cost / (1.0 + cost))
         prior = self._pooled(running) if self.pooled_prior else self.prior
-        pool_misses = self._pool[1] if self.pooled_prior else 0
+        pool_misses = round(self._pool[1]) if self.pooled_prior else 0
         plan = {}
         for r in running:
             alpha = acceptance_estimate(r, prior, self.prior_weight)
@@ -158,12 +165,19 @@ class SpeculateByAcceptance:
         """Count the running requests' new accepted drafts and misses into the pool
         and return its acceptance (``prior`` counted as ``prior_weight`` drafts)."""
         pool, seen = self._pool, self._seen
+        new_accepted = new_misses = 0
         for r in running:
             accepted, misses = r.num_accepted_tokens, r.num_draft_misses
             _, was_accepted, was_missed = seen.get(r.request_id, (r, 0, 0))
-            pool[0] += accepted - was_accepted
-            pool[1] += misses - was_missed
+            new_accepted += accepted - was_accepted
+            new_misses += misses - was_missed
             seen[r.request_id] = (r, accepted, misses)
+        if self.pool_half_life is not None and new_accepted + new_misses:
+            keep = 0.5 ** ((new_accepted + new_misses) / self.pool_half_life)
+            pool[0] *= keep
+            pool[1] *= keep
+        pool[0] += new_accepted
+        pool[1] += new_misses
         if len(seen) > len(running):  # finished requests leave; what they showed stays in the pool
             for rid in [rid for rid, (r, _, _) in seen.items() if r.is_finished]:
                 del seen[rid]

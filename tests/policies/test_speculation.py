@@ -125,6 +125,28 @@ def test_the_pool_counts_a_preempted_request_once():
     assert plan_for_new(leaves=False) == plan_for_new(leaves=True) == 1
 
 
+@pytest.mark.parametrize("half_life", [None, 4])
+def test_a_pool_with_a_half_life_follows_a_drafter_that_stops_fitting(half_life):
+    """Forty drafts accepted, then a request whose drafts all miss, thirty times: the
+    pool that never forgets still reads its drafter as fair; with a half-life of four
+    drafts, the misses soon outweigh the old record and a new request gets none."""
+    policy = SpeculateByAcceptance(min_acceptance=0.3, pooled_prior=True, pool_half_life=half_life,
+                                   probe_every=1000)
+    good = Request("good", [1, 2, 3], SamplingParams(max_tokens=50), 0.0)
+    good.num_accepted_tokens = 40
+    policy.schedkit_num_speculative_tokens(running=[good], num_speculative_tokens=4, step=1)
+    bad = Request("bad", [1, 2, 3], SamplingParams(max_tokens=50), 0.0)
+    for step in range(2, 32):
+        bad.num_draft_misses += 1
+        policy.schedkit_num_speculative_tokens(running=[bad], num_speculative_tokens=4, step=step)
+    new = Request("new", [1, 2, 3], SamplingParams(max_tokens=50), 0.0)
+    plan = policy.schedkit_num_speculative_tokens(running=[new], num_speculative_tokens=4, step=33)
+    if half_life is None:  # (40 + 1) / (40 + 30 + 2) = 0.57: two drafts (0.57 ** 3 < 0.3)
+        assert plan["new"] == 2
+    else:  # the forty now weigh 0.5 ** 7.5 of what they did, the misses about 6.3: 0.14
+        assert plan["new"] == 0
+
+
 def test_acceptance_policy_with_a_batch_limit():
     plugins = [{"name": "speculate-by-acceptance", "settings": {"max_batch": 2}}]
     _, drafted, _, _ = serve(3, plugins, draft_error_every=0, num_requests=4, max_tokens=6)
@@ -171,6 +193,8 @@ def test_estimate_and_run_length():
     (SpeculateByAcceptance, {"probe_every": 0}, "probe_every"),
     (SpeculateByAcceptance, {"max_batch": 1.5}, "max_batch"),
     (SpeculateByAcceptance, {"pooled_prior": "yes"}, "pooled_prior"),
+    (SpeculateByAcceptance, {"pool_half_life": 0}, "pool_half_life"),
+    (SpeculateByAcceptance, {"pool_half_life": "4"}, "pool_half_life"),
 ])
 def test_bad_settings_are_named(cls, settings, named):
     with pytest.raises(ValueError, match=named):

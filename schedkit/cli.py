@@ -236,6 +236,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--budget-s {args.budget_s:g}: {e}; give calibration more time") from None
     name = args.name or Path(args.output).stem
     write_profile(args.output, profile_payload(name, result, config, args.config))
+    if args.steps:
+        from schedkit.lab.cost_fit import write_steps
+
+        write_steps(args.steps, result.records)
     print(f"\n{len(result.records)} steps in {result.wall_s:.0f} s (budget {args.budget_s:g} s); "
           "relative step error:")
     print(f"  {'steps':<8} {'count':>6} {'mean':>7} {'median':>7} {'p90':>7}")
@@ -456,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=_positive_seconds, default=600.0,
                    help="wall-clock seconds for everything, model loading included (default 600); "
                         "the grid of step shapes is sized to fit")
+    p.add_argument("--steps", metavar="FILE",
+                   help="also write every measured step (its features and seconds, JSON lines) to FILE, "
+                        "to fit a changed cost model to them later without running them again")
     p.add_argument("--rescale", metavar="PROFILE",
                    help="instead of fitting, run the speed probe (40 steps of fixed work, a few seconds) "
                         "on the YAML's runner and write PROFILE with every duration scaled by how much "

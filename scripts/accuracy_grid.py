@@ -28,6 +28,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from schedkit.lab.accuracy import (
     run_grid,
     summary_rows,
 )
+from schedkit.lab.cost_fit import StepRecord, write_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ of this checkout
@@ -126,6 +128,16 @@ def _steal(span: dict[str, float] | None) -> str:
     return f"; the hypervisor's steal share was {_pct(span['min'])}-{_pct(span['max'])} of the CPU time"
 
 
+def _steps_writer(steps_dir: Path) -> Callable[[str, int, list[StepRecord]], None]:
+    """Write each real run's steps to ``steps_dir/<experiment>-<pass>.jsonl``."""
+    steps_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(key: str, rep: int, records: list[StepRecord]) -> None:
+        write_steps(steps_dir / f"{key.replace('/', '_')}-{rep}.jsonl", records)
+
+    return save
+
+
 def write_doc(text: str, path: Path = DOC, key: str = "reduced") -> None:
     begin, end = f"<!-- accuracy_grid:{key} -->", f"<!-- /accuracy_grid:{key} -->"
     page = path.read_text()
@@ -149,6 +161,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=600.0, help="the calibration's budget (seconds)")
     ap.add_argument("--no-probe", action="store_true",
                     help="skip the speed probe around each real run (no re-anchored column)")
+    ap.add_argument("--steps-dir", metavar="DIR",
+                    help="write each real run's steps (features and seconds, JSON lines) into DIR, and the "
+                         "--calibrate fit's as calibration.jsonl: a changed cost model can then be fitted "
+                         "and judged offline")
     ap.add_argument("--render", metavar="JSON", help="print the tables of a stored run, run nothing")
     ap.add_argument("--write-docs", action="store_true", help="put the tables into docs/simulator-accuracy.md")
     a = ap.parse_args()
@@ -164,7 +180,10 @@ def main() -> None:
                 ap.error("--calibrate fits a new profile: it cannot resume runs made with another")
             a.profile = str(out.with_name(f"{out.stem}-profile.json"))
             t_fit = time.perf_counter()
-            rc = cli_main(["calibrate", a.calibrate, "-o", a.profile, "--budget-s", str(a.budget_s)])
+            steps = [] if not a.steps_dir else ["--steps", str(Path(a.steps_dir) / "calibration.jsonl")]
+            if a.steps_dir:
+                Path(a.steps_dir).mkdir(parents=True, exist_ok=True)
+            rc = cli_main(["calibrate", a.calibrate, "-o", a.profile, "--budget-s", str(a.budget_s), *steps])
             if rc:
                 raise SystemExit(rc)
             fitted = json.loads(Path(a.profile).read_text())
@@ -188,6 +207,7 @@ def main() -> None:
 
         print(f"{len(experiments)} experiments, {grid.config.repeats} real runs each", file=sys.stderr)
         results = run_grid(grid, experiments, done=done, save=save, probe=not a.no_probe,
+                           save_steps=_steps_writer(Path(a.steps_dir)) if a.steps_dir else None,
                            progress=lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}",
                                                       file=sys.stderr, flush=True))
         data.update(results=results, overall=overall(results), wall_s=wall_before + time.perf_counter() - t0)

@@ -52,6 +52,7 @@ from schedkit.config import (
 from schedkit.config.base import StrictModel
 from schedkit.errors import ConfigError
 from schedkit.lab.calibrate import probe_workload
+from schedkit.lab.cost_fit import StepRecord
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.workloads import WorkloadRequest, generate
 from schedkit.runners.cost_model import CostModel
@@ -401,6 +402,8 @@ class RunOutcome:
     """Of ``step_s``, the steps with a prompt chunk (the others are decode-only)."""
     prefill_predicted_s: float = 0.0
     """Of ``predicted_s``, the prediction of those steps."""
+    records: list[StepRecord] = dataclasses.field(default_factory=list)
+    """The steps that ran tokens, each with its measured duration (a recorded run)."""
 
     @property
     def speed_ratio(self) -> float:
@@ -449,6 +452,7 @@ def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel |
                           "an accuracy experiment needs every request served")
     out = RunOutcome(result.metrics, result.wall_s, steal=steal)
     if recorder is not None and model is not None:
+        out.records = list(recorder.records)
         for features, seconds in recorder.records:
             predicted = model.step_time(features)
             out.step_s += seconds
@@ -531,7 +535,8 @@ def grid_workload(grid: Grid, name: str) -> list[WorkloadRequest]:
 def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
              done: Mapping[str, Mapping[str, Any]] | None = None,
              save: Callable[[dict[str, Any]], None] | None = None,
-             progress: Callable[[str], None] | None = None, probe: bool = True) -> dict[str, Any]:
+             progress: Callable[[str], None] | None = None, probe: bool = True,
+             save_steps: Callable[[str, int, list[StepRecord]], None] | None = None) -> dict[str, Any]:
     """Run ``experiments``: first every simulated side (and the capacities), then the
     real runs in passes (each pass over every experiment, so slow drift of the machine
     spreads over all of them instead of landing on one). ``done`` holds results of an
@@ -552,7 +557,10 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     and every experiment is simulated with the profile scaled by its runs' mean probe
     ratio too (``sim_anchored``): the profile re-anchored to the machine's current speed
     by a measurement independent of the experiment, the figure a user gets by probing
-    before simulating."""
+    before simulating.
+
+    ``save_steps`` is called with each real run's experiment key, pass and recorded
+    steps (to judge a changed cost model against them later)."""
     say = progress or (lambda _msg: None)
     model = CostModel.load(grid.profile)
     results: dict[str, Any] = {k: dict(v) for k, v in (done or {}).items()}
@@ -593,6 +601,8 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
             r["real_speed_ratio_decode"].append(by_kind["decode"])
             r["real_speed_ratio_prefill"].append(by_kind["prefill"])
             r["real_steal"].append(out.steal)
+            if save_steps is not None:
+                save_steps(e.key, rep, out.records)
             note = ""
             if probe and last_probe is not None:
                 after = probe_speed(grid, model)

@@ -9,13 +9,40 @@ fitted in turn a few times, each to what the other leaves. See
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 from schedkit.runners.cost_model import FEATURES, STEP_KINDS, CostModel, StepFeatures
 
 StepRecord = tuple[StepFeatures, float]
 """One step: its features and its measured duration (seconds)."""
+
+
+def write_steps(path: str | Path, records: Sequence[StepRecord]) -> None:
+    """Write ``records`` as JSON lines (``{"seconds": s, "features": {name: value}}``),
+    so that a change of the cost model can be fitted and judged against measured steps
+    without running them again (:func:`read_steps`)."""
+    with Path(path).open("w") as f:
+        for features, seconds in records:
+            f.write(json.dumps({"seconds": seconds, "features": features._asdict()}) + "\n")
+
+
+def read_steps(path: str | Path) -> list[StepRecord]:
+    """The records :func:`write_steps` wrote (features it did not know count 0).
+
+    Raises:
+        ValueError: A line is not such a record; the message names the file and line.
+    """
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            data = json.loads(line)
+            out.append((StepFeatures(**data["features"]), float(data["seconds"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{n}: not a step record ({e})") from None
+    return out
 
 RIDGE = 1e-9
 """Relative weight of the ridge term that keeps the normal equations solvable when two

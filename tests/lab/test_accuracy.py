@@ -21,6 +21,7 @@ from schedkit.lab.accuracy import (
     run_grid,
     run_metrics,
 )
+from schedkit.lab.cost_fit import read_steps
 from schedkit.lab.metrics import RequestMetrics
 from schedkit.lab.workloads import WorkloadRequest
 
@@ -125,9 +126,12 @@ def test_a_simulator_equal_to_the_real_side_has_no_error_and_ranks_alike(tmp_pat
     """The 'real' side here is the simulator with the same profile: every error must be
     exactly zero, every ranking identical."""
     grid = load_grid(write_grid(tmp_path))
-    saves = []
-    results = run_grid(grid, grid.experiments(), save=lambda r: saves.append(len(r)))
+    saves, steps = [], {}
+    results = run_grid(grid, grid.experiments(), save=lambda r: saves.append(len(r)),
+                       save_steps=lambda key, rep, records: steps.setdefault((key, rep), records))
     assert len(results) == 9 and len(saves) == 9 * 2
+    assert set(steps) == {(key, rep) for key in results for rep in (0, 1)}
+    assert all(records for records in steps.values())
     for r in results.values():
         assert len(r["real_runs"]) == 2
         for name, c in r["compare"].items():
@@ -210,11 +214,15 @@ def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_pat
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     grid = load_grid(write_grid(tmp_path))
-    results = run_grid(grid, grid.experiments(reduced=True))
+    results = run_grid(grid, grid.experiments(reduced=True), save_steps=script._steps_writer(tmp_path / "steps"))
+    saved = sorted(p.name for p in (tmp_path / "steps").iterdir())
+    assert saved == sorted(f"{key.replace('/', '_')}-{rep}.jsonl" for key in results for rep in (0, 1))
+    assert read_steps(tmp_path / "steps" / saved[0])  # each run's steps, readable again
     data = {"grid": "grid.yaml", "reduced": True, "profile": grid.profile, "repeats": 2, "commit": "abc",
             "date": "2026-01-01", "machine": "test", "wall_s": 60.0, "results": results, "overall": overall(results)}
     text = script.render(data)
     assert "| e2e_mean_s | 0.0% |" in text and "small/overload/wide/sjf" in text
+    assert "at each step kind's own speed" in text
     assert "decode-only steps 1.00-1.00x, mean 1.00x; steps with a prompt chunk 1.00-1.00x" in text
     page = tmp_path / "page.md"
     page.write_text("intro\n<!-- accuracy_grid:reduced -->\nold\n<!-- /accuracy_grid:reduced -->\nend\n")

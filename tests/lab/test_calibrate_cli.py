@@ -11,6 +11,7 @@ import yaml
 
 from schedkit.cli import main
 from schedkit.config import config_from_dict
+from schedkit.lab.cost_fit import fit, read_steps, write_steps
 from schedkit.lab.simulate import run_workload
 from schedkit.runners.cost_model import FEATURES, CostModel
 
@@ -32,8 +33,8 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     # The simulator stands in for the real runner (no torch here): calibrating it must
     # give its own profile back, and write every recorded field.
     cfg = _config(tmp_path, {"kind": "simulated", "profile": "h200-qwen2.5-0.5b-handset"})
-    out = tmp_path / "fitted.json"
-    assert main(["calibrate", str(cfg), "-o", str(out), "--budget-s", "120"]) == 0
+    out, steps = tmp_path / "fitted.json", tmp_path / "steps.jsonl"
+    assert main(["calibrate", str(cfg), "-o", str(out), "--budget-s", "120", "--steps", str(steps)]) == 0
     printed = capsys.readouterr().out
     assert "relative step error" in printed and str(out) in printed
     data = json.loads(out.read_text())
@@ -65,6 +66,21 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
         assert getattr(model, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
     sim = config_from_dict({"runner": {"kind": "simulated", "profile": str(out)}, **SMALL})
     assert len(run_workload(sim).metrics) == SMALL["workload"]["num_requests"]
+    # Every step the fit saw is kept, and refitted from the file gives the same model.
+    records = read_steps(steps)
+    assert len(records) == data["num_steps"]
+    assert all(s == pytest.approx(truth.step_time(f)) for f, s in records)
+    assert fit(records).coefficients == pytest.approx(model.coefficients, rel=1e-6, abs=1e-12)
+
+
+def test_a_steps_file_that_is_not_one_is_named_with_its_line(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    write_steps(path, [])
+    assert read_steps(path) == []
+    path.write_text('{"seconds": 0.1, "features": {"tokens": 1, "requests": 1, "context_tokens": 1, '
+                    '"prefill_attention": 0, "is_prefill_step": 0}}\n{"seconds": 1}\n')
+    with pytest.raises(ValueError, match=r"steps.jsonl:2: not a step record"):
+        read_steps(path)
 
 
 def test_bad_config_output_and_runner_name_what_is_wrong(tmp_path, capsys):

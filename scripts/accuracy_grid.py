@@ -174,6 +174,7 @@ def main() -> None:
         if not a.grid:
             ap.error("give a grid file (or --render JSON)")
         out = Path(a.output)
+        save_steps = _steps_writer(Path(a.steps_dir)) if a.steps_dir else None  # makes the folder
         calibrated = None
         if a.calibrate:
             if a.resume:
@@ -181,8 +182,6 @@ def main() -> None:
             a.profile = str(out.with_name(f"{out.stem}-profile.json"))
             t_fit = time.perf_counter()
             steps = [] if not a.steps_dir else ["--steps", str(Path(a.steps_dir) / "calibration.jsonl")]
-            if a.steps_dir:
-                Path(a.steps_dir).mkdir(parents=True, exist_ok=True)
             rc = cli_main(["calibrate", a.calibrate, "-o", a.profile, "--budget-s", str(a.budget_s), *steps])
             if rc:
                 raise SystemExit(rc)
@@ -207,7 +206,7 @@ def main() -> None:
 
         print(f"{len(experiments)} experiments, {grid.config.repeats} real runs each", file=sys.stderr)
         results = run_grid(grid, experiments, done=done, save=save, probe=not a.no_probe,
-                           save_steps=_steps_writer(Path(a.steps_dir)) if a.steps_dir else None,
+                           save_steps=save_steps,
                            progress=lambda msg: print(f"[{time.perf_counter() - t0:7.1f} s] {msg}",
                                                       file=sys.stderr, flush=True))
         data.update(results=results, overall=overall(results), wall_s=wall_before + time.perf_counter() - t0)

@@ -68,17 +68,22 @@ CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
         "How do bees make honey?"]
 
 
+def _code_prompts(edits: list[str]) -> list[str]:
+    return [f"{edit}\n\n```python\n{code}```" for code in CODE for edit in edits]
+
+
+def _json_prompt(start: int, length: int, keys: str = "name, age and city") -> str:
+    """Ask for ``length`` people of :data:`PEOPLE`, from the ``start``-th on, as JSON."""
+    rows = PEOPLE[start:] + PEOPLE[:start]
+    listing = "\n".join(f"- {n}, age {a}, lives in {c}" for n, a, c in rows[:length])
+    return f"Write these people as a JSON list of objects with the keys {keys}:\n{listing}"
+
+
 def workload_prompts(name: str) -> list[str]:
     if name == "code-edit":
-        return [f"{edit}\n\n```python\n{code}```" for code in CODE for edit in EDITS]
+        return _code_prompts(EDITS)
     if name == "json":
-        out = []
-        for i in range(6):
-            rows = PEOPLE[i % 5:] + PEOPLE[:i % 5]
-            listing = "\n".join(f"- {n}, age {a}, lives in {c}" for n, a, c in rows[:3 + i % 3])
-            out.append("Write these people as a JSON list of objects with the keys name, age and "
-                       f"city:\n{listing}")
-        return out
+        return [_json_prompt(i % 5, 3 + i % 3) for i in range(6)]
     if name == "chat":
         return list(CHAT)
     raise SystemExit(f"unknown workload {name!r}")
@@ -94,16 +99,12 @@ def busy_prompts(name: str, count: int) -> list[str]:
     is the copy of an earlier one whose output suffix decoding's shared tree already
     holds."""
     if name == "code-edit":
-        prompts = [f"{edit}\n\n```python\n{code}```" for code in CODE for edit in EDITS + MORE_EDITS]
+        prompts = _code_prompts(EDITS + MORE_EDITS)
     elif name == "chat":
         prompts = [q + style for style in CHAT_STYLES for q in CHAT]
     elif name == "json":
-        prompts = []
-        for i in range(45):
-            rows = PEOPLE[i % 5:] + PEOPLE[:i % 5]
-            keys = ("name, age and city", "city, name and age", "age, city and name")[i // 15]
-            listing = "\n".join(f"- {n}, age {a}, lives in {c}" for n, a, c in rows[:3 + (i // 5) % 3])
-            prompts.append(f"Write these people as a JSON list of objects with the keys {keys}:\n{listing}")
+        orders = ("name, age and city", "city, name and age", "age, city and name")
+        prompts = [_json_prompt(i % 5, 3 + (i // 5) % 3, orders[i // 15]) for i in range(45)]
     else:
         raise SystemExit(f"unknown workload {name!r}")
     return [prompts[i % len(prompts)] for i in range(count)]
@@ -206,15 +207,15 @@ def main() -> None:
     eos_ids = first.runner.args.eos_token_ids
     eos = eos_ids[0] if eos_ids else None
     results: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for workload in a.workloads.split(","):
-        def encode(texts: list[str]) -> list[list[int]]:
-            out = []
-            for text in texts:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                    add_generation_prompt=True, tokenize=True)
-                out.append(list(ids["input_ids"] if not isinstance(ids, list) else ids))
-            return out
+    def encode(texts: list[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            out.append(list(ids["input_ids"] if not isinstance(ids, list) else ids))
+        return out
 
+    for workload in a.workloads.split(","):
         for load in a.loads.split(","):
             if load not in ("1", "all", "full"):
                 raise SystemExit(f"--loads takes 1, all and full, not {load!r}")

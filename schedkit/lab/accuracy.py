@@ -452,7 +452,7 @@ def run_once(config: Config, workload: list[WorkloadRequest], model: CostModel |
                           "an accuracy experiment needs every request served")
     out = RunOutcome(result.metrics, result.wall_s, steal=steal)
     if recorder is not None and model is not None:
-        out.records = list(recorder.records)
+        out.records = recorder.records
         for features, seconds in recorder.records:
             predicted = model.step_time(features)
             out.step_s += seconds

@@ -319,15 +319,19 @@ def test_prefill_replica_killed_mid_run_every_request_completes_once(n):
 def test_decode_replica_killed_mid_run_every_request_ends_once(n):
     run = asyncio.run(kill_one_side(DECODE, n))
     assert len(run["finals"]) == n and set(run["ends"].values()) == {1}
-    failed = {r for r, k in run["at_kill"].items() if k > 0}
-    assert failed  # the kill landed with requests streaming there
+    # Classed by how each stream ended: a stopped engine's last outputs may still be read
+    # after the quiet period, so tokens counted at the kill only bound what failed.
+    failed = {r for r, f in run["finals"].items() if f.finish_reason == "error"}
+    assert any(run["at_kill"].get(r) for r in failed)  # the kill landed with requests streaming there
     for i in range(n):
         rid = f"q{i}"
         final, want = run["finals"][rid], fake_tokens(rid, max_tokens(i))
         if rid in failed:
             m = DEATH.fullmatch(final.error or "")
             assert final.finish_reason == "error" and m and int(m[1]) == DECODE, final
-            assert run["tokens"][rid] == want[:run["at_kill"][rid]]
+            k = len(run["tokens"][rid])
+            assert k > 0 and k >= run["at_kill"].get(rid, 0) and run["tokens"][rid] == want[:k]
+            assert int(m[2]) == k, final.error
         else:  # done before, or re-routed whole (no token yet): complete
             assert final.finish_reason == "length", final
             assert run["tokens"][rid] == want, rid

@@ -264,14 +264,16 @@ def _rescale(args: argparse.Namespace, config: Config) -> int:
 
     model = CostModel.load(args.rescale)
     probe = speed_probe(config, model)
-    factor = probe.speed(model)
-    payload = rescaled_payload(args.rescale, factor, probe.step_s, args.config, probe.steal)
+    factor, prefill = probe.speeds(model)
+    payload = rescaled_payload(args.rescale, factor, probe.step_s, args.config, probe.steal, prefill)
     if args.name:
         payload["name"] = args.name
     write_profile(args.output, payload)
     against = "" if model.probe_ratio == 1.0 else f" (the probe read {model.probe_ratio:.3f}x during the fit)"
+    scale = (f"scaled by {factor:.3f}" if prefill is None else
+             f"its decode-only steps scaled by {factor:.3f}, those with a prompt chunk by {prefill:.3f}")
     print(f"speed probe: steps took {probe.step_s:.2f} s, {probe.ratio:.3f}x what {model.name!r} predicts"
-          f"{against}; wrote it scaled by {factor:.3f} to {args.output}")
+          f"{against}; wrote it {scale} to {args.output}")
     return 0
 
 

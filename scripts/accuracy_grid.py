@@ -14,7 +14,8 @@ experiment. Every real run also records its steps, whose predicted time against 
 measured time is the run's speed ratio (the machine's drift since the fit), and the
 hypervisor's steal share. A speed probe (the same few seconds of fixed work) runs
 before the first real run and after each one; every experiment is also simulated with
-the profile scaled by its runs' probe ratio, re-anchored to the machine's current speed
+the profile scaled by its runs' probe ratios (decode-only steps and steps with a prompt
+chunk apart), re-anchored to the machine's current speed
 (``--no-probe`` skips it). Results are saved after every real run; ``--resume`` keeps the finished
 ones. ``--write-docs`` puts the tables into docs/simulator-accuracy.md (between its
 ``accuracy_grid`` markers). Nothing else should run on the machine meanwhile.
@@ -83,9 +84,13 @@ def render(data: dict[str, Any]) -> str:
                              "their own ratios apart" if at_kind else "") + "."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
+        d, p = o.get("probe_ratio_decode"), o.get("probe_ratio_prefill")
+        kinds = (f" (its decode-only steps {d['min']:.2f}-{d['max']:.2f}x, its steps with a prompt chunk "
+                 f"{p['min']:.2f}-{p['max']:.2f}x)" if d and p else "")
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "
-                  f"(mean {r['mean']:.2f}x) as slow as during the fit; the middle column simulates each "
-                  "experiment with the profile scaled by its runs' probe ratio."]
+                  f"(mean {r['mean']:.2f}x) as slow as during the fit{kinds}; the middle column simulates each "
+                  "experiment with the profile scaled by its runs' probe "
+                  + ("ratios, each kind of step by its own." if kinds else "ratio.")]
     lines += ["", f"Outside the bound (15% or twice the real runs' spread), profile as fitted: "
               f"{', '.join(o['outside_bound']) or 'none'}."]
     if "outside_bound_anchored" in o and o.get("probe_ratio"):

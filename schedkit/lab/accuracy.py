@@ -51,7 +51,7 @@ from schedkit.config import (
 )
 from schedkit.config.base import StrictModel
 from schedkit.errors import ConfigError
-from schedkit.lab.calibrate import probe_workload
+from schedkit.lab.calibrate import probe_ratios_by_kind, probe_workload
 from schedkit.lab.cost_fit import StepRecord
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.workloads import WorkloadRequest, generate
@@ -352,7 +352,7 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     real_s = sum(statistics.fmean(r["real_wall_s"]) for r in results.values())
     spans = {}
     for name in ("real_speed_ratio", "real_speed_ratio_decode", "real_speed_ratio_prefill", "real_probe_ratio",
-                 "real_steal"):
+                 "real_probe_ratio_decode", "real_probe_ratio_prefill", "real_steal"):
         values = _values(results, name)
         spans[name] = ({"min": min(values), "mean": statistics.fmean(values), "max": max(values)}
                        if values else None)
@@ -366,6 +366,8 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             "speed_ratio": spans["real_speed_ratio"], "probe_ratio": spans["real_probe_ratio"],
             "speed_ratio_decode": spans["real_speed_ratio_decode"],
             "speed_ratio_prefill": spans["real_speed_ratio_prefill"],
+            "probe_ratio_decode": spans["real_probe_ratio_decode"],
+            "probe_ratio_prefill": spans["real_probe_ratio_prefill"],
             "steal": spans["real_steal"]}
 
 
@@ -477,12 +479,28 @@ class ProbeReading:
     step_s: float
     """The probe's measured step time per run (seconds)."""
     steal: float | None
+    decode_ratio: float = math.nan
+    """:attr:`ratio` of the probe's decode-only steps alone."""
+    prefill_ratio: float = math.nan
+    """:attr:`ratio` of the probe's steps with a prompt chunk alone."""
 
     def speed(self, model: CostModel) -> float:
         """The machine's speed against the one ``model`` was fitted on (2: twice as
         slow): the ratio read against the probe's ratio during the fit
         (:attr:`CostModel.probe_ratio`), which holds the model's bias on these few steps."""
         return self.ratio / model.probe_ratio
+
+    def speeds(self, model: CostModel) -> tuple[float, float | None]:
+        """:meth:`speed` of the decode-only steps and of those with a prompt chunk apart,
+        each against the same kind's probe during the fit: a neighbour slows
+        memory-bound decodes and compute-bound prefills by different amounts. The
+        second is None where the profile or this reading lacks a kind (then the first
+        is :meth:`speed`)."""
+        fit_decode, fit_prefill = model.probe_ratio_decode, model.probe_ratio_prefill
+        if (fit_decode is None or fit_prefill is None
+                or not (math.isfinite(self.decode_ratio) and math.isfinite(self.prefill_ratio))):
+            return self.speed(model), None
+        return self.decode_ratio / fit_decode, self.prefill_ratio / fit_prefill
 
 
 def speed_probe(config: Config, model: CostModel, runs: int = 1) -> ProbeReading:
@@ -501,18 +519,22 @@ def speed_probe(config: Config, model: CostModel, runs: int = 1) -> ProbeReading
     if not predicted_s > 0:
         raise ConfigError("the speed probe recorded no step to compare with the profile")
     steals = [o.steal for o in outs if o.steal is not None]
-    return ProbeReading(step_s / predicted_s, step_s / runs, statistics.fmean(steals) if steals else None)
+    decode, prefill = probe_ratios_by_kind([r for o in outs for r in o.records], model)
+    return ProbeReading(step_s / predicted_s, step_s / runs, statistics.fmean(steals) if steals else None,
+                        decode, prefill)
 
 
-def probe_speed(grid: Grid, model: CostModel) -> float:
-    """Run the speed probe (:func:`speed_probe`) on the grid's real runner and return
-    the machine's speed against the fit (:meth:`ProbeReading.speed`).
+def probe_speed(grid: Grid, model: CostModel) -> tuple[float, float, float | None]:
+    """Run the speed probe (:func:`speed_probe`) on the grid's real runner: the
+    machine's speed against the fit (:meth:`ProbeReading.speed`), then its decode-only
+    and prompt-chunk speeds (:meth:`ProbeReading.speeds`).
 
     The probe is the same few seconds of work whatever the experiment, so its ratio
     follows the machine's speed (a VM's drift over an hour) and nothing of the
     experiment's own steps: a profile scaled by it is re-anchored to the machine as it
     runs now, without borrowing any measurement from the run it predicts."""
-    return speed_probe(grid.base, model).speed(model)
+    reading = speed_probe(grid.base, model)
+    return (reading.speed(model), *reading.speeds(model))
 
 
 def capacity(grid: Grid, workload: Sequence[WorkloadRequest], shape: str) -> float:
@@ -553,11 +575,13 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     drift that slows the two kinds by different amounts.
 
     With ``probe``, the speed probe (:func:`probe_speed`) runs before the first real run
-    and after every one; each run's *probe ratio* is the mean of the probes around it,
-    and every experiment is simulated with the profile scaled by its runs' mean probe
-    ratio too (``sim_anchored``): the profile re-anchored to the machine's current speed
-    by a measurement independent of the experiment, the figure a user gets by probing
-    before simulating.
+    and after every one; each run's *probe ratios* (overall, decode-only steps, steps
+    with a prompt chunk) are the means of the probes around it, and every experiment is
+    simulated with the profile's two kinds of step scaled by its runs' mean probe
+    ratios too (``sim_anchored``; by the overall ratio where the profile recorded no
+    probe per kind): the profile re-anchored to the machine's current speed by a
+    measurement independent of the experiment, the figure a user gets by probing before
+    simulating (``schedkit calibrate --rescale``).
 
     ``save_steps`` is called with each real run's experiment key, pass and recorded
     steps (to judge a changed cost model against them later)."""
@@ -585,7 +609,7 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
         out = run_once(grid.shape_config(e.shape, e.policy, simulated=True), reqs)
         r["sim"], r["sim_wall_s"] = run_metrics(out.metrics), out.wall_s
     repeats = grid.config.repeats
-    last_probe: float | None = None
+    last_probe: tuple[float, float, float | None] | None = None
     for rep in range(repeats):
         for i, e in enumerate(experiments):
             r = results[e.key]
@@ -606,8 +630,15 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
             note = ""
             if probe and last_probe is not None:
                 after = probe_speed(grid, model)
-                r.setdefault("real_probe_ratio", []).append(statistics.fmean((last_probe, after)))
-                note, last_probe = f", probe {r['real_probe_ratio'][-1]:.2f}x", after
+                r.setdefault("real_probe_ratio", []).append(statistics.fmean((last_probe[0], after[0])))
+                note = f", probe {r['real_probe_ratio'][-1]:.2f}x"
+                if last_probe[2] is not None and after[2] is not None:
+                    probe_decode = statistics.fmean((last_probe[1], after[1]))
+                    probe_prefill = statistics.fmean((last_probe[2], after[2]))
+                    r.setdefault("real_probe_ratio_decode", []).append(probe_decode)
+                    r.setdefault("real_probe_ratio_prefill", []).append(probe_prefill)
+                    note += f" (decode-only {probe_decode:.2f}x, with a prompt chunk {probe_prefill:.2f}x)"
+                last_probe = after
             steal = "" if out.steal is None else f", steal {100 * out.steal:.1f}%"
             say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {out.wall_s:.1f} s, "
                 f"steps {out.speed_ratio:.2f}x the profile's (decode-only {by_kind['decode']:.2f}x, "
@@ -617,15 +648,20 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     for e in experiments:
         r = results[e.key]
         r["compare"] = compare_runs(r["real_runs"], r["sim"])
-        for ratios_key, name in (("real_probe_ratio", "anchored"), ("real_speed_ratio", "at_run_speed")):
-            ratio = _mean_ratio(r, ratios_key)
-            if ratio is not None:
-                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, ratio)
-                r[f"compare_{name}"] = compare_runs(r["real_runs"], r[f"sim_{name}"])
-        decode, prefill = _mean_ratio(r, "real_speed_ratio_decode"), _mean_ratio(r, "real_speed_ratio_prefill")
-        if decode is not None and prefill is not None:
-            r["sim_at_kind_speed"] = _simulate_scaled(grid, e, requests[e.key], model, decode, prefill)
-            r["compare_at_kind_speed"] = compare_runs(r["real_runs"], r["sim_at_kind_speed"])
+        for prefix, name in (("real_probe_ratio", "anchored"), ("real_speed_ratio", "at_kind_speed")):
+            kind_decode, kind_prefill = _mean_ratio(r, f"{prefix}_decode"), _mean_ratio(r, f"{prefix}_prefill")
+            one = _mean_ratio(r, prefix)
+            if kind_decode is not None and kind_prefill is not None:  # each kind of step by its own ratio
+                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, kind_decode, kind_prefill)
+            elif one is not None and name == "anchored":  # a stored run's probe read as one
+                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, one)
+            else:
+                continue
+            r[f"compare_{name}"] = compare_runs(r["real_runs"], r[f"sim_{name}"])
+        ratio = _mean_ratio(r, "real_speed_ratio")
+        if ratio is not None:
+            r["sim_at_run_speed"] = _simulate_scaled(grid, e, requests[e.key], model, ratio)
+            r["compare_at_run_speed"] = compare_runs(r["real_runs"], r["sim_at_run_speed"])
     return results
 
 

@@ -43,7 +43,7 @@ from schedkit.runners.cost_model import CostModel
 from schedkit.runners.machine import cpu_times, steal_share
 from schedkit.runners.simulated import SimulatedRunner
 
-__all__ = ["Calibration", "Phase", "PhaseReport", "calibrate", "estimate_s", "grid_phases",
+__all__ = ["Calibration", "Phase", "PhaseReport", "calibrate", "estimate_s", "grid_phases", "probe_ratios_by_kind",
            "record_steps", "sampling_phases", "swap_config"]
 
 GRAMMAR = {"regex": "[a-z ,.]{4,400}"}
@@ -78,6 +78,10 @@ class Calibration:
     """The speed probe's measured over predicted step time, over the probes run between
     the calibration's passes (the profile's ``speed_probe.ratio``); None: none ran."""
     num_probes: int = 0
+    probe_ratio_decode: float | None = None
+    """:attr:`probe_ratio` of the probes' decode-only steps alone."""
+    probe_ratio_prefill: float | None = None
+    """:attr:`probe_ratio` of the probes' steps with a prompt chunk alone."""
 
 
 PROBE_PROMPT_LENS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -97,6 +101,14 @@ def probe_ratio(records: Sequence[StepRecord], model: CostModel) -> float:
     """Measured over ``model``'s predicted time of ``records`` (nan if none)."""
     predicted = sum(model.step_time(f) for f, _ in records)
     return sum(d for _, d in records) / predicted if predicted > 0 else math.nan
+
+
+def probe_ratios_by_kind(records: Sequence[StepRecord], model: CostModel) -> tuple[float, float]:
+    """:func:`probe_ratio` of the decode-only steps and of the steps with a prompt chunk
+    apart (nan for a kind with no step)."""
+    decode = [r for r in records if not r[0].is_prefill_step]
+    prefill = [r for r in records if r[0].is_prefill_step]
+    return probe_ratio(decode, model), probe_ratio(prefill, model)
 
 
 # -- phases -------------------------------------------------------------------------------
@@ -345,9 +357,11 @@ def calibrate(config: Config, *, budget_s: float = 600.0, workload: list[Workloa
     records += _run_swap(config, build, clock.end - fit_reserve, note)
     model = fit(records, attention_workers=workers)
     probed = [records[i] for a, b in probe_spans for i in range(a, b)]
+    decode, prefill = probe_ratios_by_kind(probed, model)
     return Calibration(records, model, residuals(records, model), reports, time.monotonic() - clock.start,
                        budget_s, device_name, steal_share(cpu_before, cpu_times()),
-                       probe_ratio(probed, model) if probed else None, len(probe_spans))
+                       probe_ratio(probed, model) if probed else None, len(probe_spans),
+                       decode if math.isfinite(decode) else None, prefill if math.isfinite(prefill) else None)
 
 
 def _run_grid(session: Session, config: Config, deadline: float, is_virtual: bool,

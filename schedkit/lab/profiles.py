@@ -80,7 +80,9 @@ def profile_payload(name: str, calibration: Calibration, config: Config, config_
         "coefficients": model.coefficients,
         "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s},
         **_workers(model),
-        **({"speed_probe": {"ratio": calibration.probe_ratio, "runs": calibration.num_probes}}
+        **({"speed_probe": {"ratio": calibration.probe_ratio, "runs": calibration.num_probes,
+                            **{k: v for k, v in (("decode", calibration.probe_ratio_decode),
+                                                 ("prefill", calibration.probe_ratio_prefill)) if v is not None}}}
            if calibration.probe_ratio is not None else {}),
     }
 
@@ -97,19 +99,24 @@ def _workers(model: CostModel) -> dict[str, int]:
 
 
 def rescaled_payload(source: str, ratio: float, probe_s: float, config_path: str,
-                     steal: float | None = None) -> dict[str, Any]:
+                     steal: float | None = None, prefill_ratio: float | None = None) -> dict[str, Any]:
     """Profile ``source`` (a name or a path) with every duration multiplied by ``ratio``
-    (the speed probe's measured over predicted step time), recording the rescale: the
-    same shape, re-anchored to the machine's speed now."""
+    (the speed probe's measured over predicted step time), the steps with a prompt
+    chunk by ``prefill_ratio`` where given (the profile's ``prefill_scale``), recording
+    the rescale: the same shape, re-anchored to the machine's speed now."""
     path = profile_path(source)
     data = json.loads(path.read_text())
-    model = CostModel.from_profile(data, default_name=path.stem).scaled(ratio)
+    model = CostModel.from_profile(data, default_name=path.stem).scaled(ratio, prefill_ratio)
     data["coefficients"] = model.coefficients
+    if model.prefill_scale != 1.0:
+        data["prefill_scale"] = model.prefill_scale
     data["decode_batch_residual_s"] = {str(b): t for b, t in model.decode_batch_residual_s}
     if data.get("kv_transfer"):
         scaled = {"latency_s": model.kv_transfer_latency_s, "per_block_s": model.per_block_transfer_s}
         data["kv_transfer"] = {**data["kv_transfer"], **{k: v for k, v in scaled.items() if v is not None}}
-    data["rescaled"] = {"from": str(source), "ratio": ratio, "probe_step_s": probe_s, "config": config_path,
+    data["rescaled"] = {"from": str(source), "ratio": ratio, **({} if prefill_ratio is None else
+                                                                {"prefill_ratio": prefill_ratio}),
+                        "probe_step_s": probe_s, "config": config_path,
                         "date": time.strftime("%Y-%m-%d %H:%M"), "steal_share": steal}
     return data
 

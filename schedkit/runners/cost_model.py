@@ -160,6 +160,12 @@ class CostModel:
     step time during the fit (run before each of its passes), the model's own bias on
     the probe's few steps. A later probe reads the machine's speed against it (1: not
     recorded)."""
+    probe_ratio_decode: float | None = None
+    """The profile's ``speed_probe.decode``: :attr:`probe_ratio` of the probe's
+    decode-only steps alone (None: not recorded)."""
+    probe_ratio_prefill: float | None = None
+    """The profile's ``speed_probe.prefill``: :attr:`probe_ratio` of the probe's steps
+    with a prompt chunk alone (None: not recorded)."""
 
     @classmethod
     def load(cls, name_or_path: str) -> CostModel:
@@ -206,15 +212,18 @@ class CostModel:
         workers = data.get("attention_workers") or 0
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"attention_workers must be an integer >= 0, got {workers!r}")
-        probe = (data.get("speed_probe") or {}).get("ratio", 1.0)
-        if isinstance(probe, bool) or not isinstance(probe, (int, float)) or not probe > 0:
-            raise ValueError(f"speed_probe.ratio must be a number > 0, got {probe!r}")
+        probe_data = data.get("speed_probe") or {}
+        probe = _ratio("speed_probe.ratio", probe_data.get("ratio", 1.0))
+        probe_decode, probe_prefill = (None if probe_data.get(k) is None else _ratio(f"speed_probe.{k}", probe_data[k])
+                                       for k in ("decode", "prefill"))
+        prefill_scale = _ratio("prefill_scale", data.get("prefill_scale", 1.0))
         values = {k: float(coef[k]) for k in FEATURES if k in coef}
         # Fitted before shared reads were told apart: they cost what any read costs.
         values.setdefault("per_shared_context_token_s", values["per_context_token_s"])
         return cls(**values,
                    decode_batch_residual_s=table, name=str(data.get("name", default_name)),
-                   attention_workers=workers, probe_ratio=float(probe),
+                   attention_workers=workers, probe_ratio=probe, probe_ratio_decode=probe_decode,
+                   probe_ratio_prefill=probe_prefill, prefill_scale=prefill_scale,
                    fitted_async_scheduling=None if is_async is None else bool(is_async),
                    kv_transfer_latency_s=None if latency is None else _seconds("kv_transfer.latency_s", latency),
                    per_block_transfer_s=None if per_block is None else _seconds("kv_transfer.per_block_s",
@@ -309,6 +318,13 @@ def _seconds(key: str, value: Any) -> float:
     """A profile's duration: a finite number >= 0 (ValueError naming ``key`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{key} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _ratio(key: str, value: Any) -> float:
+    """A profile's ratio: a finite number > 0 (ValueError naming ``key`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{key} must be a number > 0, got {value!r}")
     return float(value)
 
 

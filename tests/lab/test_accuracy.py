@@ -180,6 +180,35 @@ def test_a_different_cost_model_shows_as_error(tmp_path):
     assert o["mape_anchored"]["e2e_mean_s"] < o["mape"]["e2e_mean_s"] / 2
 
 
+def test_the_probe_reanchors_decodes_and_prefills_each_by_its_own_ratio(tmp_path):
+    # A profile that predicts decode-only steps twice and prompt chunks four times as
+    # fast as the 'real' runner (the simulator on cpu-tiny-llama) runs them, and whose
+    # probe read 1.00x of each kind during its fit: the probe reads the two kinds apart,
+    # and re-anchored by both the profile is the real runner's own.
+    from schedkit.lab.profiles import minimal_payload, write_profile
+    from schedkit.runners.cost_model import CostModel
+
+    truth = CostModel.load("cpu-tiny-llama")
+    fast = tmp_path / "fast.json"
+    write_profile(fast, {**minimal_payload("fast", truth.scaled(0.5, 0.25), "test"),
+                         "prefill_scale": 0.5, "speed_probe": {"ratio": 1.0, "decode": 1.0, "prefill": 1.0}})
+    model = CostModel.load(str(fast))
+    assert (model.probe_ratio_decode, model.probe_ratio_prefill, model.prefill_scale) == (1.0, 1.0, 0.5)
+    grid = load_grid(write_grid(tmp_path, profile=str(fast)))
+    results = run_grid(grid, grid.experiments(reduced=True))
+    for r in results.values():
+        assert r["real_probe_ratio_decode"] == [pytest.approx(2.0)] * 2
+        assert r["real_probe_ratio_prefill"] == [pytest.approx(4.0)] * 2
+        assert r["real_speed_ratio_decode"] == [pytest.approx(2.0)] * 2
+        assert r["sim_anchored"] == pytest.approx(r["sim_at_kind_speed"])
+        assert all(c["error"] == pytest.approx(0, abs=1e-9) for c in r["compare_anchored"].values())
+        assert r["compare"]["ttft_p50_s"]["error"] > 0.3
+        # One ratio over both kinds of step cannot hold both.
+        assert r["compare_at_run_speed"]["ttft_p50_s"]["error"] > 0.01
+    o = overall(results)
+    assert o["probe_ratio_prefill"]["min"] == pytest.approx(4.0)
+
+
 def test_resuming_keeps_the_finished_real_runs(tmp_path):
     grid = load_grid(write_grid(tmp_path))
     exps = grid.experiments(reduced=True)

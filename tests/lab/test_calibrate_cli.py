@@ -56,6 +56,8 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     assert set(data["coefficients"]) == set(FEATURES)
     # The probe during the fit: the simulator runs just as its fitted profile says.
     assert data["speed_probe"]["ratio"] == pytest.approx(1.0, rel=1e-3) and data["speed_probe"]["runs"] >= 1
+    assert data["speed_probe"]["decode"] == pytest.approx(1.0, rel=1e-3)
+    assert data["speed_probe"]["prefill"] == pytest.approx(1.0, rel=1e-3)
     assert phases["probe-0"]["status"] == "ran"
 
     with warnings.catch_warnings():
@@ -160,3 +162,29 @@ def test_rescale_reads_the_probe_against_the_one_after_the_fit(tmp_path, capsys)
     write_profile(bad, {**minimal_payload("bad", truth, "test"), "speed_probe": {"ratio": 0}})
     assert main(["calibrate", str(cfg), "--rescale", str(bad), "-o", str(out)]) == 2
     assert "speed_probe.ratio" in capsys.readouterr().err
+
+
+def test_rescale_reads_decodes_and_prefills_apart(tmp_path, capsys):
+    # A profile twice as fast as the machine on every step, whose probe read its
+    # prompt-chunk steps 2.00x during the fit (its bias there) and its decodes 1.00x:
+    # now the probe reads 2x on both, so decodes moved by 2 and prefills not at all.
+    from schedkit.lab.profiles import minimal_payload, write_profile
+
+    cfg = _config(tmp_path, {"kind": "simulated", "profile": "h200-qwen2.5-0.5b-handset"})
+    truth = CostModel.load("h200-qwen2.5-0.5b-handset")
+    fast = tmp_path / "fast.json"
+    write_profile(fast, {**minimal_payload("fast", truth.scaled(0.5), "test"),
+                         "speed_probe": {"ratio": 1.5, "decode": 1.0, "prefill": 2.0}})
+    out = tmp_path / "rescaled.json"
+    assert main(["calibrate", str(cfg), "--rescale", str(fast), "-o", str(out)]) == 0
+    assert "decode-only steps scaled by 2.000, those with a prompt chunk by 1.000" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["rescaled"]["ratio"] == pytest.approx(2.0) and data["rescaled"]["prefill_ratio"] == pytest.approx(1.0)
+    model = CostModel.load(str(out))
+    assert model.per_token_s == pytest.approx(truth.per_token_s, rel=1e-9)
+    assert model.prefill_scale == pytest.approx(0.5) == data["prefill_scale"]
+    for bad in ({"speed_probe": {"ratio": 1.0, "prefill": -1}}, {"prefill_scale": "fast"}):
+        path = tmp_path / "bad.json"
+        write_profile(path, {**minimal_payload("bad", truth, "test"), **bad})
+        assert main(["calibrate", str(cfg), "--rescale", str(path), "-o", str(out)]) == 2
+        assert next(iter(bad)) in capsys.readouterr().err

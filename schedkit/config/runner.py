@@ -76,7 +76,8 @@ class SimulatedRunnerConfig(_RunnerBase):
 
 class DraftModelConfig(StrictModel):
     """The draft model of ``speculative_method: draft_model``: a smaller model sharing the
-    target's tokenizer (its vocabulary must match)."""
+    target's tokenizer (its vocabulary must match, or its folder carry the target's
+    tokenizer files where its embedding is padded to another size)."""
 
     name: str | None = Field(default=None, min_length=1)
     """The draft's weights, as ``model.name`` takes them (a built-in name or a folder of

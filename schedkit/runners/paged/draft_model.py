@@ -47,12 +47,21 @@ class DraftModel:
         attention_backend: The target's resolved attention backend.
         kv_dtype: The target's KV cache dtype.
         max_tokens: Most tokens one catch-up pass runs (the step's token budget).
+        target_vocab_size: The target's vocabulary (None: the draft's). Where the two
+            are padded to different sizes, the draft proposes only tokens both embed,
+            and reads a target token past its own vocabulary as token 0 (the target
+            verifies every draft, so this costs acceptance, never exactness).
     """
 
-    def __init__(self, model: CausalLM, attention_backend: str, kv_dtype: torch.dtype, max_tokens: int) -> None:
+    def __init__(self, model: CausalLM, attention_backend: str, kv_dtype: torch.dtype, max_tokens: int,
+                 target_vocab_size: int | None = None) -> None:
         self.model = model
         self.max_tokens = max_tokens
         self.args: ModelArgs = model.args
+        self.vocab_size = min(self.args.vocab_size, target_vocab_size or self.args.vocab_size)
+        """Token ids below this are drafted."""
+        self._reads_past_vocab = self.args.vocab_size < (target_vocab_size or 0)
+        """The target may produce tokens the draft does not embed."""
         self.device = next(model.parameters()).device
         self.attention_backend = attention_backend
         self.kv_dtype = kv_dtype
@@ -126,11 +135,16 @@ class DraftModel:
         next token after the last position of each span marked in ``sample``."""
         inputs = pack_spans(ib, spans, sample)
         input_ids, pos, meta = device_inputs(inputs, self.device, self.attention_backend, self.args.num_kv_heads)
+        if self._reads_past_vocab:
+            input_ids = torch.where(input_ids < self.args.vocab_size, input_ids, 0)
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
         if not len(inputs.logits_indices):
             return []
         idx = torch.from_numpy(inputs.logits_indices).to(self.device)
-        return self.model.compute_logits(hidden[idx]).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden[idx])
+        if self.vocab_size < self.args.vocab_size:
+            logits = logits[:, :self.vocab_size]
+        return logits.argmax(dim=-1).tolist()
 
 
 def next_draft_spans(ib: InputBatch, wanted: Mapping[str, int], drafts: Mapping[str, list[int]], i: int,

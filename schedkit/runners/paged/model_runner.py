@@ -25,6 +25,7 @@ device without a host sync. Other rows are untouched.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -170,7 +171,7 @@ class PagedModelRunner:
             self.draft = EagleDrafter(draft_model, model, self.attention_backend, self.kv_dtype)
         elif draft_model is not None:
             self.draft = DraftModel(draft_model, self.attention_backend, self.kv_dtype,
-                                    options.max_num_batched_tokens)
+                                    options.max_num_batched_tokens, target_vocab_size=model.args.vocab_size)
         self.input_batch: InputBatch | None = None
         self.sampler = Sampler(self.device, options.seed)
         self.graphs: Any = None
@@ -771,6 +772,11 @@ def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> Caus
     """The draft model ``config.runner.draft_model`` names (the target's own weights
     when it names none), on the target's device and dtype.
 
+    A draft whose embedding is padded to another size than the target's (Qwen2.5-0.5B's
+    151,936 rows against Qwen2.5-7B's 152,064, one tokenizer) is accepted when its
+    folder carries the very tokenizer files the target uses: it drafts from the
+    vocabulary both cover (:class:`~schedkit.runners.paged.draft_model.DraftModel`).
+
     Raises:
         ConfigError: The draft cannot be loaded, keeps more layers than it has, or its
             vocabulary is not the target's (it must share the tokenizer).
@@ -782,8 +788,14 @@ def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> Caus
     path = resolve_model_path(name, seed)
     args = read_model_args(path)
     if args.vocab_size != target.vocab_size:
-        raise ConfigError(f"runner.draft_model.name = {name!r}: its vocabulary has {args.vocab_size} tokens, "
-                          f"the target's {target.vocab_size}; a draft model must share the target's tokenizer")
+        target_tokenizer = Path(config.model.tokenizer or resolve_model_path(config.model.name, config.model.seed))
+        ours = tokenizer_fingerprint(target_tokenizer)
+        if ours is None or ours != tokenizer_fingerprint(path):
+            raise ConfigError(
+                f"runner.draft_model.name = {name!r}: its vocabulary has {args.vocab_size} tokens, the "
+                f"target's {target.vocab_size}, and its folder does not carry the target's tokenizer files "
+                f"({', '.join(TOKENIZER_FILES)}, as in {str(target_tokenizer)!r}); a draft model must share the "
+                "target's tokenizer (one padded to another size is accepted with the same tokenizer files)")
     layers = dm.num_layers if dm is not None else None
     if layers is not None and layers > args.num_layers:
         raise ConfigError(f"runner.draft_model.num_layers = {layers}: {name!r} has only {args.num_layers} layers")
@@ -792,6 +804,21 @@ def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> Caus
     if rc.device == "cpu":
         prepare_cpu_model(model, cpu_compute_dtype(dtype, rc.compute_dtype))
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+"""The files whose bytes say which tokenizer a model folder holds."""
+
+
+def tokenizer_fingerprint(folder: Path) -> str | None:
+    """A digest of the tokenizer files in ``folder`` (None: it holds none)."""
+    digest, found = hashlib.sha256(), False
+    for name in TOKENIZER_FILES:
+        f = folder / name
+        if f.is_file():
+            found = True
+            digest.update(name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest() if found else None
 
 
 def load_eagle(config: Any, target: ModelArgs, dtype: torch.dtype) -> EagleHead:

@@ -260,3 +260,51 @@ def test_smollm2_drafting_for_itself_keeps_its_greedy_output(draft: dict[str, An
         assert accepted == drafts
     else:
         assert accepted < drafts
+
+
+def _resized_copy(src: Path, dst: Path, vocab_size: int, tokenizer: bytes) -> Path:
+    """``src``'s model with its embedding and output rows cut or zero-padded to
+    ``vocab_size`` (as model families pad to another multiple), and ``tokenizer`` as
+    its tokenizer.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    old = cfg["vocab_size"]
+    cfg["vocab_size"] = vocab_size
+    (dst / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(src / "model.safetensors")
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = sd[key][:vocab_size]
+        sd[key] = torch.cat([w, w.new_zeros(vocab_size - old, w.shape[1])]) if vocab_size > old else w.contiguous()
+    save_file(sd, dst / "model.safetensors")
+    (dst / "tokenizer.json").write_bytes(tokenizer)
+    return dst
+
+
+@pytest.mark.parametrize("draft_vocab", [640, 448], ids=["padded-past", "cut-short"])
+def test_a_draft_padded_to_another_vocabulary_size_keeps_the_output(model_dir: Any, tmp_path: Path,
+                                                                    draft_vocab: int) -> None:
+    """The target's own weights as a draft whose vocabulary is padded to 640 rows (drafts
+    come from the 512 both embed: every one accepted) or cut to 448 (a target token past
+    them is read as 0: fewer accepted, output unchanged), with the target's tokenizer
+    files; with another tokenizer the draft is refused."""
+    tok = b'{"model": {"type": "WordLevel"}}'
+    target = _resized_copy(model_dir("llama"), tmp_path / "target", 512, tok)
+    draft = _resized_copy(target, tmp_path / "draft", draft_vocab, tok)
+    expected = run_engine(EngineCore(paged_config(target)), _requests())
+    engine = _draft_engine(target, {"name": str(draft)})
+    _checked(engine)
+    reqs = _requests()
+    assert run_engine(engine, reqs) == expected
+    assert any(t >= 448 for out in expected.values() for t in out)  # the cut-off tokens do occur
+    accepted, drafted = sum(r.num_accepted_tokens for r in reqs), sum(r.num_draft_tokens for r in reqs)
+    assert drafted > 0
+    assert accepted == drafted if draft_vocab > 512 else 0 < accepted < drafted
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1
+    (draft / "tokenizer.json").write_bytes(b'{"model": {"type": "BPE"}}')
+    with pytest.raises(ConfigError, match="tokenizer files"):
+        _draft_engine(target, {"name": str(draft)})

@@ -483,12 +483,20 @@ class ProbeReading:
     """:attr:`ratio` of the probe's decode-only steps alone."""
     prefill_ratio: float = math.nan
     """:attr:`ratio` of the probe's steps with a prompt chunk alone."""
+    prefill_share: float = math.nan
+    """The steps with a prompt chunk's share of the probe's predicted time."""
 
     def speed(self, model: CostModel) -> float:
         """The machine's speed against the one ``model`` was fitted on (2: twice as
         slow): the ratio read against the probe's ratio during the fit
-        (:attr:`CostModel.probe_ratio`), which holds the model's bias on these few steps."""
-        return self.ratio / model.probe_ratio
+        (:attr:`CostModel.probe_ratio`), which holds the model's bias on these few steps.
+        Where both are read per kind of step, the two kinds' speeds weighed by their
+        share of the probe's predicted time (a profile rescaled per kind keeps its
+        fit's bias per kind, not over both)."""
+        kinds = self._kind_speeds(model)
+        if kinds is None:
+            return self.ratio / model.probe_ratio
+        return (1 - self.prefill_share) * kinds[0] + self.prefill_share * kinds[1]
 
     def speeds(self, model: CostModel) -> tuple[float, float | None]:
         """:meth:`speed` of the decode-only steps and of those with a prompt chunk apart,
@@ -496,10 +504,14 @@ class ProbeReading:
         memory-bound decodes and compute-bound prefills by different amounts. The
         second is None where the profile or this reading lacks a kind (then the first
         is :meth:`speed`)."""
+        kinds = self._kind_speeds(model)
+        return (self.speed(model), None) if kinds is None else kinds
+
+    def _kind_speeds(self, model: CostModel) -> tuple[float, float] | None:
         fit_decode, fit_prefill = model.probe_ratio_decode, model.probe_ratio_prefill
-        if (fit_decode is None or fit_prefill is None
+        if (fit_decode is None or fit_prefill is None or not math.isfinite(self.prefill_share)
                 or not (math.isfinite(self.decode_ratio) and math.isfinite(self.prefill_ratio))):
-            return self.speed(model), None
+            return None
         return self.decode_ratio / fit_decode, self.prefill_ratio / fit_prefill
 
 
@@ -521,7 +533,7 @@ def speed_probe(config: Config, model: CostModel, runs: int = 1) -> ProbeReading
     steals = [o.steal for o in outs if o.steal is not None]
     decode, prefill = probe_ratios_by_kind([r for o in outs for r in o.records], model)
     return ProbeReading(step_s / predicted_s, step_s / runs, statistics.fmean(steals) if steals else None,
-                        decode, prefill)
+                        decode, prefill, sum(o.prefill_predicted_s for o in outs) / predicted_s)
 
 
 def probe_speed(grid: Grid, model: CostModel) -> tuple[float, float, float | None]:
@@ -632,12 +644,13 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
                 after = probe_speed(grid, model)
                 r.setdefault("real_probe_ratio", []).append(statistics.fmean((last_probe[0], after[0])))
                 note = f", probe {r['real_probe_ratio'][-1]:.2f}x"
+                probe_decode = probe_prefill = None  # kept aligned with the runs
                 if last_probe[2] is not None and after[2] is not None:
                     probe_decode = statistics.fmean((last_probe[1], after[1]))
                     probe_prefill = statistics.fmean((last_probe[2], after[2]))
-                    r.setdefault("real_probe_ratio_decode", []).append(probe_decode)
-                    r.setdefault("real_probe_ratio_prefill", []).append(probe_prefill)
                     note += f" (decode-only {probe_decode:.2f}x, with a prompt chunk {probe_prefill:.2f}x)"
+                r.setdefault("real_probe_ratio_decode", []).append(probe_decode)
+                r.setdefault("real_probe_ratio_prefill", []).append(probe_prefill)
                 last_probe = after
             steal = "" if out.steal is None else f", steal {100 * out.steal:.1f}%"
             say(f"real pass {rep + 1}/{repeats}, {i + 1}/{len(experiments)} {e.key}: {out.wall_s:.1f} s, "
@@ -651,9 +664,10 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
         for prefix, name in (("real_probe_ratio", "anchored"), ("real_speed_ratio", "at_kind_speed")):
             kind_decode, kind_prefill = _mean_ratio(r, f"{prefix}_decode"), _mean_ratio(r, f"{prefix}_prefill")
             one = _mean_ratio(r, prefix)
-            if kind_decode is not None and kind_prefill is not None:  # each kind of step by its own ratio
+            if (kind_decode is not None and kind_prefill is not None  # each kind of step by its own ratio
+                    and _every_run_has(r, f"{prefix}_decode") and _every_run_has(r, f"{prefix}_prefill")):
                 r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, kind_decode, kind_prefill)
-            elif one is not None and name == "anchored":  # a stored run's probe read as one
+            elif one is not None and name == "anchored":  # the probe read as one
                 r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, one)
             else:
                 continue
@@ -663,6 +677,13 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
             r["sim_at_run_speed"] = _simulate_scaled(grid, e, requests[e.key], model, ratio)
             r["compare_at_run_speed"] = compare_runs(r["real_runs"], r["sim_at_run_speed"])
     return results
+
+
+def _every_run_has(r: Mapping[str, Any], key: str) -> bool:
+    """Every real run of the experiment recorded a finite ratio under ``key`` (a run
+    resumed from older results, or a probe that read one kind of step only, did not)."""
+    values = r.get(key, ())
+    return len(values) == len(r["real_runs"]) and all(x is not None and math.isfinite(x) for x in values)
 
 
 def _mean_ratio(r: Mapping[str, Any], key: str) -> float | None:

@@ -91,7 +91,11 @@ def minimal_payload(name: str, model: CostModel, description: str) -> dict[str, 
     """A profile with coefficients only (hand-set, or fitted outside a calibration)."""
     return {"name": name, "description": description, "coefficients": model.coefficients,
             "decode_batch_residual_s": {str(b): t for b, t in model.decode_batch_residual_s},
-            **_workers(model)}
+            **_workers(model), **_prefill_scale(model)}
+
+
+def _prefill_scale(model: CostModel) -> dict[str, float]:
+    return {"prefill_scale": model.prefill_scale} if model.prefill_scale != 1.0 else {}
 
 
 def _workers(model: CostModel) -> dict[str, int]:
@@ -108,8 +112,8 @@ def rescaled_payload(source: str, ratio: float, probe_s: float, config_path: str
     data = json.loads(path.read_text())
     model = CostModel.from_profile(data, default_name=path.stem).scaled(ratio, prefill_ratio)
     data["coefficients"] = model.coefficients
-    if model.prefill_scale != 1.0:
-        data["prefill_scale"] = model.prefill_scale
+    data.pop("prefill_scale", None)
+    data.update(_prefill_scale(model))
     data["decode_batch_residual_s"] = {str(b): t for b, t in model.decode_batch_residual_s}
     if data.get("kv_transfer"):
         scaled = {"latency_s": model.kv_transfer_latency_s, "per_block_s": model.per_block_transfer_s}

@@ -172,8 +172,9 @@ async def kill_mid_run(config: Config, n: int, *, stop: Callable[[Any], None],
 
 
 def check_kill_run(run: KillRun, n: int, expected: Callable[[str, int], list[int]]) -> None:
-    """Every request ended exactly once; the killed replica's requests that had no token
-    were served whole by the survivor, those with tokens failed naming the replica.
+    """Every request ended exactly once; the killed replica's requests that failed had
+    tokens and name the replica, the others (no token at the kill: re-routed to the
+    survivor) were served whole.
 
     A stream is classed by how it ended, not by the tokens counted at the kill: a busy
     front end can read a stopped engine's last outputs after the quiet period, so a

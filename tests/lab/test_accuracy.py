@@ -191,7 +191,7 @@ def test_the_probe_reanchors_decodes_and_prefills_each_by_its_own_ratio(tmp_path
     truth = CostModel.load("cpu-tiny-llama")
     fast = tmp_path / "fast.json"
     write_profile(fast, {**minimal_payload("fast", truth.scaled(0.5, 0.25), "test"),
-                         "prefill_scale": 0.5, "speed_probe": {"ratio": 1.0, "decode": 1.0, "prefill": 1.0}})
+                         "speed_probe": {"ratio": 1.0, "decode": 1.0, "prefill": 1.0}})
     model = CostModel.load(str(fast))
     assert (model.probe_ratio_decode, model.probe_ratio_prefill, model.prefill_scale) == (1.0, 1.0, 0.5)
     grid = load_grid(write_grid(tmp_path, profile=str(fast)))
@@ -207,6 +207,11 @@ def test_the_probe_reanchors_decodes_and_prefills_each_by_its_own_ratio(tmp_path
         assert r["compare_at_run_speed"]["ttft_p50_s"]["error"] > 0.01
     o = overall(results)
     assert o["probe_ratio_prefill"]["min"] == pytest.approx(4.0)
+    # Results resumed from a run whose probe read one ratio: that ratio, not a mix.
+    older = {k: {**v, "real_probe_ratio_decode": [], "real_probe_ratio_prefill": []} for k, v in results.items()}
+    again = run_grid(grid, grid.experiments(reduced=True), done=older)
+    for k, r in again.items():
+        assert r["real_probe_ratio_decode"] == [] and r["sim_anchored"] != pytest.approx(results[k]["sim_anchored"])
 
 
 def test_resuming_keeps_the_finished_real_runs(tmp_path):

@@ -779,7 +779,8 @@ def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> Caus
 
     Raises:
         ConfigError: The draft cannot be loaded, keeps more layers than it has, or its
-            vocabulary is not the target's (it must share the tokenizer).
+            vocabulary's size is not the target's and its folder lacks the target's
+            tokenizer files.
     """
     rc = config.runner
     dm = rc.draft_model
@@ -788,8 +789,11 @@ def load_draft_model(config: Any, target: ModelArgs, dtype: torch.dtype) -> Caus
     path = resolve_model_path(name, seed)
     args = read_model_args(path)
     if args.vocab_size != target.vocab_size:
-        target_tokenizer = Path(config.model.tokenizer or resolve_model_path(config.model.name, config.model.seed))
+        target_tokenizer = resolve_model_path(config.model.name, config.model.seed)
         ours = tokenizer_fingerprint(target_tokenizer)
+        if ours is None and config.model.tokenizer is not None and Path(config.model.tokenizer).is_dir():
+            target_tokenizer = Path(config.model.tokenizer)
+            ours = tokenizer_fingerprint(target_tokenizer)
         if ours is None or ours != tokenizer_fingerprint(path):
             raise ConfigError(
                 f"runner.draft_model.name = {name!r}: its vocabulary has {args.vocab_size} tokens, the "
@@ -817,7 +821,8 @@ def tokenizer_fingerprint(folder: Path) -> str | None:
         f = folder / name
         if f.is_file():
             found = True
-            digest.update(name.encode() + b"\0" + f.read_bytes())
+            data = f.read_bytes()
+            digest.update(f"{name}:{len(data)}:".encode() + data)
     return digest.hexdigest() if found else None
 
 

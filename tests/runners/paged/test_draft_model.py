@@ -263,9 +263,9 @@ def test_smollm2_drafting_for_itself_keeps_its_greedy_output(draft: dict[str, An
 
 
 def _resized_copy(src: Path, dst: Path, vocab_size: int, tokenizer: bytes) -> Path:
-    """``src``'s model with its embedding and output rows cut or zero-padded to
-    ``vocab_size`` (as model families pad to another multiple), and ``tokenizer`` as
-    its tokenizer.json."""
+    """``src``'s model with its embedding and output rows cut or padded to ``vocab_size``
+    (as model families pad to another multiple), and ``tokenizer`` as its
+    tokenizer.json."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -276,9 +276,11 @@ def _resized_copy(src: Path, dst: Path, vocab_size: int, tokenizer: bytes) -> Pa
     cfg["vocab_size"] = vocab_size
     (dst / "config.json").write_text(json.dumps(cfg))
     sd = load_file(src / "model.safetensors")
-    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+    for key, pad in (("model.embed_tokens.weight", 0.0), ("lm_head.weight", 10.0)):
         w = sd[key][:vocab_size]
-        sd[key] = torch.cat([w, w.new_zeros(vocab_size - old, w.shape[1])]) if vocab_size > old else w.contiguous()
+        # Output rows past the old vocabulary would win every argmax: only a draft that
+        # cuts its logits to the target's vocabulary proposes tokens the target has.
+        sd[key] = torch.cat([w, pad * w[:vocab_size - old]]) if vocab_size > old else w.contiguous()
     save_file(sd, dst / "model.safetensors")
     (dst / "tokenizer.json").write_bytes(tokenizer)
     return dst

@@ -51,7 +51,7 @@ from schedkit.config import (
 )
 from schedkit.config.base import StrictModel
 from schedkit.errors import ConfigError
-from schedkit.lab.calibrate import probe_ratios_by_kind, probe_workload
+from schedkit.lab.calibrate import probe_workload
 from schedkit.lab.cost_fit import StepRecord
 from schedkit.lab.metrics import RequestMetrics, summarize
 from schedkit.lab.workloads import WorkloadRequest, generate
@@ -531,9 +531,11 @@ def speed_probe(config: Config, model: CostModel, runs: int = 1) -> ProbeReading
     if not predicted_s > 0:
         raise ConfigError("the speed probe recorded no step to compare with the profile")
     steals = [o.steal for o in outs if o.steal is not None]
-    decode, prefill = probe_ratios_by_kind([r for o in outs for r in o.records], model)
-    return ProbeReading(step_s / predicted_s, step_s / runs, statistics.fmean(steals) if steals else None,
-                        decode, prefill, sum(o.prefill_predicted_s for o in outs) / predicted_s)
+    total = RunOutcome([], 0.0, step_s, predicted_s, prefill_step_s=sum(o.prefill_step_s for o in outs),
+                       prefill_predicted_s=sum(o.prefill_predicted_s for o in outs))
+    kinds = total.speed_ratio_by_kind  # the runs' predictions, not computed again
+    return ProbeReading(total.speed_ratio, step_s / runs, statistics.fmean(steals) if steals else None,
+                        kinds["decode"], kinds["prefill"], total.prefill_predicted_s / predicted_s)
 
 
 def probe_speed(grid: Grid, model: CostModel) -> tuple[float, float, float | None]:

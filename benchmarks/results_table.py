@@ -146,15 +146,30 @@ def _structured_table(e: Entry) -> list[str]:
         ("engine steps, schema-heavy output: jump-forward on / off", f"{e['jump_steps_on']} / {e['jump_steps_off']}")])
 
 
+PUBLISHED_SIMULATORS = "BLIS 11.8% / 22.8%, Vidur < 9%"
+"""The errors the peers publish (E2E / TTFT mean absolute percentage error; Vidur one
+bound over its validated points)."""
+
+
 def _sim_row(e: Entry) -> tuple[str, str, str, str]:
-    r = e["rows"]["fcfs ttft p50"]
-    return ("simulator, TTFT p50", f"**{_ms(r['sim'])}** ({r['error']:.1%} off)", f"{_ms(r['real'])} (real runner)",
-            "tiny Llama on CPU, Azure conversation trace")
+    m = e["mape"]
+    return ("simulator's error, E2E mean / TTFT p50", f"**{m['e2e_mean_s']:.1%} / {m['ttft_p50_s']:.1%}**",
+            PUBLISHED_SIMULATORS, f"SmolLM2 on CPU, {e['experiments']} experiments, profile fitted right before")
 
 
 def _sim_table(e: Entry) -> list[str]:
-    return _table(("metric", "real runner", "simulator", "error"),
-                  [(k, _ms(v["real"]), _ms(v["sim"]), f"{v['error']:.1%}") for k, v in e["rows"].items()])
+    names = {"e2e_mean_s": "E2E mean", "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99",
+             "tpot_p50_s": "TPOT p50", "throughput_tok_s": "throughput", "preemptions": "preemptions"}
+    lines = _table(("metric", "mean abs. error, profile as fitted", "noise floor (a perfect simulator's error)",
+                    "at the runs' own speed"),
+                   [(name, f"{e['mape'][k]:.1%}", f"{e['noise_floor'][k]:.1%}", f"{e['mape_at_run_speed'][k]:.1%}")
+                    for k, name in names.items()])
+    r = e["speed_ratio"]
+    lines += ["", f"{e['experiments']} experiments ({e['outside_bound']} outside their bound), fit's mean step "
+              f"error {e['fit_step_error']:.1%}, the real runs' steps {r['min']:.2f}-{r['max']:.2f}x the profile's "
+              f"prediction, rankings' mean Kendall's tau {e['kendall_tau_mean']:.2f}, simulator "
+              f"{e['speedup']:.0f}x faster than real time."]
+    return lines
 
 
 def _cluster_row(e: Entry) -> tuple[str, str, str, str]:

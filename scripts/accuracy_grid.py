@@ -38,6 +38,7 @@ from schedkit.lab.accuracy import (
     HEADLINE,
     METRICS,
     load_grid,
+    mean_noise_floor,
     overall,
     rankings,
     run_grid,
@@ -68,19 +69,25 @@ def render(data: dict[str, Any]) -> str:
              f"{o['experiments']} experiments, real runner {data['repeats']} runs each; "
              f"wall {data['wall_s'] / 60:.1f} min; simulator {o['speedup']:.0f}x faster than real time."
              + _fitted(data.get("calibrated")), "",
-             "| metric | mean abs. % error, profile as fitted | re-anchored by the speed probe "
-             "| at the runs' own speed |" + (" at each step kind's own speed |" if at_kind else ""),
-             "|---|---|---|---|" + ("---|" if at_kind else "")]
+             "| metric | mean abs. % error, profile as fitted | noise floor (a perfect simulator's error) "
+             "| re-anchored by the speed probe | at the runs' own speed |"
+             + (" at each step kind's own speed |" if at_kind else ""),
+             "|---|---|---|---|---|" + ("---|" if at_kind else "")]
     anchored, at_speed = o.get("mape_anchored") or {}, o.get("mape_at_run_speed") or {}
-    lines += [f"| {m} | {_pct(o['mape'][m])} | {_pct(anchored.get(m, math.nan))} "
+    floor = mean_noise_floor(results)  # also for results written before the floor was kept
+    lines += [f"| {m} | {_pct(o['mape'][m])} | {_pct(floor[m])} | {_pct(anchored.get(m, math.nan))} "
               f"| {_pct(at_speed.get(m, math.nan))} |" + (f" {_pct(at_kind[m])} |" if at_kind else "")
               for m in METRICS]
+    lines += ["", "The noise floor is the error a simulator exact to each experiment's expected value "
+              f"would still be expected to show against the mean of its {data['repeats']} real runs, "
+              "estimated from their spread: no simulator that has not seen the runs is expected to do better, "
+              "so an error near it is the machine's noise, not the model's."]
     if o.get("speed_ratio"):
         r = o["speed_ratio"]
         lines += ["", f"The real runs' steps took {r['min']:.2f}-{r['max']:.2f}x (mean {r['mean']:.2f}x) what "
                   "the profile predicts for those very steps" + _by_kind(o) + _steal(o.get("steal"))
-                  + "; the fourth column simulates each experiment with the profile scaled by its runs' own "
-                  "ratio" + (", the fifth with its decode-only steps and those with a prompt chunk scaled by "
+                  + "; the column at the runs' own speed simulates each experiment with the profile scaled by its "
+                  "runs' own ratio" + (", the last with its decode-only steps and those with a prompt chunk scaled by "
                              "their own ratios apart" if at_kind else "") + "."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
@@ -88,7 +95,7 @@ def render(data: dict[str, Any]) -> str:
         kinds = (f" (its decode-only steps {d['min']:.2f}-{d['max']:.2f}x, its steps with a prompt chunk "
                  f"{p['min']:.2f}-{p['max']:.2f}x)" if d and p else "")
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "
-                  f"(mean {r['mean']:.2f}x) as slow as during the fit{kinds}; the middle column simulates each "
+                  f"(mean {r['mean']:.2f}x) as slow as during the fit{kinds}; the re-anchored column simulates each "
                   "experiment with the profile scaled by its runs' probe "
                   + ("ratios, each kind of step by its own." if kinds else "ratio.")]
     lines += ["", f"Outside the bound (15% or twice the real runs' spread), profile as fitted: "

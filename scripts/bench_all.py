@@ -174,11 +174,21 @@ def run_structured(ctx: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_simulator(ctx: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "sim.json"
-        sh([PY, "scripts/validate_simulator.py", "configs/calibration/cpu-tiny-llama-azure.yaml",
-            "--profile", "cpu-tiny-llama", "--policy", "fcfs", "-o", str(out)])
-        return {"workload": "Azure conversation, 100 requests", "rows": json.loads(out.read_text())}
+    """The accuracy grid's reduced form (docs/simulator-accuracy.md): a profile fitted to
+    SmolLM2 on this machine right before, then 8 experiments on the real runner (twice)
+    and the simulator. Its JSON is kept as the docs page's data."""
+    need_model()
+    out = ROOT / "docs" / "accuracy" / "grid-cpu-reduced.json"
+    sh([PY, "scripts/accuracy_grid.py", "configs/accuracy/grid-cpu.yaml", "--reduced",
+        "--calibrate", "configs/calibration/cpu-smollm2.yaml", "-o", str(out)], timeout=3600)
+    sh([PY, "scripts/accuracy_grid.py", "--render", str(out), "--write-docs"])  # the page's reduced table
+    res = json.loads(out.read_text())
+    o = res["overall"]
+    return {"experiments": o["experiments"], "mape": o["mape"], "mape_at_run_speed": o["mape_at_run_speed"],
+            "noise_floor": o["noise_floor"],
+            "outside_bound": len(o["outside_bound"]), "kendall_tau_mean": o["kendall_tau_mean"],
+            "speed_ratio": o["speed_ratio"], "speedup": o["speedup"],
+            "fit_step_error": res["calibrated"]["mean_relative_step_error"]}
 
 
 def run_cluster(ctx: argparse.Namespace) -> dict[str, Any]:

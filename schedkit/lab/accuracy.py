@@ -268,15 +268,37 @@ def relative_error(value: float, reference: float) -> float:
 def compare_runs(real: Sequence[Mapping[str, float]], sim: Mapping[str, float],
                  names: Sequence[str] = METRICS) -> dict[str, dict[str, float]]:
     """Per metric: the real runs' mean, their spread (the largest relative deviation of
-    one run from that mean, times two: the relative range for two runs), the simulator's
-    value and its error against the mean."""
+    one run from that mean, times two: the relative range for two runs), their noise
+    floor (:func:`noise_floor`), the simulator's value and its error against the mean."""
     out = {}
     for name in names:
         values = [r[name] for r in real]
         mean = statistics.fmean(values)
         spread = 2 * max(relative_error(v, mean) for v in values) if len(values) > 1 else math.nan
-        out[name] = {"real": mean, "spread": spread, "sim": sim[name], "error": relative_error(sim[name], mean)}
+        out[name] = {"real": mean, "spread": spread, "noise_floor": noise_floor(values),
+                     "sim": sim[name], "error": relative_error(sim[name], mean)}
     return out
+
+
+def noise_floor(values: Sequence[float]) -> float:
+    """The error a perfect simulator is expected to show against the mean of these real
+    runs: one that predicts the metric's expected value on this machine exactly still
+    misses the mean of ``n`` noisy runs by ``E|mean - expected|``, which is
+    ``sigma * sqrt(2 / (pi * n))`` for runs normally spread around it. ``sigma`` is
+    estimated without bias from the runs (their standard deviation over ``c4(n)``),
+    relative to their mean; for two runs the floor is half their relative range. nan
+    with fewer than two runs (0 when the mean is 0 and the runs agree)."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values)
+    if sd == 0:
+        return 0.0
+    if mean == 0:
+        return math.inf
+    c4 = math.sqrt(2 / (n - 1)) * math.exp(math.lgamma(n / 2) - math.lgamma((n - 1) / 2))
+    return sd / c4 * math.sqrt(2 / (math.pi * n)) / abs(mean)
 
 
 def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
@@ -334,6 +356,19 @@ def _mape(results: Mapping[str, Mapping[str, Any]], key: str = "compare") -> dic
     return mape
 
 
+def mean_noise_floor(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Per metric, the mean over the experiments of the real runs' :func:`noise_floor`:
+    the mean absolute percentage error a perfect simulator is expected to score on
+    this grid (an experiment's real runs recomputed from ``real_runs`` where its
+    comparison predates the floor)."""
+    floors: dict[str, float] = {}
+    for name in METRICS:
+        each = [noise_floor([run[name] for run in r["real_runs"]]) for r in results.values()]
+        each = [x for x in each if math.isfinite(x)]
+        floors[name] = statistics.fmean(each) if each else math.nan
+    return floors
+
+
 def _values(results: Mapping[str, Mapping[str, Any]], key: str) -> list[float]:
     return [x for r in results.values() for x in r.get(key, []) if x is not None and math.isfinite(x)]
 
@@ -341,8 +376,9 @@ def _values(results: Mapping[str, Mapping[str, Any]], key: str) -> list[float]:
 def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Mean absolute percentage error of each metric over the experiments (also of the
     simulator re-anchored by the speed probe and at the real runs' own speed, where
-    recorded), the experiments outside their bound (15% or twice the real spread,
-    whichever is larger) on E2E mean and TTFT p50, the mean Kendall's tau of the rankings, and the real runs' speed and probe
+    recorded), the real runs' noise floor (the error a perfect simulator is expected
+    to score against them, :func:`noise_floor`), the experiments outside their bound
+    (15% or twice the real spread, whichever is larger) on E2E mean and TTFT p50, the mean Kendall's tau of the rankings, and the real runs' speed and probe
     ratios and steal shares (min, mean, max)."""
     def mean_tau(key: str) -> float:
         taus = [c["tau"] for c in rankings(results, key=key).values() if math.isfinite(c["tau"])]
@@ -357,6 +393,7 @@ def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         spans[name] = ({"min": min(values), "mean": statistics.fmean(values), "max": max(values)}
                        if values else None)
     return {"experiments": len(results), "mape": _mape(results), "outside_bound": _outside(results),
+            "noise_floor": mean_noise_floor(results),
             "mape_anchored": _mape(results, "compare_anchored"),
             "outside_bound_anchored": _outside(results, "compare_anchored"),
             "mape_at_run_speed": _mape(results, "compare_at_run_speed"),

@@ -4,6 +4,8 @@ runs' spread, rankings, and the grid file's checks."""
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,11 @@ from schedkit.lab.accuracy import (
     compare_runs,
     kendall_tau,
     load_grid,
+    noise_floor,
     offered_rate,
     overall,
     rankings,
+    relative_error,
     run_grid,
     run_metrics,
 )
@@ -111,6 +115,27 @@ def test_an_error_is_read_against_the_real_runs_spread():
     assert c["real"] == pytest.approx(1.0)
     assert c["spread"] == pytest.approx(0.2)
     assert c["error"] == pytest.approx(0.2)
+    assert c["noise_floor"] == pytest.approx(0.1)  # two runs: half their relative range
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_noise_floor_is_the_error_of_a_simulator_exact_to_the_expected_value(n):
+    """Runs scattered around 10: a simulator that predicts exactly 10 misses the mean of
+    ``n`` runs by the floor's estimate on average (without the bias correction of the
+    runs' standard deviation, two runs would read 20% low)."""
+    rng = random.Random(n)
+    floors, errors = [], []
+    for _ in range(20000):
+        runs = [rng.gauss(10.0, 1.0) for _ in range(n)]
+        floors.append(noise_floor(runs))
+        errors.append(relative_error(10.0, statistics.fmean(runs)))
+    assert statistics.fmean(floors) == pytest.approx(statistics.fmean(errors), rel=0.03)
+
+
+def test_the_noise_floor_needs_two_runs():
+    assert math.isnan(noise_floor([1.0]))
+    assert noise_floor([2.0, 2.0]) == 0.0
+    assert noise_floor([-1.0, 1.0]) == math.inf
 
 
 def test_kendall_tau():
@@ -148,6 +173,7 @@ def test_a_simulator_equal_to_the_real_side_has_no_error_and_ranks_alike(tmp_pat
         assert r["sim_anchored"] == pytest.approx(r["sim"])
     o = overall(results)
     assert o["mape"]["e2e_mean_s"] == 0 and o["outside_bound"] == []
+    assert o["noise_floor"]["e2e_mean_s"] == 0  # the two 'real' runs agree exactly
     assert o["mape_at_run_speed"]["e2e_mean_s"] == pytest.approx(0, abs=1e-9)
     assert o["mape_anchored"]["e2e_mean_s"] == pytest.approx(0, abs=1e-9) and o["outside_bound_anchored"] == []
     assert o["kendall_tau_mean_anchored"] == o["kendall_tau_mean"]

@@ -167,6 +167,9 @@ def main() -> None:
     ap.add_argument("--profile", help="the simulator's profile instead of the grid file's (a name or a path)")
     ap.add_argument("-o", "--output", default="accuracy-grid.json")
     ap.add_argument("--resume", action="store_true", help="keep the finished real runs in --output")
+    ap.add_argument("--repeats", type=int, metavar="N",
+                    help="real runs per experiment instead of the grid file's: with --resume and the same "
+                         "--profile, adds passes to a finished grid (its noise floor falls as 1/sqrt(N))")
     ap.add_argument("--calibrate", metavar="CONFIG",
                     help="first fit a profile to CONFIG's runner (schedkit calibrate) and use it: "
                          "the fit and the grid back to back")
@@ -202,14 +205,23 @@ def main() -> None:
                           "steal_share": fitted["calibration"].get("steal_share"),
                           "mean_relative_step_error": fitted.get("mean_relative_step_error")}
         grid = load_grid(a.grid, profile=a.profile)
+        if a.repeats is not None:
+            if a.repeats < 1:
+                ap.error(f"--repeats must be at least 1, got {a.repeats}")
+            grid.config = grid.config.model_copy(update={"repeats": a.repeats})
         experiments = grid.experiments(reduced=a.reduced)
         before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
         done, wall_before = before.get("results"), before.get("wall_s", 0.0)
         # A profile fitted for this run lives in a scratch file: name where it came from.
         label = f"fitted right before ({a.calibrate})" if a.calibrate else grid.profile
+        today = datetime.date.today().isoformat()
         data = {"grid": a.grid, "reduced": a.reduced, "profile": label, "repeats": grid.config.repeats,
-                "commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine(),
-                "calibrated": calibrated}
+                "commit": commit(), "date": today, "machine": machine(), "calibrated": calibrated}
+        if done:  # resumed: the profile's provenance and the first runs' date stay
+            data["calibrated"] = before.get("calibrated")
+            data["profile"] = before.get("profile", label)
+            first = str(before.get("date", today)).split(" to ")[0]
+            data["date"] = today if first == today else f"{first} to {today}"
         t0 = time.perf_counter()
 
         def save(results: dict[str, Any]) -> None:

@@ -267,12 +267,42 @@ def test_a_missing_grid_file_is_a_config_error(tmp_path):
         load_grid(tmp_path / "nope.yaml")
 
 
-def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_path):
+def load_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("accuracy_grid", Path(__file__).parents[2] / "scripts" / "accuracy_grid.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_a_finished_grid_takes_more_passes_keeping_its_runs(tmp_path, monkeypatch):
+    """``--resume --repeats 3`` adds a third real run to every experiment of a finished
+    two-run grid, keeps the first two as they were and the first run's provenance."""
+    import json
+    import sys
+
+    script, grid_path, out = load_script(), write_grid(tmp_path), tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe", "-o", str(out)])
+    script.main()
+    first = json.loads(out.read_text())
+    first["date"] = "2026-01-01"
+    out.write_text(json.dumps(first))
+    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe", "-o", str(out),
+                                      "--resume", "--repeats", "3"])
+    script.main()
+    after = json.loads(out.read_text())
+    assert after["repeats"] == 3 and after["date"].startswith("2026-01-01 to ")
+    assert set(after["results"]) == set(first["results"])
+    for key, r in after["results"].items():
+        assert len(r["real_runs"]) == 3 and r["real_runs"][:2] == first["results"][key]["real_runs"]
+    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--repeats", "0", "-o", str(out)])
+    with pytest.raises(SystemExit):
+        script.main()
+
+
+def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_path):
+    script = load_script()
     grid = load_grid(write_grid(tmp_path))
     results = run_grid(grid, grid.experiments(reduced=True), save_steps=script._steps_writer(tmp_path / "steps"))
     saved = sorted(p.name for p in (tmp_path / "steps").iterdir())

@@ -52,6 +52,8 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ of this checkout
 from benchmarks.provenance import commit, machine  # noqa: E402
 
 DOC = ROOT / "docs" / "simulator-accuracy.md"
+OUTPUTS = ("docs", "README.md")
+"""Pages a run writes (this script's and bench_all's): not a change to what is measured."""
 
 
 def _pct(x: float) -> str:
@@ -216,7 +218,7 @@ def main() -> None:
         label = f"fitted right before ({a.calibrate})" if a.calibrate else grid.profile
         today = datetime.date.today().isoformat()
         data = {"grid": a.grid, "reduced": a.reduced, "profile": label, "repeats": grid.config.repeats,
-                "commit": commit(), "date": today, "machine": machine(), "calibrated": calibrated}
+                "commit": commit(ignore=OUTPUTS), "date": today, "machine": machine(), "calibrated": calibrated}
         if done:  # resumed: the profile's provenance and the first runs' date stay
             data["calibrated"] = before.get("calibrated")
             data["profile"] = before.get("profile", label)

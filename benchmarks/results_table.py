@@ -27,6 +27,7 @@ class Section:
     anchor: str  # the heading of docs/results.md the details link points at
     row: Callable[[Entry], tuple[str, str, str, str]] | None  # measure, schedkit, peer, conditions
     table: Callable[[Entry], list[str]]  # markdown lines for docs/results.md
+    note: Callable[[Entry], str] | None = None  # a sentence below that table
 
 
 def _ms(seconds: float) -> str:
@@ -146,7 +147,7 @@ def _structured_table(e: Entry) -> list[str]:
         ("engine steps, schema-heavy output: jump-forward on / off", f"{e['jump_steps_on']} / {e['jump_steps_off']}")])
 
 
-PUBLISHED_SIMULATORS = "BLIS 11.8% / 22.8%, Vidur < 9%"
+PUBLISHED_SIMULATORS = "BLIS 11.8% / 22.8%, Vidur < 9% (published)"
 """The errors the peers publish (E2E / TTFT mean absolute percentage error; Vidur one
 bound over its validated points)."""
 
@@ -154,22 +155,25 @@ bound over its validated points)."""
 def _sim_row(e: Entry) -> tuple[str, str, str, str]:
     m = e["mape"]
     return ("simulator's error, E2E mean / TTFT p50", f"**{m['e2e_mean_s']:.1%} / {m['ttft_p50_s']:.1%}**",
-            PUBLISHED_SIMULATORS, f"SmolLM2 on CPU, {e['experiments']} experiments, profile fitted right before")
+            PUBLISHED_SIMULATORS, f"SmolLM2, CPU, {e['experiments']} experiments, fresh fit")
 
 
 def _sim_table(e: Entry) -> list[str]:
     names = {"e2e_mean_s": "E2E mean", "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99",
              "tpot_p50_s": "TPOT p50", "throughput_tok_s": "throughput", "preemptions": "preemptions"}
-    lines = _table(("metric", "mean abs. error, profile as fitted", "noise floor (a perfect simulator's error)",
+    lines = _table(("metric", "mean abs. error, profile as fitted", "noise floor (an exact simulator's expected error)",
                     "at the runs' own speed"),
                    [(name, f"{e['mape'][k]:.1%}", f"{e['noise_floor'][k]:.1%}", f"{e['mape_at_run_speed'][k]:.1%}")
                     for k, name in names.items()])
-    r = e["speed_ratio"]
-    lines += ["", f"{e['experiments']} experiments ({e['outside_bound']} outside their bound), fit's mean step "
-              f"error {e['fit_step_error']:.1%}, the real runs' steps {r['min']:.2f}-{r['max']:.2f}x the profile's "
-              f"prediction, rankings' mean Kendall's tau {e['kendall_tau_mean']:.2f}, simulator "
-              f"{e['speedup']:.0f}x faster than real time."]
     return lines
+
+
+def _sim_note(e: Entry) -> str:
+    r = e["speed_ratio"]
+    return (f"{e['experiments']} experiments ({e['outside_bound']} outside their bound), fit's mean step "
+            f"error {e['fit_step_error']:.1%}, the real runs' steps {r['min']:.2f}-{r['max']:.2f}x the profile's "
+            f"prediction, rankings' mean Kendall's tau {e['kendall_tau_mean']:.2f}, simulator "
+            f"{e['speedup']:.0f}x faster than real time.")
 
 
 def _cluster_row(e: Entry) -> tuple[str, str, str, str]:
@@ -220,7 +224,7 @@ SECTIONS = [
     Section("serve_vs_vllm", "server-vs-vllms-server", _serve_row, _serve_table),
     Section("serve_overhead", "server-vs-vllms-server", _overhead_row, _overhead_table),
     Section("structured", "structured-outputs", _structured_row, _structured_table),
-    Section("simulator", "simulator-accuracy", _sim_row, _sim_table),
+    Section("simulator", "simulator-accuracy", _sim_row, _sim_table, _sim_note),
     Section("cluster", "cluster-simulation", _cluster_row, _cluster_table),
     Section("policies", "policies", _policies_row, _policies_table),
     Section("kv_storage", "kv-storage", None, _kv_storage_table),
@@ -256,7 +260,7 @@ def readme_rows(results: Entry) -> list[tuple[str, ...]]:
 
 def render_readme_table(results: Entry) -> str:
     head = (f"Measured by `python scripts/bench_all.py` at {results.get('commit', '?')} on "
-            f"{results.get('date', '?')}: {results.get('machine', '?')}; both sides of a row in one run.")
+            f"{results.get('date', '?')}: {results.get('machine', '?')}; both sides of a row in one run (a peer marked published excepted).")
     return "\n".join([head, "", *_table(README_HEADER, readme_rows(results))])
 
 
@@ -267,6 +271,9 @@ def render_section_table(results: Entry, key: str) -> str:
     assert entry is not None
     lines = _table(*_header_rows(entry, key))
     lines.append("")
+    note = next(s for s in SECTIONS if s.key == key).note
+    if note is not None:
+        lines += [note(entry), ""]
     lines.append(f"*{entry['date']}, {entry['commit']}, {results['machine']}; "
                  f"the benchmark took {entry['wall_s']:.0f} s.*")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import sys
@@ -45,6 +46,7 @@ from schedkit.lab.accuracy import (
     summary_rows,
 )
 from schedkit.lab.cost_fit import StepRecord, write_steps
+from schedkit.runners.cost_model import profile_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ of this checkout
@@ -71,7 +73,7 @@ def render(data: dict[str, Any]) -> str:
              f"{o['experiments']} experiments, real runner {data['repeats']} runs each; "
              f"wall {data['wall_s'] / 60:.1f} min; simulator {o['speedup']:.0f}x faster than real time."
              + _fitted(data.get("calibrated")), "",
-             "| metric | mean abs. % error, profile as fitted | noise floor (a perfect simulator's error) "
+             "| metric | mean abs. % error, profile as fitted | noise floor (an exact simulator's expected error) "
              "| re-anchored by the speed probe | at the runs' own speed |"
              + (" at each step kind's own speed |" if at_kind else ""),
              "|---|---|---|---|---|" + ("---|" if at_kind else "")]
@@ -82,8 +84,8 @@ def render(data: dict[str, Any]) -> str:
               for m in METRICS]
     lines += ["", "The noise floor is the error a simulator exact to each experiment's expected value "
               f"would still be expected to show against the mean of its {data['repeats']} real runs, "
-              "estimated from their spread: no simulator that has not seen the runs is expected to do better, "
-              "so an error near it is the machine's noise, not the model's."]
+              "estimated from their spread: an error near it is what the runs' noise explains, and a model "
+              "bias smaller than about the floor cannot be told from that noise."]
     if o.get("speed_ratio"):
         r = o["speed_ratio"]
         lines += ["", f"The real runs' steps took {r['min']:.2f}-{r['max']:.2f}x (mean {r['mean']:.2f}x) what "
@@ -152,6 +154,12 @@ def _steps_writer(steps_dir: Path) -> Callable[[str, int, list[StepRecord]], Non
     return save
 
 
+def _span_from(first: Any, now: str) -> str:
+    """``first`` (a stored value, perhaps already a span) to ``now``, or ``now``."""
+    start = str(first).split(" to ")[0] if first else now
+    return now if start == now else f"{start} to {now}"
+
+
 def write_doc(text: str, path: Path = DOC, key: str = "reduced") -> None:
     begin, end = f"<!-- accuracy_grid:{key} -->", f"<!-- /accuracy_grid:{key} -->"
     page = path.read_text()
@@ -207,23 +215,29 @@ def main() -> None:
                           "steal_share": fitted["calibration"].get("steal_share"),
                           "mean_relative_step_error": fitted.get("mean_relative_step_error")}
         grid = load_grid(a.grid, profile=a.profile)
-        if a.repeats is not None:
-            if a.repeats < 1:
-                ap.error(f"--repeats must be at least 1, got {a.repeats}")
-            grid.config = grid.config.model_copy(update={"repeats": a.repeats})
-        experiments = grid.experiments(reduced=a.reduced)
         before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
         done, wall_before = before.get("results"), before.get("wall_s", 0.0)
+        stored = max((len(r.get("real_runs", ())) for r in (done or {}).values()), default=0)
+        if a.repeats is not None and (a.repeats < 1 or a.repeats < stored):
+            ap.error(f"--repeats must be at least 1 and at least the {stored} real runs {out} holds, "
+                     f"got {a.repeats}")
+        repeats = a.repeats if a.repeats is not None else max(grid.config.repeats, stored)
+        grid.config = grid.config.model_copy(update={"repeats": repeats})
+        experiments = grid.experiments(reduced=a.reduced)
+        digest = hashlib.sha256(profile_path(grid.profile).read_bytes()).hexdigest()
+        if done and before.get("profile_sha256", digest) != digest:
+            ap.error(f"{out} holds runs simulated with another profile than {grid.profile}: resume with "
+                     "the same --profile (a --calibrate run leaves its profile beside its output)")
         # A profile fitted for this run lives in a scratch file: name where it came from.
         label = f"fitted right before ({a.calibrate})" if a.calibrate else grid.profile
-        today = datetime.date.today().isoformat()
-        data = {"grid": a.grid, "reduced": a.reduced, "profile": label, "repeats": grid.config.repeats,
-                "commit": commit(ignore=OUTPUTS), "date": today, "machine": machine(), "calibrated": calibrated}
-        if done:  # resumed: the profile's provenance and the first runs' date stay
+        data = {"grid": a.grid, "reduced": a.reduced, "profile": label, "profile_sha256": digest,
+                "repeats": repeats, "commit": commit(ignore=OUTPUTS), "date": datetime.date.today().isoformat(),
+                "machine": machine(), "calibrated": calibrated}
+        if done:  # resumed: the profile's provenance stays, the commit and date span both
             data["calibrated"] = before.get("calibrated")
             data["profile"] = before.get("profile", label)
-            first = str(before.get("date", today)).split(" to ")[0]
-            data["date"] = today if first == today else f"{first} to {today}"
+            for key in ("commit", "date"):
+                data[key] = _span_from(before.get(key), data[key])
         t0 = time.perf_counter()
 
         def save(results: dict[str, Any]) -> None:

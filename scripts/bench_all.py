@@ -7,7 +7,7 @@ it. ``--write-docs`` also puts that table into README.md and the per-section tab
 docs/results.md (between their ``bench_all`` markers); ``tests/test_results_table.py``
 checks that both pages equal a fresh rendering of the committed JSON.
 
-    .venv/bin/python scripts/bench_all.py                        # every section, ~15 min on 2 cores
+    .venv/bin/python scripts/bench_all.py                        # every section, ~30 min on 2 cores
     .venv/bin/python scripts/bench_all.py --only policies,oracle  # some sections; the rest kept
     .venv/bin/python scripts/bench_all.py --render                # the table of the stored JSON
 

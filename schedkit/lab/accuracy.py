@@ -286,10 +286,11 @@ def noise_floor(values: Sequence[float]) -> float:
     misses the mean of ``n`` noisy runs by ``E|mean - expected|``, which is
     ``sigma * sqrt(2 / (pi * n))`` for runs normally spread around it. ``sigma`` is
     estimated without bias from the runs (their standard deviation over ``c4(n)``),
-    relative to their mean; for two runs the floor is half their relative range. nan
-    with fewer than two runs (0 when the mean is 0 and the runs agree)."""
+    relative to their mean; for two runs the floor is half their relative range (for
+    any noise symmetric about the expected value, not only normal). nan with fewer than
+    two runs or a value that is not finite (a percentile of requests never served)."""
     n = len(values)
-    if n < 2:
+    if n < 2 or not all(math.isfinite(v) for v in values):
         return math.nan
     mean = statistics.fmean(values)
     sd = statistics.stdev(values)
@@ -358,9 +359,9 @@ def _mape(results: Mapping[str, Mapping[str, Any]], key: str = "compare") -> dic
 
 def mean_noise_floor(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """Per metric, the mean over the experiments of the real runs' :func:`noise_floor`:
-    the mean absolute percentage error a perfect simulator is expected to score on
-    this grid (an experiment's real runs recomputed from ``real_runs`` where its
-    comparison predates the floor)."""
+    the mean absolute percentage error a simulator exact to each experiment's expected
+    value is expected to score on this grid, read from ``real_runs`` (so also for
+    results stored before the floor was kept)."""
     floors: dict[str, float] = {}
     for name in METRICS:
         each = [noise_floor([run[name] for run in r["real_runs"]]) for r in results.values()]

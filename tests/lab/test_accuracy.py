@@ -136,6 +136,8 @@ def test_the_noise_floor_needs_two_runs():
     assert math.isnan(noise_floor([1.0]))
     assert noise_floor([2.0, 2.0]) == 0.0
     assert noise_floor([-1.0, 1.0]) == math.inf
+    assert math.isnan(noise_floor([1.0, math.inf]))  # a percentile of requests never served
+    assert math.isnan(noise_floor([math.nan, math.nan]))
 
 
 def test_kendall_tau():
@@ -276,29 +278,44 @@ def load_script():
     return script
 
 
-def test_a_finished_grid_takes_more_passes_keeping_its_runs(tmp_path, monkeypatch):
+def test_a_finished_grid_takes_more_passes_keeping_its_runs(tmp_path, monkeypatch, capsys):
     """``--resume --repeats 3`` adds a third real run to every experiment of a finished
-    two-run grid, keeps the first two as they were and the first run's provenance."""
+    two-run grid and keeps the first two (planted values here: a pass run again would
+    overwrite them) and the first run's commit and date; fewer repeats than stored
+    and another profile are refused."""
     import json
     import sys
 
     script, grid_path, out = load_script(), write_grid(tmp_path), tmp_path / "out.json"
-    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe", "-o", str(out)])
-    script.main()
+
+    def run(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe",
+                                          "-o", str(out), *args])
+        script.main()
+
+    run()
     first = json.loads(out.read_text())
-    first["date"] = "2026-01-01"
+    assert first["repeats"] == 2 and len(first["profile_sha256"]) == 64
+    first.update(date="2026-01-01", commit="abc1234")
+    for r in first["results"].values():
+        for i, runs in enumerate(r["real_runs"]):
+            runs["e2e_mean_s"] = 1000.0 + i
     out.write_text(json.dumps(first))
-    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe", "-o", str(out),
-                                      "--resume", "--repeats", "3"])
-    script.main()
+    run("--resume", "--repeats", "3")
     after = json.loads(out.read_text())
     assert after["repeats"] == 3 and after["date"].startswith("2026-01-01 to ")
+    assert after["commit"].startswith("abc1234 to ")
     assert set(after["results"]) == set(first["results"])
     for key, r in after["results"].items():
         assert len(r["real_runs"]) == 3 and r["real_runs"][:2] == first["results"][key]["real_runs"]
-    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--repeats", "0", "-o", str(out)])
-    with pytest.raises(SystemExit):
-        script.main()
+        assert r["real_runs"][2]["e2e_mean_s"] < 1000
+    for args, message in ((["--repeats", "0"], "at least 1"), (["--resume", "--repeats", "2"], "at least the 3"),
+                          (["--resume", "--profile", "cpu-smollm2-135m"], "another profile")):
+        with pytest.raises(SystemExit) as e:
+            run(*args)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    run("--resume")  # nothing left to run: the stored runs and their count stay
+    assert json.loads(out.read_text())["repeats"] == 3
 
 
 def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_path):

@@ -281,7 +281,7 @@ def compare_runs(real: Sequence[Mapping[str, float]], sim: Mapping[str, float],
 
 
 def noise_floor(values: Sequence[float]) -> float:
-    """The error a perfect simulator is expected to show against the mean of these real
+    """The error an exact simulator is expected to show against the mean of these real
     runs: one that predicts the metric's expected value on this machine exactly still
     misses the mean of ``n`` noisy runs by ``E|mean - expected|``, which is
     ``sigma * sqrt(2 / (pi * n))`` for runs normally spread around it. ``sigma`` is
@@ -377,10 +377,11 @@ def _values(results: Mapping[str, Mapping[str, Any]], key: str) -> list[float]:
 def overall(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Mean absolute percentage error of each metric over the experiments (also of the
     simulator re-anchored by the speed probe and at the real runs' own speed, where
-    recorded), the real runs' noise floor (the error a perfect simulator is expected
+    recorded), the real runs' noise floor (the error an exact simulator is expected
     to score against them, :func:`noise_floor`), the experiments outside their bound
-    (15% or twice the real spread, whichever is larger) on E2E mean and TTFT p50, the mean Kendall's tau of the rankings, and the real runs' speed and probe
-    ratios and steal shares (min, mean, max)."""
+    (15% or twice the real spread, whichever is larger) on E2E mean and TTFT p50, the
+    mean Kendall's tau of the rankings, and the real runs' speed and probe ratios and
+    steal shares (min, mean, max)."""
     def mean_tau(key: str) -> float:
         taus = [c["tau"] for c in rankings(results, key=key).values() if math.isfinite(c["tau"])]
         return statistics.fmean(taus) if taus else math.nan

@@ -161,11 +161,10 @@ def _sim_row(e: Entry) -> tuple[str, str, str, str]:
 def _sim_table(e: Entry) -> list[str]:
     names = {"e2e_mean_s": "E2E mean", "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99",
              "tpot_p50_s": "TPOT p50", "throughput_tok_s": "throughput", "preemptions": "preemptions"}
-    lines = _table(("metric", "mean abs. error, profile as fitted", "noise floor (an exact simulator's expected error)",
-                    "at the runs' own speed"),
-                   [(name, f"{e['mape'][k]:.1%}", f"{e['noise_floor'][k]:.1%}", f"{e['mape_at_run_speed'][k]:.1%}")
-                    for k, name in names.items()])
-    return lines
+    return _table(("metric", "mean abs. error, profile as fitted", "noise floor (an exact simulator's expected error)",
+                   "at the runs' own speed"),
+                  [(name, f"{e['mape'][k]:.1%}", f"{e['noise_floor'][k]:.1%}", f"{e['mape_at_run_speed'][k]:.1%}")
+                   for k, name in names.items()])
 
 
 def _sim_note(e: Entry) -> str:
@@ -271,7 +270,7 @@ def render_section_table(results: Entry, key: str) -> str:
     assert entry is not None
     lines = _table(*_header_rows(entry, key))
     lines.append("")
-    note = next(s for s in SECTIONS if s.key == key).note
+    note = _section(key).note
     if note is not None:
         lines += [note(entry), ""]
     lines.append(f"*{entry['date']}, {entry['commit']}, {results['machine']}; "
@@ -279,9 +278,12 @@ def render_section_table(results: Entry, key: str) -> str:
     return "\n".join(lines)
 
 
+def _section(key: str) -> Section:
+    return next(s for s in SECTIONS if s.key == key)
+
+
 def _header_rows(entry: Entry, key: str) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    section = next(s for s in SECTIONS if s.key == key)
-    lines = section.table(entry)
+    lines = _section(key).table(entry)
     header = tuple(c.strip() for c in lines[0].strip("|").split("|"))
     rows = [tuple(c.strip() for c in ln.strip("|").split("|")) for ln in lines[2:]]
     return header, rows

@@ -78,7 +78,7 @@ def render(data: dict[str, Any]) -> str:
              + (" at each step kind's own speed |" if at_kind else ""),
              "|---|---|---|---|---|" + ("---|" if at_kind else "")]
     anchored, at_speed = o.get("mape_anchored") or {}, o.get("mape_at_run_speed") or {}
-    floor = mean_noise_floor(results)  # also for results written before the floor was kept
+    floor = o.get("noise_floor") or mean_noise_floor(results)  # results written before the floor was kept
     lines += [f"| {m} | {_pct(o['mape'][m])} | {_pct(floor[m])} | {_pct(anchored.get(m, math.nan))} "
               f"| {_pct(at_speed.get(m, math.nan))} |" + (f" {_pct(at_kind[m])} |" if at_kind else "")
               for m in METRICS]

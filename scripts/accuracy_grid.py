@@ -13,10 +13,10 @@ over the whole grid (A B C ... A B C) so that the machine's drift spreads over e
 experiment. Every real run also records its steps, whose predicted time against their
 measured time is the run's speed ratio (the machine's drift since the fit), and the
 hypervisor's steal share. A speed probe (the same few seconds of fixed work) runs
-before the first real run and after each one; every experiment is also simulated with
-the profile scaled by its runs' probe ratios (decode-only steps and steps with a prompt
-chunk apart), re-anchored to the machine's current speed
-(``--no-probe`` skips it). Results are saved after every real run; ``--resume`` keeps the finished
+before the first real run and after each one; every experiment is also simulated once
+per real run with the profile scaled by that run's probe ratios (decode-only steps and
+steps with a prompt chunk apart), re-anchored to the machine's speed around the run
+(``--no-probe`` skips it), and the mean of those held against the real runs' mean. Results are saved after every real run; ``--resume`` keeps the finished
 ones. ``--write-docs`` puts the tables into docs/simulator-accuracy.md (between its
 ``accuracy_grid`` markers). Nothing else should run on the machine meanwhile.
 """
@@ -90,8 +90,8 @@ def render(data: dict[str, Any]) -> str:
         r = o["speed_ratio"]
         lines += ["", f"The real runs' steps took {r['min']:.2f}-{r['max']:.2f}x (mean {r['mean']:.2f}x) what "
                   "the profile predicts for those very steps" + _by_kind(o) + _steal(o.get("steal"))
-                  + "; the column at the runs' own speed simulates each experiment with the profile scaled by its "
-                  "runs' own ratio" + (", the last with its decode-only steps and those with a prompt chunk scaled by "
+                  + "; the column at the runs' own speed simulates each experiment once per real run with the "
+                  "profile scaled by that run's own ratio" + (", the last with its decode-only steps and those with a prompt chunk scaled by "
                              "their own ratios apart" if at_kind else "") + "."]
     if o.get("probe_ratio"):
         r = o["probe_ratio"]
@@ -100,7 +100,7 @@ def render(data: dict[str, Any]) -> str:
                  f"{p['min']:.2f}-{p['max']:.2f}x)" if d and p else "")
         lines += ["", f"The speed probe around each real run read the machine {r['min']:.2f}-{r['max']:.2f}x "
                   f"(mean {r['mean']:.2f}x) as slow as during the fit{kinds}; the re-anchored column simulates each "
-                  "experiment with the profile scaled by its runs' probe "
+                  "experiment once per real run with the profile scaled by that run's probe "
                   + ("ratios, each kind of step by its own." if kinds else "ratio.")]
     lines += ["", f"Outside the bound (15% or twice the real runs' spread), profile as fitted: "
               f"{', '.join(o['outside_bound']) or 'none'}."]

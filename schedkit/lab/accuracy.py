@@ -620,17 +620,21 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
 
     Each real run records its steps: the profile's prediction of those very steps gives
     the run's *speed ratio* (measured / predicted), and the machine's steal share is read
-    around it. Finally every experiment is simulated once more with the profile scaled
-    by its real runs' mean speed ratio (``sim_at_run_speed``): what the error would be
-    had the machine run at the speed the profile was fitted at, which separates the
-    machine's drift from the model's error; and once more with the decode-only steps and
-    those with a prompt chunk scaled by their own ratios (``sim_at_kind_speed``), for a
-    drift that slows the two kinds by different amounts.
+    around it. Finally every experiment is simulated again once per real run with the
+    profile scaled by that run's speed ratio, and the mean of those simulated runs is
+    compared with the mean of the real ones (``sim_at_run_speed``): what the error would
+    be had the machine run each time at the speed the profile was fitted at, which
+    separates the machine's drift from the model's error; and likewise with each run's
+    decode-only steps and those with a prompt chunk scaled by their own ratios
+    (``sim_at_kind_speed``), for a drift that slows the two kinds by different amounts.
+    Per run, not at the runs' mean ratio: a queue's delay grows faster than linearly as
+    the machine slows, so the mean over runs at several speeds is not the run at their
+    mean speed.
 
     With ``probe``, the speed probe (:func:`probe_speed`) runs before the first real run
     and after every one; each run's *probe ratios* (overall, decode-only steps, steps
     with a prompt chunk) are the means of the probes around it, and every experiment is
-    simulated with the profile's two kinds of step scaled by its runs' mean probe
+    simulated per run with the profile's two kinds of step scaled by that run's probe
     ratios too (``sim_anchored``; by the overall ratio where the profile recorded no
     probe per kind): the profile re-anchored to the machine's current speed by a
     measurement independent of the experiment, the figure a user gets by probing before
@@ -641,16 +645,7 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     say = progress or (lambda _msg: None)
     model = CostModel.load(grid.profile)
     results: dict[str, Any] = {k: dict(v) for k, v in (done or {}).items()}
-    # Each workload is generated once, each experiment's requests scaled once: the
-    # simulated run and every real run get the very same list.
-    base = {w: grid_workload(grid, w) for w in sorted({e.workload for e in experiments})}
-    requests: dict[str, list[WorkloadRequest]] = {}
-    for w, s in sorted({(e.workload, e.shape) for e in experiments}):
-        cap = capacity(grid, base[w], s)
-        say(f"capacity {w}/{s}: {cap:.3f} req/s (simulated)")
-        for e in experiments:
-            if (e.workload, e.shape) == (w, s):
-                requests[e.key] = at_rate(base[w], grid.config.loads[e.load] * cap)
+    requests = experiment_requests(grid, experiments, progress=say)
     for e in experiments:
         r = results.setdefault(e.key, {})
         for k in ("real_runs", "real_wall_s", "real_speed_ratio", "real_speed_ratio_decode",
@@ -702,35 +697,58 @@ def run_grid(grid: Grid, experiments: Sequence[Experiment], *,
     for e in experiments:
         r = results[e.key]
         r["compare"] = compare_runs(r["real_runs"], r["sim"])
-        for prefix, name in (("real_probe_ratio", "anchored"), ("real_speed_ratio", "at_kind_speed")):
-            kind_decode, kind_prefill = _mean_ratio(r, f"{prefix}_decode"), _mean_ratio(r, f"{prefix}_prefill")
-            one = _mean_ratio(r, prefix)
-            if (kind_decode is not None and kind_prefill is not None  # each kind of step by its own ratio
-                    and _every_run_has(r, f"{prefix}_decode") and _every_run_has(r, f"{prefix}_prefill")):
-                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, kind_decode, kind_prefill)
-            elif one is not None and name == "anchored":  # the probe read as one
-                r[f"sim_{name}"] = _simulate_scaled(grid, e, requests[e.key], model, one)
-            else:
+        for name, factors in (("anchored", _run_factors(r, "real_probe_ratio", overall_ratio=True)),
+                              ("at_kind_speed", _run_factors(r, "real_speed_ratio")),
+                              ("at_run_speed", _run_factors(r, "real_speed_ratio", by_kind=False,
+                                                            overall_ratio=True))):
+            if factors is None:  # left out, not kept from the results resumed
+                r.pop(f"sim_{name}", None)
+                r.pop(f"compare_{name}", None)
                 continue
+            runs = [_simulate_scaled(grid, e, requests[e.key], model, *f) for f in factors]
+            r[f"sim_{name}"] = {m: statistics.fmean(run[m] for run in runs) for m in runs[0]}
             r[f"compare_{name}"] = compare_runs(r["real_runs"], r[f"sim_{name}"])
-        ratio = _mean_ratio(r, "real_speed_ratio")
-        if ratio is not None:
-            r["sim_at_run_speed"] = _simulate_scaled(grid, e, requests[e.key], model, ratio)
-            r["compare_at_run_speed"] = compare_runs(r["real_runs"], r["sim_at_run_speed"])
     return results
 
 
+def experiment_requests(grid: Grid, experiments: Sequence[Experiment],
+                        progress: Callable[[str], None] | None = None) -> dict[str, list[WorkloadRequest]]:
+    """Each experiment's requests by key: its workload (generated once) at its load's
+    fraction of the simulator's capacity for its workload and shape. The simulated run
+    and every real run of an experiment get this very list."""
+    base = {w: grid_workload(grid, w) for w in sorted({e.workload for e in experiments})}
+    requests: dict[str, list[WorkloadRequest]] = {}
+    for w, s in sorted({(e.workload, e.shape) for e in experiments}):
+        cap = capacity(grid, base[w], s)
+        if progress is not None:
+            progress(f"capacity {w}/{s}: {cap:.3f} req/s (simulated)")
+        for e in experiments:
+            if (e.workload, e.shape) == (w, s):
+                requests[e.key] = at_rate(base[w], grid.config.loads[e.load] * cap)
+    return requests
+
+
+def _run_factors(r: Mapping[str, Any], prefix: str, *, by_kind: bool = True,
+                 overall_ratio: bool = False) -> list[tuple[float, float | None]] | None:
+    """The factors to scale the profile by for each real run of an experiment: the
+    run's decode-only and prompt-chunk ratios under ``prefix`` (with ``by_kind``), else
+    its one ratio (with ``overall_ratio``); None where some run lacks them (runs resumed
+    from older results, a probe that read one kind of step only, ``--no-probe``): that
+    column is then left out for the experiment."""
+    decode, prefill = f"{prefix}_decode", f"{prefix}_prefill"
+    if not r["real_runs"]:
+        return None
+    if by_kind and _every_run_has(r, decode) and _every_run_has(r, prefill):
+        return list(zip(r[decode], r[prefill], strict=True))
+    if overall_ratio and _every_run_has(r, prefix):
+        return [(x, None) for x in r[prefix]]
+    return None
+
+
 def _every_run_has(r: Mapping[str, Any], key: str) -> bool:
-    """Every real run of the experiment recorded a finite ratio under ``key`` (a run
-    resumed from older results, or a probe that read one kind of step only, did not)."""
+    """Every real run of the experiment recorded a finite ratio under ``key``."""
     values = r.get(key, ())
     return len(values) == len(r["real_runs"]) and all(x is not None and math.isfinite(x) for x in values)
-
-
-def _mean_ratio(r: Mapping[str, Any], key: str) -> float | None:
-    """The mean of an experiment's recorded ratios under ``key`` (None: none recorded)."""
-    ratios = [x for x in r.get(key, ()) if x is not None and math.isfinite(x)]
-    return statistics.fmean(ratios) if ratios else None
 
 
 def _simulate_scaled(grid: Grid, e: Experiment, requests: list[WorkloadRequest], model: CostModel,

@@ -15,6 +15,7 @@ from schedkit.lab.accuracy import (
     Experiment,
     at_rate,
     compare_runs,
+    experiment_requests,
     kendall_tau,
     load_grid,
     noise_floor,
@@ -24,6 +25,7 @@ from schedkit.lab.accuracy import (
     relative_error,
     run_grid,
     run_metrics,
+    run_once,
 )
 from schedkit.lab.cost_fit import read_steps
 from schedkit.lab.metrics import RequestMetrics
@@ -240,6 +242,47 @@ def test_the_probe_reanchors_decodes_and_prefills_each_by_its_own_ratio(tmp_path
     again = run_grid(grid, grid.experiments(reduced=True), done=older)
     for k, r in again.items():
         assert r["real_probe_ratio_decode"] == [] and r["sim_anchored"] != pytest.approx(results[k]["sim_anchored"])
+
+
+def test_each_run_is_simulated_at_its_own_speed(tmp_path):
+    """Two 'real' runs whose decode-only steps take 0.7x and then 1.5x the profile's
+    prediction and whose prompt chunks take 1.5x and then 0.7x, each read so by its steps
+    and by the probe: simulated once per run at that run's ratios, the simulator matches
+    the mean of the two exactly; simulated once at their mean ratios it would not, a
+    queue's delay not being linear in the speed."""
+    from schedkit.runners.cost_model import CostModel
+    from schedkit.runners.simulated import SimulatedRunner
+
+    grid = load_grid(write_grid(tmp_path))
+    exps = grid.experiments()
+    model = CostModel.load(grid.profile)
+    requests = experiment_requests(grid, exps)
+    decode, prefill = [0.7, 1.5], [1.5, 0.7]
+
+    def simulate(e, d, p):
+        runner = SimulatedRunner(vocab_size=grid.base.runner.vocab_size, cost_model=model.scaled(d, p))
+        return run_metrics(run_once(grid.shape_config(e.shape, e.policy, simulated=True), requests[e.key],
+                                    runner=runner).metrics)
+
+    ratios = {f"real_{kind}_ratio{part}": values for kind in ("speed", "probe")
+              for part, values in (("", [1.1, 1.1]), ("_decode", decode), ("_prefill", prefill))}
+    done = {e.key: {"real_runs": [simulate(e, d, p) for d, p in zip(decode, prefill, strict=True)],
+                    "real_wall_s": [1.0, 1.0], "real_steal": [None] * 2, **ratios} for e in exps}
+    results = run_grid(grid, exps, done=done)
+    for r in results.values():
+        for name in ("anchored", "at_kind_speed"):
+            assert all(c["error"] == pytest.approx(0, abs=1e-9) for c in r[f"compare_{name}"].values()), name
+    at_mean = [relative_error(simulate(e, 1.1, 1.1)["ttft_p50_s"], results[e.key]["compare"]["ttft_p50_s"]["real"])
+               for e in exps]
+    assert max(at_mean) > 0.05
+    # A run that read no ratio of a kind: that column is left out, not kept from before.
+    gap = {k: {**v, "real_probe_ratio_decode": [0.7, math.nan], "real_speed_ratio": [1.1, math.nan]}
+           for k, v in results.items()}
+    again = run_grid(grid, exps, done=gap)
+    for k, r in again.items():
+        assert r["sim_anchored"] != pytest.approx(results[k]["sim_anchored"])  # the overall probe ratio, per run
+        assert "sim_at_run_speed" not in r and "compare_at_run_speed" not in r
+        assert r["compare_at_kind_speed"] == results[k]["compare_at_kind_speed"]
 
 
 def test_resuming_keeps_the_finished_real_runs(tmp_path):

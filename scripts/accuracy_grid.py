@@ -16,8 +16,9 @@ hypervisor's steal share. A speed probe (the same few seconds of fixed work) run
 before the first real run and after each one; every experiment is also simulated once
 per real run with the profile scaled by that run's probe ratios (decode-only steps and
 steps with a prompt chunk apart), re-anchored to the machine's speed around the run
-(``--no-probe`` skips it), and the mean of those held against the real runs' mean. Results are saved after every real run; ``--resume`` keeps the finished
-ones. ``--write-docs`` puts the tables into docs/simulator-accuracy.md (between its
+(``--no-probe`` skips it), and the mean of those held against the real runs' mean.
+Results are saved after every real run; ``--resume`` keeps the finished ones.
+``--write-docs`` puts the tables into docs/simulator-accuracy.md (between its
 ``accuracy_grid`` markers). Nothing else should run on the machine meanwhile.
 """
 

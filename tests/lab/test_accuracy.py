@@ -25,7 +25,6 @@ from schedkit.lab.accuracy import (
     relative_error,
     run_grid,
     run_metrics,
-    run_once,
 )
 from schedkit.lab.cost_fit import read_steps
 from schedkit.lab.metrics import RequestMetrics
@@ -250,8 +249,8 @@ def test_each_run_is_simulated_at_its_own_speed(tmp_path):
     and by the probe: simulated once per run at that run's ratios, the simulator matches
     the mean of the two exactly; simulated once at their mean ratios it would not, a
     queue's delay not being linear in the speed."""
+    from schedkit.lab.accuracy import _simulate_scaled
     from schedkit.runners.cost_model import CostModel
-    from schedkit.runners.simulated import SimulatedRunner
 
     grid = load_grid(write_grid(tmp_path))
     exps = grid.experiments()
@@ -260,9 +259,7 @@ def test_each_run_is_simulated_at_its_own_speed(tmp_path):
     decode, prefill = [0.7, 1.5], [1.5, 0.7]
 
     def simulate(e, d, p):
-        runner = SimulatedRunner(vocab_size=grid.base.runner.vocab_size, cost_model=model.scaled(d, p))
-        return run_metrics(run_once(grid.shape_config(e.shape, e.policy, simulated=True), requests[e.key],
-                                    runner=runner).metrics)
+        return _simulate_scaled(grid, e, requests[e.key], model, d, p)
 
     ratios = {f"real_{kind}_ratio{part}": values for kind in ("speed", "probe")
               for part, values in (("", [1.1, 1.1]), ("_decode", decode), ("_prefill", prefill))}

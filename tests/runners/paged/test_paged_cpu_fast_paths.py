@@ -437,7 +437,8 @@ def test_on_avx512_the_multi_row_path_is_chosen_by_a_probe_kept_per_machine(
     saved = json.loads(probe_beside.read_text())[str(threads)]
     assert saved["multi_row"] is verdict and saved["key"] == cpu_linear._verdict_key()
     assert saved["onednn_ms"] > 0 and saved["schedkit_ms"] > 0
-    assert verdict is (saved["schedkit_ms"] <= cpu_linear.GEMM_PROBE_MARGIN * saved["onednn_ms"] + 1e-3)
+    assert len(saved["rounds_ms"]) == cpu_linear.GEMM_PROBE_ROUNDS
+    assert verdict is all(ours <= cpu_linear.GEMM_PROBE_MARGIN * dnn + 1e-3 for dnn, ours in saved["rounds_ms"])
     assert cpu_linear.PackedLinear(torch.randn(32, 16), None)._many_rows is verdict
 
     def no_probe(*_: Any, **__: Any) -> Any:
@@ -474,6 +475,26 @@ def test_a_damaged_or_stale_verdict_is_probed_again(probe_beside: Any, content: 
     verdict = cpu_linear.multi_row_gemm(torch.float32)
     saved = json.loads(probe_beside.read_text())[str(threads)]
     assert saved["multi_row"] is verdict and saved["key"] == cpu_linear._verdict_key()
+
+
+def test_the_tiles_must_win_every_probe_round(probe_beside: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round in the tiles' favour among rounds that are not (a momentary slowdown of
+    oneDNN's threads) leaves oneDNN in charge, and the file says what each round saw."""
+    import json
+
+    from schedkit.runners.paged import cpu_linear
+
+    rounds = iter([(2.0, 1.0), (1.0, 1.0), (2.0, 1.0)])  # oneDNN, tiles: the middle one a tie
+    monkeypatch.setattr(cpu_linear, "probe_gemm", lambda: next(rounds))
+    assert not cpu_linear.multi_row_gemm(torch.float32)
+    saved = json.loads(probe_beside.read_text())[str(torch.get_num_threads())]
+    assert saved["rounds_ms"] == [[2000.0, 1000.0], [1000.0, 1000.0], [2000.0, 1000.0]]
+    assert saved["multi_row"] is False and (saved["onednn_ms"], saved["schedkit_ms"]) == (2000.0, 1000.0)
+
+    monkeypatch.setattr(cpu_linear, "_choices", {})
+    probe_beside.unlink()
+    rounds = iter([(2.0, 1.0), (1.0, 0.9), (2.0, 1.5)])  # the tiles ahead by the margin each time
+    assert cpu_linear.multi_row_gemm(torch.float32)
 
 
 def test_verdicts_of_other_thread_counts_are_kept(probe_beside: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,7 @@
     python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml --reduced -o grid.json
     python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml -o grid-full.json
     python scripts/accuracy_grid.py --render grid.json          # the tables of a stored run
-    python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml --reduced \
+    python scripts/accuracy_grid.py configs/accuracy/grid-cpu.yaml --reduced \\
         --calibrate configs/calibration/cpu-smollm2.yaml -o grid.json   # fit, then the grid
 
 Method (schedkit/lab/accuracy.py): per workload and scheduler shape, the simulator's

@@ -2,7 +2,7 @@
 
     python scripts/cluster_accuracy.py configs/accuracy/cluster-smollm2-cpu.yaml \\
         --profile cpu-smollm2-135m-1t [--routers round-robin,prefix-affinity] [--repeats 2] -o out.json
-    python scripts/cluster_accuracy.py configs/accuracy/cluster-groups-smollm2-cpu.yaml \
+    python scripts/cluster_accuracy.py configs/accuracy/cluster-groups-smollm2-cpu.yaml \\
         --calibrate configs/calibration/cpu-smollm2-1t.yaml -o out.json    # fit, then check
 
 For each router, the config's workload runs through ``replicas.count`` real engine

@@ -21,7 +21,7 @@ TTFT p50 / p99; per run the longest engine queue; per mode the ratio of the
 well-behaved tenants' TTFT p99 with heavy at 10x to that with heavy at 1x.
 
     python scripts/tenant_isolation.py -o docs/flow-control/tenant-isolation.json
-    python scripts/tenant_isolation.py --config configs/tenant-isolation-paged.yaml \
+    python scripts/tenant_isolation.py --config configs/tenant-isolation-paged.yaml \\
         --rate 1 --max-tokens 64 -o docs/flow-control/tenant-isolation-paged.json
 """
 

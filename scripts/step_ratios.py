@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from schedkit.lab.calibrate import probe_ratio
 from schedkit.lab.cost_fit import StepRecord, read_steps
 from schedkit.runners.cost_model import CostModel, StepFeatures
 
@@ -40,13 +41,10 @@ def kind(f: StepFeatures, budget: int) -> str:
 
 def ratios(records: Iterable[StepRecord], model: CostModel, budget: int) -> dict[str, tuple[float, int]]:
     """Kind -> (measured / predicted time summed over its steps, number of steps)."""
-    sums: dict[str, list[float]] = {}
-    for f, seconds in records:
-        s = sums.setdefault(kind(f, budget), [0.0, 0.0, 0])
-        s[0] += seconds
-        s[1] += model.step_time(f)
-        s[2] += 1
-    return {k: (s[0] / s[1], int(s[2])) for k, s in sums.items() if s[1] > 0}
+    groups: dict[str, list[StepRecord]] = {}
+    for record in records:
+        groups.setdefault(kind(record[0], budget), []).append(record)
+    return {k: (probe_ratio(group, model), len(group)) for k, group in groups.items()}
 
 
 def sources(steps_dir: Path, profile: dict) -> list[tuple[str, list[StepRecord]]]:

@@ -43,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
              for w in workload],
             arrival_offsets=[w.arrival_time for w in workload],
             priorities=[w.priority for w in workload], tenants=[w.tenant for w in workload],
-            use_tqdm=_show_progress(args))
+            request_ids=[w.request_id for w in workload], use_tqdm=_show_progress(args))
         stats = llm.call_utility("stats")
     wall = time.perf_counter() - wall0
     # The engine clock at arrival offset 0, from any request that has metrics.
@@ -315,6 +315,10 @@ def _check(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     find_runner(config.runner.kind, config.where("runner", "kind"))  # registered (not imported)
+    if config.runner.kind == "simulated":  # its profile loads (a name, a path, a valid file)
+        from schedkit.runners.simulated import SimulatedRunner
+
+        SimulatedRunner.from_config(config)
     # Build the scheduler too: its queue and connector come from the plugins' build
     # hooks, and a KV cache smaller than max_model_len is reported (as a warning) here.
     Scheduler(config.scheduler, config.cache, HookFacade(get_plugin_manager(config)))

@@ -317,8 +317,11 @@ class LLM:
                  arrival_offsets: Sequence[float] | None = None,
                  tenants: Sequence[str] | None = None,
                  hints: Sequence[RequestHints | None] | None = None,
+                 request_ids: Sequence[str] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order.
+        """Generate for every prompt; results come back in input order. ``request_ids``
+        names the requests (distinct strings; default: this LLM's own numbering), e.g. a
+        workload's ids, so that a run names each request as a recording of it does.
 
         A request that fails in the engine (too long, a plugin error) has
         ``finish_reason == "error"`` and ``error`` set; the others are unaffected. If the
@@ -335,7 +338,8 @@ class LLM:
                 offset...), naming the prompt and the field; nothing is sent.
             EngineDeadError: The engine died (with replicas: no replica is left).
         """
-        requests = self._wire_requests(prompts, sampling_params, priorities, arrival_offsets, tenants, hints)
+        requests = self._wire_requests(prompts, sampling_params, priorities, arrival_offsets, tenants, hints,
+                                       request_ids)
         results = {w.request_id: RequestOutput(w.request_id, w.prompt_token_ids) for w in requests}
         self._run(self._collect(requests, results, use_tqdm))
         return list(results.values())
@@ -344,7 +348,8 @@ class LLM:
                        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                        priorities: Sequence[int] | None, arrival_offsets: Sequence[float] | None,
                        tenants: Sequence[str] | None,
-                       hints: Sequence[RequestHints | None] | None = None) -> list[WireRequest]:
+                       hints: Sequence[RequestHints | None] | None = None,
+                       request_ids: Sequence[str] | None = None) -> list[WireRequest]:
         """One validated, final-only request per prompt (the errors name the prompt)."""
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -354,12 +359,20 @@ class LLM:
         else:
             params = list(sampling_params)
         for name, values in (("sampling params", params), ("priorities", priorities),
-                             ("arrival offsets", arrival_offsets), ("tenants", tenants), ("hints", hints)):
+                             ("arrival offsets", arrival_offsets), ("tenants", tenants), ("hints", hints),
+                             ("request ids", request_ids)):
             if values is not None and len(values) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(values)} {name}")
+        if request_ids is not None:
+            bad = next((i for i, r in enumerate(request_ids) if not isinstance(r, str) or not r), None)
+            if bad is not None:
+                raise RequestError(f"request_ids[{bad}] must be a non-empty string, got {request_ids[bad]!r}")
+            if len(set(request_ids)) != len(request_ids):
+                twice = next(r for i, r in enumerate(request_ids) if r in request_ids[:i])
+                raise RequestError(f"request_ids: {twice!r} is given twice", request_id=twice)
         requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            rid = f"{self._id_prefix}-{next(self._ids)}"
+            rid = request_ids[i] if request_ids is not None else f"{self._id_prefix}-{next(self._ids)}"
             try:
                 requests.append(wire_request(
                     rid, _prompt_ids(prompt, self), sp, priority=priorities[i] if priorities else 0,

@@ -189,3 +189,60 @@ def test_check_reads_the_workload_as_run_would(tmp_path, capsys, workload, needl
     assert main(["check", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+SPECULATION = """runner: {kind: fake, draft_acceptance: 0.5}
+scheduler: {num_speculative_tokens: 3, max_num_seqs: 8, max_num_batched_tokens: 256}
+workload:
+  num_requests: 30
+  rate: 50
+  prompt_len: [8, 64]
+  output_len: [8, 32]
+  tenants: [{name: agent, weight: 1%s}, {name: chat, weight: 1%s}]
+compare: {profiles: [{name: same, policy: fcfs}]}
+"""
+
+
+def test_run_record_and_compare_simulate_the_same_speculation(tmp_path, capsys):
+    """The tenants' draft acceptance and the requests' names reach the runner alike
+    whether the engine runs in its own process (run), in this one (record) or under
+    compare: one config, one outcome per request."""
+    def e2e_by_id(cmd: str, text: str) -> dict[str, float]:
+        cfg = tmp_path / f"{cmd}.yaml"
+        cfg.write_text(text)
+        out = tmp_path / cmd
+        assert main([cmd, str(cfg), "-o", str(out)]) == 0
+        if cmd == "run":
+            return {r["request_id"]: r["e2e"] for r in json.loads(out.read_text())["requests"]}
+        if cmd == "compare":
+            return {r["request_id"]: r["e2e"] for r in json.loads((out / "results.json").read_text())["requests"]["same"]}
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        return {r["id"]: r["metrics"]["finish_time"] - r["metrics"]["arrival_time"] for r in lines
+                if r["type"] == "request"}
+
+    tenants = SPECULATION % (", draft_acceptance: 0.95", ", draft_acceptance: 0.05")
+    run = e2e_by_id("run", tenants)
+    assert len(run) == 30 and all(rid.startswith("req-") for rid in run)
+    for cmd in ("record", "compare"):
+        other = e2e_by_id(cmd, tenants)
+        assert other.keys() == run.keys()
+        assert all(other[k] == pytest.approx(run[k], abs=1e-9) for k in run), cmd
+    assert e2e_by_id("run", SPECULATION % ("", "")) != run  # the tenants' figures are used
+    capsys.readouterr()
+
+
+def test_a_profile_path_is_read_next_to_the_config_and_checked(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "accuracy" / "grid-cpu-reduced-profile.json"
+    (tmp_path / "prof.json").write_text(src.read_text())
+    (tmp_path / "use.yaml").write_text("runner: {kind: simulated, profile: prof.json}\nworkload: {num_requests: 4}\n")
+    (tmp_path / "bad.yaml").write_text("workload: {num_requests: 4}\nrunner: {kind: simulated, profile: nosuch.json}\n")
+    elsewhere = tmp_path / "sub"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["check", "../use.yaml"]) == 0
+    assert main(["run", "../use.yaml"]) == 0
+    capsys.readouterr()
+    assert main(["check", "../bad.yaml"]) == 2
+    assert "bad.yaml:2: runner.profile = 'nosuch.json': no such profile file" in capsys.readouterr().err

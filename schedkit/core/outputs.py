@@ -27,6 +27,9 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     """Outputs it has already (a request moved here from another engine mid-stream):
     they follow the prompt in its tokens; empty for every other new request."""
+    tenant: str = "default"
+    """The request's tenant (a fake or simulated runner's drafts are right with the
+    tenant's chance, ``workload.tenants[].draft_acceptance``)."""
 
 
 @dataclass(slots=True)

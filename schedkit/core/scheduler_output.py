@@ -22,7 +22,7 @@ def build_scheduler_output(st: StepState, kv: KVCacheManager, running: Sequence[
     new_reqs = [
         NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                        list(kv.get_block_ids(req.request_id)), req.num_computed_tokens,
-                       list(req.output_token_ids))
+                       list(req.output_token_ids), req.tenant)
         for req in st.new_reqs
     ]
     cached = CachedRequestData()

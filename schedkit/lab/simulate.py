@@ -19,6 +19,7 @@ from schedkit.engine.core import EngineCore
 from schedkit.errors import SchedkitError
 from schedkit.lab.metrics import RequestMetrics, refused_metrics, request_metrics
 from schedkit.lab.workloads import WorkloadRequest, generate
+from schedkit.runners.fake import tenant_acceptance
 
 
 def _refused(req: Request, start: float, error: str) -> RequestMetrics:
@@ -54,13 +55,14 @@ def progress_bar(label: str, total: int) -> Any:
                 delay=PROGRESS_DELAY_S, mininterval=PROGRESS_INTERVAL_S, file=sys.stderr)
 
 
-def _tenant_acceptance(config: Config, workload: list[WorkloadRequest], runner: Any) -> None:
-    """Give a fake or simulated runner each request's draft acceptance from its tenant
+def _tenant_acceptance(config: Config, runner: Any) -> None:
+    """Give a fake or simulated runner built outside the config (``run_workload``'s
+    ``runner``) the tenants' draft acceptance that ``from_config`` reads
     (``workload.tenants[].draft_acceptance``)."""
-    by_tenant = {t.name: t.draft_acceptance for t in config.workload.tenants if t.draft_acceptance is not None}
-    table = getattr(runner, "acceptance_by_request", None)
-    if by_tenant and table is not None:
-        table.update((w.request_id, by_tenant[w.tenant]) for w in workload if w.tenant in by_tenant)
+    table = getattr(runner, "acceptance_by_tenant", None)
+    if table is not None:
+        for tenant, alpha in tenant_acceptance(config).items():
+            table.setdefault(tenant, alpha)
 
 
 def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, *,
@@ -79,7 +81,7 @@ def run_workload(config: Config, workload: list[WorkloadRequest] | None = None, 
         workload = generate(config.workload, config.runner.vocab_size, base_dir)
     wall0 = time.perf_counter()
     engine = EngineCore(config, runner=runner, extra_plugins=extra_plugins)
-    _tenant_acceptance(config, workload, engine.runner)
+    _tenant_acceptance(config, engine.runner)
     start = engine.start_time
     live: dict[str, Request] = {}
     token_times: dict[str, list[float]] = {}

@@ -52,6 +52,13 @@ class DraftAcceptance:
         return rng.betavariate(self.mean * self.concentration, (1.0 - self.mean) * self.concentration)
 
 
+def tenant_acceptance(config: Any) -> dict[str, float]:
+    """The workload's tenants' own draft acceptance (``workload.tenants[].draft_acceptance``),
+    by tenant name."""
+    workload = getattr(config, "workload", None)
+    return {t.name: t.draft_acceptance for t in getattr(workload, "tenants", ()) if t.draft_acceptance is not None}
+
+
 def draft_acceptance_of(runner_config: Any) -> float | DraftAcceptance | None:
     """The fake or simulated runner config's ``draft_acceptance`` (a number, or a
     mapping with ``mean`` and ``concentration``; None when absent)."""
@@ -68,6 +75,7 @@ class _ReqState:
     tokens: list[int]
     num_computed_tokens: int
     eos_at: int | None = None
+    tenant: str = "default"
 
 
 def request_seed(request_id: str, seed: int | None = None) -> int:
@@ -87,8 +95,8 @@ class FakeRunner:
         draft_acceptance: Each request's chance that a draft is right (drafts after a
             wrong one are never reached): a number for every request, or a
             :class:`DraftAcceptance` drawing one per request (None: ``draft_error_every``).
-        acceptance_by_request: Chances of given requests (by id), over the above: a
-            workload's own per-request figures.
+        acceptance_by_tenant: Chances of given tenants' requests, over the above
+            (``workload.tenants[].draft_acceptance``).
         step_time_s: Virtual duration reported for every step (drives the engine clock).
         is_virtual_clock: False: every step that runs a request sleeps ``step_time_s``
             and the engine keeps the wall clock.
@@ -99,12 +107,12 @@ class FakeRunner:
     output_len: Callable[[str], int | None] | None = None
     draft_error_every: int = 3
     draft_acceptance: float | DraftAcceptance | None = None
-    acceptance_by_request: dict[str, float] = field(default_factory=dict)
+    acceptance_by_tenant: dict[str, float] = field(default_factory=dict)
     step_time_s: float = 0.01
     is_virtual_clock: bool = True
     states: dict[str, _ReqState] = field(default_factory=dict)
-    _parked: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Preempted request -> its prompt length (to resume counting outputs) and seed."""
+    _parked: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+    """Preempted request -> its prompt length (to resume counting outputs), seed and tenant."""
     _last_sampled: list[str] = field(default_factory=list)
     drafts_in_step: ClassVar[bool] = True
     """It proposes the drafts of placeholder slots inside the step (asynchronous
@@ -115,7 +123,7 @@ class FakeRunner:
         """Build from a :class:`schedkit.config.Config` (its ``runner`` section)."""
         rc = config.runner
         return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id,
-                   draft_acceptance=draft_acceptance_of(rc),
+                   draft_acceptance=draft_acceptance_of(rc), acceptance_by_tenant=tenant_acceptance(config),
                    step_time_s=rc.step_time_ms / 1e3, is_virtual_clock=rc.clock == "virtual")
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
@@ -137,18 +145,18 @@ class FakeRunner:
         for rid in scheduler_output.preempted_req_ids:
             old = states.pop(rid, None)
             if old is not None:
-                self._parked[rid] = (old.num_prompt_tokens, old.seed)
+                self._parked[rid] = (old.num_prompt_tokens, old.seed, old.tenant)
         for new in scheduler_output.scheduled_new_reqs:
             eos_at = self.output_len(new.req_id) if self.output_len is not None else None
             states[new.req_id] = _ReqState(request_seed(new.req_id, new.sampling_params.seed),
                                            len(new.prompt_token_ids),
                                            new.prompt_token_ids + new.output_token_ids,
-                                           new.num_computed_tokens, eos_at)
+                                           new.num_computed_tokens, eos_at, new.tenant)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, tokens in cached.resumed_token_ids.items():
-            num_prompt, seed = self._parked.pop(rid)
+            num_prompt, seed, tenant = self._parked.pop(rid)
             eos_at = self.output_len(rid) if self.output_len is not None else None
-            states[rid] = _ReqState(seed, num_prompt, list(tokens), 0, eos_at)
+            states[rid] = _ReqState(seed, num_prompt, list(tokens), 0, eos_at, tenant)
         for rid, tokens in cached.appended_token_ids.items():  # jump-forward decoding
             states[rid].tokens.extend(tokens)
         for rid, computed, num_out in zip(cached.req_ids, cached.num_computed_tokens,
@@ -224,7 +232,7 @@ class FakeRunner:
     def _propose(self, rid: str, st: _ReqState, k: int) -> list[int]:
         """``k`` drafts continuing the request's tokens."""
         base = len(st.tokens) - st.num_prompt_tokens
-        alpha = self.acceptance_of(rid, st.seed)
+        alpha = self.acceptance_of(st.seed, st.tenant)
         props = []
         for j in range(k):
             tok = self.token_at(st, base + j)
@@ -237,10 +245,10 @@ class FakeRunner:
             props.append(tok)
         return props
 
-    def acceptance_of(self, request_id: str, seed: int) -> float | None:
-        """The chance that a draft of this request is right (None: the fixed pattern of
-        ``draft_error_every``)."""
-        alpha = self.acceptance_by_request.get(request_id)
+    def acceptance_of(self, seed: int, tenant: str = "default") -> float | None:
+        """The chance that a draft of a request of this seed and tenant is right (None:
+        the fixed pattern of ``draft_error_every``)."""
+        alpha = self.acceptance_by_tenant.get(tenant)
         if alpha is not None:
             return alpha
         spec = self.draft_acceptance

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schedkit.core.outputs import ModelRunnerOutput, SchedulerOutput
+from schedkit.errors import ConfigError
 from schedkit.runners.cost_model import (
     FEATURES,
     PROFILE_DIR,
@@ -31,7 +32,7 @@ from schedkit.runners.cost_model import (
     StepShapes,
     step_features,
 )
-from schedkit.runners.fake import FakeRunner, draft_acceptance_of
+from schedkit.runners.fake import FakeRunner, draft_acceptance_of, tenant_acceptance
 
 __all__ = ["FEATURES", "PROFILE_DIR", "REQUIRED_FEATURES", "CostModel", "SimulatedRunner",
            "StepFeatures", "StepShapes", "step_features"]
@@ -56,7 +57,11 @@ class SimulatedRunner(FakeRunner):
     @classmethod
     def from_config(cls, config: Any) -> SimulatedRunner:
         rc = config.runner
-        model = CostModel.load(rc.profile)
+        try:
+            model = CostModel.load(rc.profile)
+        except ConfigError as e:  # named where the YAML sets it
+            where = config.where("runner", "profile") if hasattr(config, "where") else None
+            raise ConfigError(f"{where}: {e}" if where else str(e)) from e
         is_async = config.scheduler.async_scheduling
         if model.fitted_async_scheduling is not None and model.fitted_async_scheduling != is_async:
             log.warning("cost-model profile %r was fitted with scheduler.async_scheduling = %s, this "
@@ -67,7 +72,7 @@ class SimulatedRunner(FakeRunner):
         if rc.draft_token_s is not None:
             model = replace(model, per_draft_token_s=rc.draft_token_s)
         return cls(vocab_size=rc.vocab_size, eos_token_id=rc.eos_token_id, cost_model=model,
-                   draft_acceptance=draft_acceptance_of(rc))
+                   draft_acceptance=draft_acceptance_of(rc), acceptance_by_tenant=tenant_acceptance(config))
 
     def initialize(self, num_blocks: int, block_size: int) -> int:
         self.shapes.block_size = block_size

@@ -84,6 +84,18 @@ def test_a_bad_prompt_fails_generate_at_once_and_the_engine_keeps_serving(llm):
     assert_engine_idle(llm)
 
 
+def test_generate_names_requests_by_the_ids_given_and_refuses_bad_ones(llm):
+    sp = SamplingParams(max_tokens=2)
+    for ids, match in ((["a", "a"], "'a' is given twice"), (["a", 3], r"request_ids\[1\].*3"),
+                       (["a", ""], r"request_ids\[1\]"), (["a"], "2 prompts but 1 request ids")):
+        with pytest.raises(RequestError, match=match):
+            llm.generate([[1, 2], [3]], sp, request_ids=ids, use_tqdm=False)
+    outs = llm.generate([[1, 2], [3]], sp, request_ids=["req-7", "req-3"], use_tqdm=False)
+    assert [o.request_id for o in outs] == ["req-7", "req-3"]
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert_engine_idle(llm)
+
+
 def test_engine_fails_only_the_badly_typed_requests_of_a_message(llm):
     """A client that skips validation: each bad request gets an error output, the valid
     requests of the same message are served."""

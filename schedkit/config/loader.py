@@ -72,5 +72,16 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         config = Config.model_validate(data or {})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(path), root)) from e
+    config = _beside(config, path.parent)
     config._origin = ConfigOrigin(str(path), root)
     return config
+
+
+def _beside(config: Config, folder: Path) -> Config:
+    """``config`` with a relative ``runner.profile`` path that names a file next to the
+    config file made that file's path (as a trace's path is looked up there first); a
+    bundled profile's name, or a path found only from the working directory, stays."""
+    profile = getattr(config.runner, "profile", None)
+    if not isinstance(profile, str) or Path(profile).is_absolute() or not (folder / profile).is_file():
+        return config
+    return config.model_copy(update={"runner": config.runner.model_copy(update={"profile": str(folder / profile)})})

@@ -63,7 +63,8 @@ class SimulatedRunnerConfig(_RunnerBase):
     kind: Literal["simulated"] = "simulated"
     """Which model runner executes the steps: fake tokens, cost-model step durations."""
     profile: str = "h200-qwen2.5-0.5b-handset"
-    """Cost-model profile, a bundled name or a JSON file path."""
+    """Cost-model profile, a bundled name or a JSON file path (a relative path is looked
+    up next to the config file first, then from the working directory)."""
     draft_acceptance: DraftAcceptance = None
     """With scheduler.num_speculative_tokens: each request's chance that a draft is right
     (a number for all, or ``{mean, concentration}``: drawn per request from a Beta

@@ -49,10 +49,12 @@ SWEEP_KNOBS = ("rate", "time_scale")
 
 def profile_config(config: Config, profile: ProfileConfig) -> Config:
     """The config with the profile's policy, its scheduler overrides, its extra plugins
-    switched on, and its router and flow control where it sets them."""
+    switched on (a plugin the config lists too takes the profile's settings: one
+    instance), and its router and flow control where it sets them."""
+    own = {p.name for p in profile.plugins}
     return config.model_copy(update={
         "scheduler": profile_scheduler(config.scheduler, profile),
-        "plugins": [*config.plugins, *profile.plugins],
+        "plugins": [*(p for p in config.plugins if p.name not in own), *profile.plugins],
         "router": profile.router if profile.router is not None else config.router,
         "flow_control": profile.flow_control if profile.flow_control is not None else config.flow_control,
     })

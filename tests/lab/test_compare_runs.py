@@ -182,3 +182,22 @@ def test_compare_shows_progress_only_on_a_terminal(tmp_path, monkeypatch, capsys
     assert "[1/2] a" not in capsys.readouterr().err
     a, b = ((tmp_path / d / "results.json").read_bytes() for d in "ab")
     assert a == b  # a progress bar changes nothing else
+
+
+def test_a_plugin_in_the_config_and_a_profile_runs_once_with_the_profiles_settings(tmp_path):
+    from schedkit.config import load_config
+    from schedkit.lab.compare import profile_config, profiles_of
+    from schedkit.plugins.manager import get_plugin_manager
+
+    path = tmp_path / "c.yaml"
+    path.write_text("runner: {kind: fake, draft_acceptance: 0.5}\n"
+                    "scheduler: {num_speculative_tokens: 4}\n"
+                    "plugins: [{name: speculate-by-batch, settings: {max_batch: 2}}]\n"
+                    "compare:\n  profiles:\n    - {name: base}\n"
+                    "    - {name: wide, plugins: [{name: speculate-by-batch, settings: {max_batch: 8}}]}\n")
+    config = load_config(path)
+    base, wide = (profile_config(config, p) for p in profiles_of(config))
+    assert [(p.name, p.settings) for p in base.plugins] == [("speculate-by-batch", {"max_batch": 2})]
+    assert [(p.name, p.settings) for p in wide.plugins] == [("speculate-by-batch", {"max_batch": 8})]
+    plugin = get_plugin_manager(wide).get_plugin("speculate-by-batch")
+    assert plugin.max_batch == 8

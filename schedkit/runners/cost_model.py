@@ -54,6 +54,7 @@ written before a coefficient existed load with it at 0.
 from __future__ import annotations
 
 import bisect
+import difflib
 import json
 import warnings
 from dataclasses import dataclass, field, replace
@@ -184,25 +185,49 @@ class CostModel:
                               f"bundled profile (bundled: {known})")
         try:
             data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not a cost-model profile: not readable JSON ({e})") from e
+        try:
             model = cls.from_profile(data, default_name=path.stem)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ConfigError(f"{path}: not a cost-model profile (needs coefficients "
-                              f"{', '.join(REQUIRED_FEATURES)}, optionally {', '.join(FEATURES[5:])} "
-                              f"and decode_batch_residual_s mapping batch sizes to seconds): {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            why = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise ConfigError(f"{path}: not a cost-model profile: {why} (it needs coefficients "
+                              f"{', '.join(REQUIRED_FEATURES)}; docs/lab.md#calibration)") from e
         _warn_if_foreign(model.name, data.get("hardware"))
         return model
 
     @classmethod
     def from_profile(cls, data: dict[str, Any], default_name: str = "custom") -> CostModel:
-        """The model of a profile's JSON object (KeyError, TypeError or ValueError if it
-        is not one)."""
-        coef = data["coefficients"]
+        """The model of a profile's JSON object.
+
+        Raises:
+            ValueError: It is not one; the message names the key (a missing or unknown
+                coefficient, one that is not a number of seconds in [0, 1000], a residual
+                that is not finite, a model that charges nothing for a step...).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"the top level must be a JSON object, got {type(data).__name__}")
+        coef = data.get("coefficients")
+        if not isinstance(coef, dict):
+            raise ValueError(f"coefficients must be a JSON object, got {type(coef).__name__}")
         missing = [k for k in REQUIRED_FEATURES if k not in coef]
         if missing:
-            raise KeyError(", ".join(missing))
-        residual = data.get("decode_batch_residual_s", {})
-        table = tuple(sorted((int(b), float(t)) for b, t in residual.items()))
+            raise ValueError(f"coefficients lacks {', '.join(missing)}")
+        unknown = sorted(set(coef) - set(FEATURES))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], FEATURES, n=1)
+            raise ValueError(f"coefficients has unknown key {unknown[0]!r}"
+                             + (f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(FEATURES)})"))
+        values = {k: _coefficient(f"coefficients.{k}", coef[k]) for k in FEATURES if k in coef}
+        if not values["base_s"] + values["per_token_s"] + values["per_request_s"] > 0:
+            raise ValueError("base_s, per_token_s and per_request_s are all 0: a step would take no time")
+        residual = data.get("decode_batch_residual_s") or {}
+        if not isinstance(residual, dict):
+            raise ValueError(f"decode_batch_residual_s must map batch sizes to seconds, got {type(residual).__name__}")
+        table = tuple(sorted(_residual(b, t) for b, t in residual.items()))
         fitted_on = data.get("fitted_on") or {}
+        if not isinstance(fitted_on, dict):
+            raise ValueError(f"fitted_on must be a JSON object, got {type(fitted_on).__name__}")
         is_async = fitted_on.get("async_scheduling")
         transfer = data.get("kv_transfer") or {}
         unknown = sorted(set(transfer) - {"latency_s", "per_block_s"})
@@ -210,14 +235,15 @@ class CostModel:
             raise ValueError(f"kv_transfer has unknown keys {unknown} (it takes latency_s, per_block_s)")
         latency, per_block = transfer.get("latency_s"), transfer.get("per_block_s")
         workers = data.get("attention_workers") or 0
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ValueError(f"attention_workers must be an integer >= 0, got {workers!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 0 <= workers <= MAX_ATTENTION_WORKERS:
+            raise ValueError(f"attention_workers must be an integer in [0, {MAX_ATTENTION_WORKERS}], got {workers!r}")
         probe_data = data.get("speed_probe") or {}
+        if not isinstance(probe_data, dict):
+            raise ValueError(f"speed_probe must be a JSON object, got {type(probe_data).__name__}")
         probe = _ratio("speed_probe.ratio", probe_data.get("ratio", 1.0))
         probe_decode, probe_prefill = (None if probe_data.get(k) is None else _ratio(f"speed_probe.{k}", probe_data[k])
                                        for k in ("decode", "prefill"))
         prefill_scale = _ratio("prefill_scale", data.get("prefill_scale", 1.0))
-        values = {k: float(coef[k]) for k in FEATURES if k in coef}
         # Fitted before shared reads were told apart: they cost what any read costs.
         values.setdefault("per_shared_context_token_s", values["per_context_token_s"])
         return cls(**values,
@@ -319,6 +345,32 @@ def _seconds(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{key} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
+
+
+MAX_COEFFICIENT_S = 1000.0
+"""A coefficient above this many seconds (per step, token, request...) is no measurement."""
+MAX_ATTENTION_WORKERS = 4096
+
+
+def _coefficient(key: str, value: Any) -> float:
+    """A profile's coefficient: a number of seconds in [0, MAX_COEFFICIENT_S]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_COEFFICIENT_S:
+        raise ValueError(f"{key} must be a number of seconds in [0, {MAX_COEFFICIENT_S:g}], got {value!r}")
+    return float(value)
+
+
+def _residual(batch: Any, seconds: Any) -> tuple[int, float]:
+    """A residual table entry: a batch size >= 1 (a JSON key) and finite seconds."""
+    try:
+        size = int(batch)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1:
+        raise ValueError(f"decode_batch_residual_s key {batch!r} is not a batch size >= 1")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or not -MAX_COEFFICIENT_S <= seconds <= MAX_COEFFICIENT_S:
+        raise ValueError(f"decode_batch_residual_s[{batch!r}] must be a finite number of seconds, got {seconds!r}")
+    return size, float(seconds)
 
 
 def _ratio(key: str, value: Any) -> float:

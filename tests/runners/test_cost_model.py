@@ -349,3 +349,39 @@ def test_attention_workers_travel_with_the_profile(tmp_path):
         path.write_text(json.dumps({"name": "p", "coefficients": BASE, "attention_workers": bad}))
         with pytest.raises(ConfigError, match="attention_workers"):
             CostModel.load(str(path))
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"coefficients": {**BASE, "base_s": float("nan")}}, "coefficients.base_s must be a number of seconds"),
+    ({"coefficients": {**BASE, "per_token_s": float("inf")}}, "coefficients.per_token_s"),
+    ({"coefficients": {**BASE, "base_s": 1e308}}, "coefficients.base_s"),
+    ({"coefficients": {**BASE, "base_s": -0.5}}, "coefficients.base_s"),
+    ({"coefficients": {**BASE, "per_request_s": "0.01"}}, "coefficients.per_request_s"),
+    ({"coefficients": {**BASE, "per_tokn_s": 0.5}}, "unknown key 'per_tokn_s' (did you mean 'per_token_s'?)"),
+    ({"coefficients": {k: v for k, v in BASE.items() if k != "per_token_s"}}, "coefficients lacks per_token_s"),
+    ({"coefficients": {**BASE, "base_s": 0.0, "per_token_s": 0.0, "per_request_s": 0.0}}, "no time"),
+    ({"coefficients": [1, 2]}, "coefficients must be a JSON object"),
+    ({"decode_batch_residual_s": {"1": float("nan")}}, "decode_batch_residual_s['1']"),
+    ({"decode_batch_residual_s": [1, 2]}, "decode_batch_residual_s must map"),
+    ({"decode_batch_residual_s": {"zero": 0.1}}, "key 'zero' is not a batch size"),
+    ({"attention_workers": 10**9}, "attention_workers must be an integer in [0, 4096]"),
+    ({"fitted_on": "oops"}, "fitted_on must be a JSON object"),
+    ({"speed_probe": 3}, "speed_probe must be a JSON object"),
+])
+def test_a_bad_profile_is_refused_naming_the_key(tmp_path, change, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"name": "bad", "coefficients": BASE, **change}))
+    with pytest.raises(ConfigError) as exc:
+        CostModel.load(str(path))
+    assert str(exc.value).startswith(f"{path}: not a cost-model profile: ")
+    assert needle in str(exc.value)
+
+
+def test_a_truncated_or_non_object_profile_is_refused(tmp_path):
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps({"coefficients": BASE})[:20])
+    with pytest.raises(ConfigError, match="not readable JSON"):
+        CostModel.load(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="top level must be a JSON object, got list"):
+        CostModel.load(str(path))

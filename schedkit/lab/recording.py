@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,8 +227,10 @@ def read_recording(path: str | Path) -> Recording:
     try:
         with _open(path, "rt") as f:
             lines = list(_parse(path, f))
-    except OSError as e:
+    except OSError as e:  # a damaged .gz is an OSError too (BadGzipFile)
         raise RecordingError(path, None, f"cannot read it ({e.strerror or e})") from None
+    except (EOFError, zlib.error) as e:
+        raise RecordingError(path, None, f"cut short: the compressed file ends early ({e})") from None
     if not lines:
         raise RecordingError(path, None, "empty: a recording starts with a header line")
     rec = _header(lines[0])
@@ -247,7 +250,33 @@ def read_recording(path: str | Path) -> Recording:
                              f"(expected request, {'step' if rec.kind == 'engine' else 'route'})")
     rec.path = path
     rec.run_steps = rec.run_steps or len(rec.steps)
+    _check_complete(rec)
     return rec
+
+
+FINISHED = ("length", "stop")
+"""A recorded outcome that says the request ran to its end, in a step of the recording."""
+
+
+def _check_complete(rec: Recording) -> None:
+    """A recording cut short (lines lost at its end) is refused: a cluster recording routes
+    every request; in an engine recording, every request that finished did so in one of
+    its steps."""
+    path = rec.path or "<recording>"
+    if not rec.requests:
+        raise RecordingError(path, None, "holds no request line")
+    if rec.kind == "cluster":
+        routed = {rid for rid, _ in rec.routes}
+        missing = [r.request_id for r in rec.requests if r.request_id not in routed]
+        if missing:
+            raise RecordingError(path, None, f"{len(missing)} of its {len(rec.requests)} requests have no route "
+                                 f"line (e.g. {missing[0]!r}): the recording is cut short")
+        return
+    ended = {rid for s in rec.steps for rid, _ in s.finished} | {rid for s in rec.steps for rid in s.rejected}
+    missing = [r.request_id for r in rec.requests if r.finish_reason in FINISHED and r.request_id not in ended]
+    if missing:
+        raise RecordingError(path, None, f"{len(missing)} requests that finished end in none of its "
+                             f"{len(rec.steps)} steps (e.g. {missing[0]!r}): the recording is cut short")
 
 
 def _parse(path: str, f: IO[str]) -> Iterator[_Line]:

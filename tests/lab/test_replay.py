@@ -187,6 +187,28 @@ def test_a_malformed_recording_names_file_and_line(tmp_path):
         read_recording(empty)
 
 
+def test_a_recording_cut_short_is_refused(tmp_path):
+    import gzip
+
+    rec, _ = record_run(config_from_dict({**PRESSURE, "workload": {**PRESSURE["workload"], "num_requests": 6}}))
+    path = tmp_path / "run.jsonl"
+    rec.write(path)
+    lines = path.read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    with pytest.raises(RecordingError, match="cut short"):
+        read_recording(cut)
+    cut.write_text(lines[0] + "\n")
+    with pytest.raises(RecordingError, match="holds no request line"):
+        read_recording(cut)
+    packed = gzip.compress(path.read_bytes())
+    gz = tmp_path / "cut.jsonl.gz"
+    gz.write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(RecordingError, match="cut short|cannot read it"):
+        read_recording(gz)
+    assert read_recording(path).num_steps == rec.num_steps  # the whole one still reads
+
+
 def test_a_wall_clock_recording_replays_its_decisions_in_the_simulator():
     """A stand-in for a real runner: the fake runner on the wall clock, some requests
     ending at EOS. The replay runs on the simulator and makes the recorded decisions."""

@@ -225,6 +225,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "calibrate measures a real runner's step times (kind paged); the fake "
                           "runner's are a constant")
     _check_writable(args.output)
+    if args.steps:
+        _check_writable(args.steps, "--steps")
     if args.rescale:
         return _rescale(args, config)
     tokenizer = load_tokenizer(config) if config.workload.prompts else None
@@ -287,11 +289,11 @@ def _positive_seconds(text: str) -> float:
     return s
 
 
-def _check_writable(path: str) -> None:
+def _check_writable(path: str, flag: str = "--output") -> None:
     """Refuse an output path that cannot be written before a run, not after it."""
     parent = Path(path).resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(path).is_dir():
-        raise ConfigError(f"--output {path}: cannot write there (no such writable folder, or a folder)")
+        raise ConfigError(f"{flag} {path}: cannot write there (no such writable folder, or a folder)")
 
 
 def _serve(args: argparse.Namespace) -> int:

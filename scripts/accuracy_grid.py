@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from schedkit.cli import main as cli_main
+from schedkit.errors import ConfigError
 from schedkit.lab.accuracy import (
     HEADLINE,
     METRICS,
@@ -47,7 +48,7 @@ from schedkit.lab.accuracy import (
     summary_rows,
 )
 from schedkit.lab.cost_fit import StepRecord, write_steps
-from schedkit.runners.cost_model import profile_path
+from schedkit.runners.cost_model import CostModel, profile_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ of this checkout
@@ -171,7 +172,37 @@ def write_doc(text: str, path: Path = DOC, key: str = "reduced") -> None:
     path.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
+def _stored(path: Path, what: str) -> dict[str, Any]:
+    """A grid's stored results (``--render``, ``--resume``).
+
+    Raises:
+        ConfigError: The file cannot be read, is not JSON, or holds no grid results.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{what} {path}: cannot read it as JSON ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict) \
+            or not all(isinstance(r, dict) and "real_runs" in r for r in data["results"].values()):
+        raise ConfigError(f"{what} {path}: not the results of accuracy_grid.py (a JSON object whose "
+                          "results map experiments to their runs)")
+    return data
+
+
+def _grid_digest(grid_file: Path, base_file: Path) -> str:
+    """What a resumed grid must share with the stored one: the grid and base files."""
+    return hashlib.sha256(grid_file.read_bytes() + b"\0" + base_file.read_bytes()).hexdigest()
+
+
 def main() -> None:
+    try:
+        _main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("grid", nargs="?", help="grid file (YAML)")
     ap.add_argument("--reduced", action="store_true", help="the reduced grid")
@@ -195,11 +226,16 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true", help="put the tables into docs/simulator-accuracy.md")
     a = ap.parse_args()
     if a.render:
-        data = json.loads(Path(a.render).read_text())
+        data = _stored(Path(a.render), "--render")
+        if not isinstance(data.get("overall"), dict):
+            raise ConfigError(f"--render {a.render}: an unfinished grid (no overall figures): "
+                              "finish it with --resume")
     else:
         if not a.grid:
             ap.error("give a grid file (or --render JSON)")
         out = Path(a.output)
+        if out.is_dir() or not out.resolve().parent.is_dir():
+            ap.error(f"--output {out}: cannot write there (no such folder, or a folder)")
         save_steps = _steps_writer(Path(a.steps_dir)) if a.steps_dir else None  # makes the folder
         calibrated = None
         if a.calibrate:
@@ -216,7 +252,12 @@ def main() -> None:
                           "steal_share": fitted["calibration"].get("steal_share"),
                           "mean_relative_step_error": fitted.get("mean_relative_step_error")}
         grid = load_grid(a.grid, profile=a.profile)
-        before = json.loads(out.read_text()) if a.resume and out.is_file() else {}
+        CostModel.load(grid.profile)  # a bad profile stops here, before any run
+        grid_digest = _grid_digest(Path(a.grid), grid.path.parent / grid.config.base)
+        before = _stored(out, "--resume onto") if a.resume and out.is_file() else {}
+        if before.get("grid_sha256", grid_digest) != grid_digest:
+            ap.error(f"{out} holds runs of another grid (its grid or base file has changed since): "
+                     "resume with the same files, or write a new --output")
         done, wall_before = before.get("results"), before.get("wall_s", 0.0)
         stored = max((len(r.get("real_runs", ())) for r in (done or {}).values()), default=0)
         if a.repeats is not None and (a.repeats < 1 or a.repeats < stored):
@@ -232,7 +273,7 @@ def main() -> None:
         # A profile fitted for this run lives in a scratch file: name where it came from.
         label = f"fitted right before ({a.calibrate})" if a.calibrate else grid.profile
         data = {"grid": a.grid, "reduced": a.reduced, "profile": label, "profile_sha256": digest,
-                "repeats": repeats, "commit": commit(ignore=OUTPUTS), "date": datetime.date.today().isoformat(),
+                "grid_sha256": grid_digest, "repeats": repeats, "commit": commit(ignore=OUTPUTS), "date": datetime.date.today().isoformat(),
                 "machine": machine(), "calibrated": calibrated}
         if done:  # resumed: the profile's provenance stays, the commit and date span both
             data["calibrated"] = before.get("calibrated")

@@ -31,6 +31,7 @@ and order kept.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
 import statistics
@@ -50,6 +51,7 @@ from schedkit.config import (
     profile_scheduler,
 )
 from schedkit.config.base import StrictModel
+from schedkit.config.scheduler import SchedulerConfig
 from schedkit.errors import ConfigError
 from schedkit.lab.calibrate import probe_workload
 from schedkit.lab.cost_fit import StepRecord
@@ -116,8 +118,20 @@ class GridConfig(StrictModel):
     @classmethod
     def _positive(cls, value: dict[str, float]) -> dict[str, float]:
         for name, f in value.items():
-            if not f > 0:
-                raise ValueError(f"load {name!r} must be a positive fraction of capacity, got {f}")
+            if not 0 < f < math.inf:
+                raise ValueError(f"load {name!r} must be a positive, finite fraction of capacity, got {f}")
+        return value
+
+    @field_validator("shapes")
+    @classmethod
+    def _scheduler_keys(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        known = [k for k in SchedulerConfig.model_fields if k != "policy"]
+        for name, keys in value.items():
+            for key in keys:
+                if key not in known:
+                    near = difflib.get_close_matches(key, known, n=1)
+                    hint = f"did you mean {near[0]!r}?" if near else "the policies axis sets the policy"
+                    raise ValueError(f"shape {name!r}: {key!r} is not a scheduler key ({hint})")
         return value
 
 

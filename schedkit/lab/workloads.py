@@ -193,9 +193,12 @@ def _csv_rows(path: Path, needed: tuple[str, ...]) -> Iterator[tuple[int, dict[s
     """(line number, row) of a CSV trace with the ``needed`` columns."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        _require_columns(path, reader.fieldnames, needed)
-        for row in reader:
-            yield reader.line_num, row
+        try:
+            _require_columns(path, reader.fieldnames, needed)
+            for row in reader:
+                yield reader.line_num, row
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e.reason}, byte {e.object[e.start]:#04x})") from None
 
 
 def _count(path: Path, line: int, row: dict[str, str], column: str) -> int:
@@ -233,7 +236,7 @@ def _read_vidur(path: Path) -> list[tuple[int, int]]:
 def _read_mooncake(path: Path, start: int, limit: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with open(path) as f:
-        for n, line in enumerate(f):
+        for n, line in _lines(path, f):
             if n < start:
                 continue
             if len(rows) >= limit:
@@ -245,6 +248,14 @@ def _read_mooncake(path: Path, start: int, limit: int) -> list[dict[str, Any]]:
                 raise ConfigError(f"{path}:{n + 1}: not a Mooncake trace line "
                                   f"(timestamp, input_length, output_length, hash_ids): {e}") from e
     return rows
+
+
+def _lines(path: Path, f: Any) -> Iterator[tuple[int, str]]:
+    """(index, line) of an open text file; a byte that is not UTF-8 is a ConfigError."""
+    try:
+        yield from enumerate(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason}, byte {e.object[e.start]:#04x})") from None
 
 
 def token_run(key: int, n: int, vocab_size: int) -> list[int]:
@@ -313,7 +324,10 @@ def _from_trace(cfg: WorkloadConfig, tc: TraceConfig, vocab_size: int,
                 timed.append((t, p, o))
         for i, (t, p, o) in enumerate(timed):
             rows.append((t, token_run((cfg.seed << 24) + tc.start + i, max(p, 1), vocab_size), o))
-    t0 = rows[0][0] if rows else 0.0
+    if not rows:
+        raise ConfigError(f"{path}: no requests from row {tc.start} on (an empty trace, or "
+                          "workload.trace.start past its end)")
+    t0 = rows[0][0]
     reqs = []
     for i, (t, prompt, out) in enumerate(rows):
         if tc.max_prompt_len is not None:

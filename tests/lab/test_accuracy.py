@@ -294,7 +294,11 @@ def test_resuming_keeps_the_finished_real_runs(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda g: g.replace("policies: [fcfs, sjf]", "policies: [fcfs, lifo]"), "reduced\\[0\\].policies names 'lifo'"),
-    (lambda g: g.replace("light: 0.3", "light: -1"), "load 'light' must be a positive fraction"),
+    (lambda g: g.replace("light: 0.3", "light: -1"), "load 'light' must be a positive, finite fraction"),
+    (lambda g: g.replace("light: 0.3", "light: .inf"), "load 'light' must be a positive, finite fraction"),
+    (lambda g: g.replace("narrow: {{max_num_batched_tokens: 64, max_num_seqs: 2}}",
+                         "narrow: {{max_num_batched_tokens: 64, max_num_seq: 2}}"),
+     "shape 'narrow': 'max_num_seq' is not a scheduler key \\(did you mean 'max_num_seqs'\\?\\)"),
     (lambda g: g.replace("narrow: {{max_num_batched_tokens: 64, max_num_seqs: 2}}",
                          "narrow: {{max_num_batched_tokens: 1, max_num_seqs: 2}}"), "shape 'narrow'"),
     (lambda g: g.replace("profile: {profile}", "profile: {profile}\nspeed: 3"), "speed"),
@@ -375,3 +379,35 @@ def test_the_script_renders_a_run_and_writes_it_between_the_page_markers(tmp_pat
     page.write_text("intro\n<!-- accuracy_grid:reduced -->\nold\n<!-- /accuracy_grid:reduced -->\nend\n")
     script.write_doc(text, page)
     assert page.read_text() == f"intro\n<!-- accuracy_grid:reduced -->\n{text}<!-- /accuracy_grid:reduced -->\nend\n"
+
+
+def test_the_script_refuses_bad_input_before_running_anything(tmp_path, monkeypatch, capsys):
+    """Exit status 2 and one line naming the problem, never a traceback; a grid whose
+    files changed is not resumed into the old one's results."""
+    import json
+    import sys
+
+    script, grid_path, out = load_script(), write_grid(tmp_path), tmp_path / "out.json"
+
+    def run(*args: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", *args])
+        with pytest.raises(SystemExit) as e:
+            script.main()
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    garbage = tmp_path / "garbage.json"
+    for text in ("{not json", "[1, 2]", "{}", '{"results": {"x": 3}}'):
+        garbage.write_text(text)
+        assert "--render" in run("--render", str(garbage))
+    assert "cannot read it" in run("--render", str(tmp_path / "missing.json"))
+    assert "cannot write there" in run(str(grid_path), "--reduced", "-o", str(tmp_path / "no" / "x.json"))
+    bad = tmp_path / "bad-profile.json"
+    bad.write_text(json.dumps({"coefficients": {"base_s": float("nan")}}))
+    assert "not a cost-model profile" in run(str(grid_path), "--reduced", "--profile", str(bad), "-o", str(out))
+    assert not out.exists()
+    monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe", "-o", str(out)])
+    script.main()
+    capsys.readouterr()
+    grid_path.write_text(grid_path.read_text().replace("num_requests: 12", "num_requests: 14"))
+    assert "another grid" in run(str(grid_path), "--reduced", "--no-probe", "--resume", "-o", str(out))

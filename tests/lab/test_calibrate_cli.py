@@ -188,3 +188,11 @@ def test_rescale_reads_decodes_and_prefills_apart(tmp_path, capsys):
         write_profile(path, {**minimal_payload("bad", truth, "test"), **bad})
         assert main(["calibrate", str(cfg), "--rescale", str(path), "-o", str(out)]) == 2
         assert next(iter(bad)) in capsys.readouterr().err
+
+
+def test_calibrate_refuses_an_unwritable_steps_path_before_running(tmp_path, capsys):
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text("runner: {kind: simulated, profile: cpu-tiny-llama}\nworkload: {num_requests: 4}\n")
+    assert main(["calibrate", str(cfg), "-o", str(tmp_path / "p.json"), "--steps", str(tmp_path)]) == 2
+    assert f"--steps {tmp_path}: cannot write there" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

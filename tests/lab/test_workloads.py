@@ -104,6 +104,19 @@ def test_bad_workload_input(tmp_path):
 AZURE_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
 
 
+@pytest.mark.parametrize(("fmt", "content", "needle"), [
+    ("azure", b"TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests from row 0 on"),
+    ("azure", b"TIMESTAMP,ContextTokens,GeneratedTokens\ngarbage\x00\xff\n", r"not UTF-8 text .*0xff"),
+    ("mooncake", b"", "no requests from row 0 on"),
+    ("mooncake", b"\xff\xfe{}\n", r"not UTF-8 text .*0xff"),
+])
+def test_an_empty_or_binary_trace_is_a_config_error(tmp_path, fmt, content, needle):
+    path = tmp_path / "t.trace"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=needle):
+        generate(wl(kind="trace", trace={"format": fmt, "path": str(path)}))
+
+
 @pytest.mark.parametrize(("row", "needle"), [
     ("2023-11-16 18:15:47.1000000,abc,5", r":3: ContextTokens = 'abc': not a whole number"),
     ("2023-11-16 18:15:47.1000000,12,-5", r":3: GeneratedTokens = -5: a token count cannot be negative"),

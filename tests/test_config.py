@@ -33,7 +33,11 @@ def test_unknown_key_names_key_file_and_line(tmp_path):
     p = write(tmp_path, "scheduler:\n  policy: fcfs\n  max_num_seq: 4\n")
     with pytest.raises(ConfigError) as e:
         load_config(p)
-    assert f"{p}:3" in str(e.value) and "scheduler.max_num_seq" in str(e.value)
+    assert str(e.value) == f"{p}:3: unknown key 'scheduler.max_num_seq' (did you mean 'max_num_seqs'?)"
+    p = write(tmp_path, "workload: {num_request: 4}\nzebra: 1\n")
+    msg = str(pytest.raises(ConfigError, load_config, p).value)
+    assert "unknown key 'workload.num_request' (did you mean 'num_requests'?)" in msg
+    assert msg.endswith("unknown key 'zebra'")  # nothing close: no guess
 
 
 def test_wrong_type_and_range(tmp_path):
@@ -184,6 +188,8 @@ def test_runner_kind_defaults_to_fake(tmp_path):
      "unknown key for an installed runner's section; its own settings go under runner.settings"),
     ("runner:\n  kind: echo\n  device: cuda\n", "runner.device = 'cuda'",
      "unknown key for an installed runner's section (a key of the paged runner)"),
+    ("runner:\n  kind: fak\n  step_time_ms: 5\n", "runner.step_time_ms = 5",
+     "if runner.kind was meant to be the fake runner, it is misspelt"),
     ("runner:\n  kind: fake\n  settings: {shift: 1}\n", "runner.settings = {'shift': 1}",
      "unknown key for runner kind 'fake'"),
     ("runner:\n  kind: echo\n  settings: [1]\n", "runner.settings = [1]", "valid dictionary"),

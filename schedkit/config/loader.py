@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,27 @@ def format_validation_error(err: ValidationError, source: str, root: yaml.Node |
         if line is not None:
             where = f"{source}:{line}"
         if e["type"] == "extra_forbidden" and runner is None:
-            lines.append(f"{where}: unknown key '{key}'")
+            near = difflib.get_close_matches(str(loc[-1]), _sibling_keys(loc), n=1)
+            lines.append(f"{where}: unknown key '{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
         else:
             lines.append(f"{where}: {key} = {value!r}: {message}")
     return "\n".join(lines)
+
+
+def _sibling_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys a config section at ``loc[:-1]`` takes, where the path leads through
+    plain models (empty where it does not: a union, a list or mapping of sections)."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+        while typing.get_origin(model) is typing.Annotated:
+            model = typing.get_args(model)[0]
+        if not isinstance(model, type):
+            return []
+    return list(getattr(model, "model_fields", {}))
 
 
 def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Config:

@@ -205,6 +205,8 @@ def runner_error(loc: tuple[int | str, ...], e: Any) -> tuple[tuple[int | str, .
     owners = [k for k, model in RUNNER_CONFIGS.items() if loc[-1] in model.model_fields]
     whose = f" (a key of the {' and '.join(owners)} runner)" if owners else ""
     if tag == _PLUGIN_TAG:
+        misspelt = (f"; if runner.kind was meant to be the {' or '.join(owners)} runner, it is misspelt"
+                    if owners else "")
         return loc, e.get("input"), (f"unknown key for an installed runner's section{whose}; its own "
-                                     "settings go under runner.settings")
+                                     f"settings go under runner.settings{misspelt}")
     return loc, e.get("input"), f"unknown key for runner kind {tag!r}{whose}"

@@ -273,7 +273,10 @@ def get_plugin_manager(
                 raise ConfigError(f"{at}plugin {name!r} is built in and always on; choose its "
                                   "backend with structured_outputs.backend instead of listing it "
                                   "under plugins")
-            obj = _load_installed(installed, name, at)
+            close = difflib.get_close_matches(name, [*installed, *BUILTIN_POLICIES], n=1)
+            hint = (f"; the built-in policies are {', '.join(BUILTIN_POLICIES)}"
+                    + (f"; did you mean {close[0]!r}?" if close else ""))
+            obj = _load_installed(installed, name, at, builtins=hint)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
     return _finish(pm, extra_plugins, where)

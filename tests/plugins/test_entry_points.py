@@ -171,6 +171,8 @@ def test_unknown_plugin_name_is_a_config_error(spf_site):
     assert "spf" in str(exc.value)  # the message lists what is installed
     with pytest.raises(ConfigError, match="'lottery'"):
         get_plugin_manager(config_from_dict({"scheduler": {"policy": "lottery"}}))
+    with pytest.raises(ConfigError, match="built-in policies are fcfs, priority; did you mean 'fcfs'"):
+        get_plugin_manager(config_from_dict({"scheduler": {"policy": "fcsf"}}))
 
 
 def test_example_package_tests_pass_against_the_installed_package(spf_site):

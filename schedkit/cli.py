@@ -105,6 +105,8 @@ def _print_summary(config: Config, s: dict, wall: float, steps: int, router: dic
         ("rejected", s["rejected"]), ("preemptions", s["preemptions"]), ("prefix hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("wall time (s)", f"{wall:.2f}"),
     ]
+    if s.get("draft_tokens"):
+        rows.insert(-1, ("draft tokens (accepted)", f"{s['draft_tokens']} ({s['draft_acceptance']:.1%})"))
     if router is not None:
         routed = " / ".join(str(r["num_routed"]) for r in router["replicas"])
         rows.insert(2, ("replicas (routed)", f"{len(router['replicas'])} ({config.router.policy}): {routed}"))

@@ -223,12 +223,15 @@ def test_run_record_and_compare_simulate_the_same_speculation(tmp_path, capsys):
     tenants = SPECULATION % (", draft_acceptance: 0.95", ", draft_acceptance: 0.05")
     run = e2e_by_id("run", tenants)
     assert len(run) == 30 and all(rid.startswith("req-") for rid in run)
+    assert "draft tokens (accepted)" in capsys.readouterr().out
+    drafts = sum(r["num_draft_tokens"] for r in json.loads((tmp_path / "run").read_text())["requests"])
     for cmd in ("record", "compare"):
         other = e2e_by_id(cmd, tenants)
         assert other.keys() == run.keys()
         assert all(other[k] == pytest.approx(run[k], abs=1e-9) for k in run), cmd
     assert e2e_by_id("run", SPECULATION % ("", "")) != run  # the tenants' figures are used
-    capsys.readouterr()
+    compared = json.loads((tmp_path / "compare" / "results.json").read_text())["summaries"]["same"]
+    assert compared["draft_tokens"] == drafts > 0 and 0 < compared["draft_acceptance"] < 1
 
 
 def test_a_profile_path_is_read_next_to_the_config_and_checked(tmp_path, capsys, monkeypatch):

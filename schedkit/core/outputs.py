@@ -151,6 +151,10 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
     to being scheduled (or to its end, if it ended queued); None while the first wait lasts."""
     queued_spans: list[tuple[float, float]] = []
     """Every stretch it spent queued, ``(start, end)`` in order (engine clock)."""
+    num_draft_tokens: int = 0
+    """Speculative draft tokens verified for it (padding left out)."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones accepted."""
 
     @classmethod
     def of(cls, req: Request) -> RequestMetricsData:
@@ -165,7 +169,8 @@ class RequestMetricsData(msgspec.Struct, frozen=True):
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             first_scheduled_time=req.first_event_time(EventType.SCHEDULED),
             num_recomputed_tokens=req.num_recomputed_tokens,
-            longest_wait_s=max((b - a for a, b in spans), default=None), queued_spans=spans)
+            longest_wait_s=max((b - a for a, b in spans), default=None), queued_spans=spans,
+            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
 
 
 def queued_spans(req: Request) -> list[tuple[float, float]]:

@@ -73,6 +73,10 @@ class RequestMetrics:
     rejected_by: str | None = None
     error: str | None = None
     max_tokens: int | None = None
+    num_draft_tokens: int = 0
+    """Speculative draft tokens verified for it."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones accepted."""
     """The output length asked for (None when unknown, e.g. from a RequestOutput)."""
     queued_spans: tuple[tuple[float, float], ...] = field(default=(), repr=False)
     """Every stretch spent queued (waiting or preempted): ``(start, end)`` in order."""
@@ -144,6 +148,7 @@ class RequestMetrics:
             "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
             "queueing_delay": self.queueing_delay, "longest_wait": self.longest_wait,
             "normalized_latency": self.normalized_latency,
+            "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
         }
 
 
@@ -168,7 +173,8 @@ def metrics_from_data(request_id: str, m: RequestMetricsData, finish_reason: str
         tenant=tenant, priority=priority, token_times=tuple(t - start for t in token_times),
         longest_wait=m.longest_wait_s, stop_reason=stop_reason, rejected_by=rejected_by,
         error=error, max_tokens=max_tokens,
-        queued_spans=tuple((a - start, b - start) for a, b in m.queued_spans))
+        queued_spans=tuple((a - start, b - start) for a, b in m.queued_spans),
+        num_draft_tokens=m.num_draft_tokens, num_accepted_tokens=m.num_accepted_tokens)
 
 
 def request_metrics(req: Request, token_times: Sequence[float] = (), start: float = 0.0,
@@ -430,6 +436,8 @@ def summarize(metrics: Sequence[RequestMetrics], slo: SLOConfig | None = None, *
         "max_first_wait_s": max(vals("queueing_delay"), default=math.nan),
         "max_wait_s": max(waits, default=math.nan),
         "preemptions": sum(m.num_preemptions for m in metrics),
+        "draft_tokens": (drafts := sum(m.num_draft_tokens for m in metrics)),
+        "draft_acceptance": sum(m.num_accepted_tokens for m in metrics) / drafts if drafts else math.nan,
         "recomputed_tokens": sum(m.num_recomputed_tokens for m in metrics),
         "prefix_hit_rate": sum(m.num_cached_tokens for m in metrics) / prompt_tokens if prompt_tokens else 0.0,
         "slo_attainment": good / len(metrics) if metrics else math.nan,

@@ -53,6 +53,11 @@ load imbalance is max over replicas / mean); the TTFT and E2E percentiles count 
 infinitely late (``inf``), their means are over the served requests. Offered load and
 throughput are over the arrival window (first to last arrival), goodput over the
 makespan (first arrival to last finish): :func:`schedkit.lab.metrics.summarize`."""
+SPECULATION_ROWS = (
+    ("draft tokens", "draft_tokens", "{:.0f}"),
+    ("draft acceptance", "draft_acceptance", "{:.1%}"),
+)
+"""Shown when some profile's run verified speculative drafts."""
 FAIRNESS_ROWS = (
     ("max service gap", ("fairness", "max_service_gap"), "{:.0f}"),
     ("Jain, backlogged", ("fairness", "jain_backlogged"), "{:.3f}"),
@@ -209,8 +214,10 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]], *, notes: bool = Tr
     names = list(summaries)
     intervals = intervals or {}
     several_tenants = len(_classes(summaries, "tenants")) > 1
+    drafted = any(summaries[n].get("draft_tokens") for n in names)
     rows = [(label, [_cell(summaries[n], key, fmt, intervals.get(n)) for n in names])
-            for label, key, fmt in ROWS + (FAIRNESS_ROWS if several_tenants else ())
+            for label, key, fmt in ROWS + (SPECULATION_ROWS if drafted else ())
+            + (FAIRNESS_ROWS if several_tenants else ())
             if all(_has(summaries[n], key) for n in names)]
     parts = ["\n".join(_grid("", names, rows))]
     for what in ("prompt", "output"):

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from schedkit.errors import ConfigError
 from schedkit.lab.calibrate import probe_ratio
 from schedkit.lab.cost_fit import StepRecord, read_steps
 from schedkit.runners.cost_model import CostModel, StepFeatures
@@ -58,9 +59,11 @@ def sources(steps_dir: Path, profile: dict) -> list[tuple[str, list[StepRecord]]
     fit = steps_dir / "calibration.jsonl"
     if fit.is_file():
         records = read_steps(fit)
-        phases = (profile.get("calibration") or {}).get("phases") or []
-        first = phases[0] if phases else {}
-        n = int(first.get("num_steps", 0)) if first.get("name") == "workload" else 0
+        calibration = profile.get("calibration")
+        phases = calibration.get("phases") if isinstance(calibration, dict) else None
+        first = phases[0] if isinstance(phases, list) and phases and isinstance(phases[0], dict) else {}
+        steps = first.get("num_steps")
+        n = steps if first.get("name") == "workload" and isinstance(steps, int) and steps > 0 else 0
         if n:
             out.append(("fit's workload phase", records[:n]))
         out.append(("fit's bursts" if n else "fit", records[n:]))
@@ -92,17 +95,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budget", type=int,
                     help="the token budget of a step (default: the one the profile was fitted with)")
     a = ap.parse_args(argv)
-    data = json.loads(Path(a.profile).read_text())
-    budget = a.budget or (data.get("fitted_on") or {}).get("sections", {}).get("scheduler", {}).get(
-        "max_num_batched_tokens")
+    if a.budget is not None and a.budget < 1:
+        ap.error(f"--budget must be at least 1 token, got {a.budget}")
+    try:
+        model = CostModel.load(a.profile)
+    except ConfigError as e:
+        ap.error(str(e))
+    data = json.loads(Path(a.profile).read_text())  # it loaded: a JSON object
+    budget = a.budget or _fitted_budget(data)
     if not budget:
         ap.error("the profile does not say its token budget: give --budget")
     try:
         rows = sources(Path(a.steps_dir), data)
     except ValueError as e:
         ap.error(str(e))
-    print(table(rows, CostModel.from_profile(data, Path(a.profile).stem), int(budget)))
+    print(table(rows, model, budget))
     return 0
+
+
+def _fitted_budget(profile: dict) -> int | None:
+    """The token budget the profile was fitted with, where it records one."""
+    sections = (profile.get("fitted_on") or {}).get("sections")
+    scheduler = sections.get("scheduler") if isinstance(sections, dict) else None
+    budget = scheduler.get("max_num_batched_tokens") if isinstance(scheduler, dict) else None
+    return budget if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0 else None
 
 
 if __name__ == "__main__":

@@ -71,3 +71,29 @@ def test_a_directory_without_steps_is_refused(tmp_path, profile, capsys):
     with pytest.raises(SystemExit):
         step_ratios.main([str(tmp_path), "--profile", str(path)])
     assert "no step files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.pop("coefficients"), "not a cost-model profile"),
+    (lambda d: d.update(fitted_on={"sections": None}), "give --budget"),
+    (lambda d: d["fitted_on"]["sections"]["scheduler"].update(max_num_batched_tokens="big"), "give --budget"),
+    (lambda d: d.update(calibration="oops"), None),
+])
+def test_a_bad_profile_or_budget_is_refused_by_name(tmp_path, profile, capsys, edit, needle):
+    path, _ = profile
+    write_steps(tmp_path / "x-0.jsonl", [(FULL, 0.5)])
+    write_steps(tmp_path / "calibration.jsonl", [(SMALL, 0.1), (ONE, 0.02)])
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    if needle is None:  # a calibration record it cannot read: the fit's phases are left out
+        assert step_ratios.main([str(tmp_path), "--profile", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "| fit |" in out and "grid, pass 1" in out
+        return
+    with pytest.raises(SystemExit) as e:
+        step_ratios.main([str(tmp_path), "--profile", str(path)])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step_ratios.main([str(tmp_path), "--profile", str(path), "--budget", "0"])
+    assert "--budget must be at least 1" in capsys.readouterr().err

@@ -345,6 +345,9 @@ def parse_seeds(spec: str) -> list[int]:
     except ValueError:
         raise ConfigError(f"--seeds {spec!r}: expected whole numbers separated by commas, "
                           "e.g. 0,1,2") from None
+    twice = next((s for i, s in enumerate(seeds) if s in seeds[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"--seeds {spec!r}: seed {twice} is listed twice")
     return seeds
 
 

@@ -201,3 +201,15 @@ def test_a_plugin_in_the_config_and_a_profile_runs_once_with_the_profiles_settin
     assert [(p.name, p.settings) for p in wide.plugins] == [("speculate-by-batch", {"max_batch": 8})]
     plugin = get_plugin_manager(wide).get_plugin("speculate-by-batch")
     assert plugin.max_batch == 8
+
+
+def test_seeds_on_the_command_line_are_whole_and_distinct(capsys):
+    from schedkit.lab.compare import parse_seeds
+
+    assert parse_seeds("0,1,2") == [0, 1, 2]
+    for spec, needle in (("0,x", "whole numbers"), ("3,1,3", "seed 3 is listed twice")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_seeds(spec)
+    with pytest.raises(SystemExit):
+        main(["compare", "configs/quickstart.yaml", "--repeats", "-1"])
+    assert "must be 1 or more, got -1" in capsys.readouterr().err

@@ -386,7 +386,7 @@ def _run_grid(session: Session, config: Config, deadline: float, is_virtual: boo
         ph = phases[i]
         est = estimates.get(ph.name)
         if no_grammar and "structured_outputs" in ph.sampling:
-            note(PhaseReport(ph.name, f"skipped: {no_grammar}", estimate_s=est))
+            note(PhaseReport(ph.name, "skipped: no structured-output backend (above)", estimate_s=est))
             continue
         ratio = sum(ratios) / len(ratios) if ratios else 1.0
         if time.monotonic() + (est or 0.0) * ratio > deadline:

@@ -183,11 +183,12 @@ def replay(recording: Recording, *, config: Config | None = None, from_step: int
     n = recording.num_steps
     if from_step is None:
         if changes:
-            raise ReplayError(f"a {next(iter(changes))} change needs the step it applies at (from_step)")
+            raise ReplayError(f"a {next(iter(changes))} change needs the step it applies at "
+                              "(from_step; --from-step on the command line)")
         from_step = n + 1
     elif not 1 <= from_step <= n:
         unit = "steps" if recording.kind == "engine" else "routing decisions"
-        raise ReplayError(f"from_step {from_step}: the recording has {unit} 1 to {n}")
+        raise ReplayError(f"from_step (--from-step) {from_step}: the recording has {unit} 1 to {n}")
     change = {k: v if isinstance(v, str) else _config_name(v, k) for k, v in changes.items()}
     cfg = replay_config(recording, config)
     if recording.kind == "cluster":

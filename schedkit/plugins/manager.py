@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import inspect
 import os
 import types
@@ -30,6 +31,7 @@ from schedkit.errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "schedkit"
 DISABLE_ENV = "SCHEDKIT_DISABLE_PLUGINS"
+log = logging.getLogger("schedkit.plugins")
 DEFAULTS_PLUGIN = ("defaults", "schedkit.policies.defaults")
 STRUCTURED_OUTPUTS_PLUGIN = ("structured-outputs", "schedkit.structured.plugin")
 """The built-in structured-output backends (``auto``, ``xgrammar``, ``python``), ``trylast``."""
@@ -279,7 +281,14 @@ def get_plugin_manager(
             obj = _load_installed(installed, name, at, builtins=hint)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
-    return _finish(pm, extra_plugins, where)
+    pm = _finish(pm, extra_plugins, where)
+    if not sched_cfg.num_speculative_tokens:
+        idle = [i.plugin_name for i in pm.hook.schedkit_num_speculative_tokens.get_hookimpls()]
+        if idle:
+            log.warning("%s%s implements schedkit_num_speculative_tokens, but "
+                        "scheduler.num_speculative_tokens is 0: speculation is off and the hook "
+                        "is never called", _at(where(idle[0])), ", ".join(repr(n) for n in idle))
+    return pm
 
 
 BUILTIN_ROUTERS: Mapping[str, str] = {

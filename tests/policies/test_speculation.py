@@ -341,3 +341,17 @@ def test_a_runner_that_cannot_draft_inside_the_step_is_refused_under_async():
     with pytest.raises(ConfigError, match="drafts inside the step; BetweenSteps does not"):
         EngineCore(_config(2, async_scheduling=True), runner=BetweenSteps(vocab_size=1000))
     EngineCore(_config(2), runner=BetweenSteps(vocab_size=1000))  # synchronous: proposed between steps
+
+
+def test_a_speculation_policy_with_speculation_off_is_reported(caplog):
+    from schedkit.config import config_from_dict
+    from schedkit.plugins.manager import get_plugin_manager
+
+    with caplog.at_level("WARNING", logger="schedkit.plugins"):
+        get_plugin_manager(config_from_dict({"plugins": [{"name": "speculate-by-batch"}]}))
+    assert "'speculate-by-batch' implements schedkit_num_speculative_tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="schedkit.plugins"):
+        get_plugin_manager(config_from_dict({"scheduler": {"num_speculative_tokens": 2},
+                                             "plugins": [{"name": "speculate-by-batch"}]}))
+    assert "never called" not in caplog.text

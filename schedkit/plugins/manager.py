@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import logging
 import inspect
+import logging
 import os
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence

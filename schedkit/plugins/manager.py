@@ -281,14 +281,14 @@ def get_plugin_manager(
             obj = _load_installed(installed, name, at, builtins=hint)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
-    pm = _finish(pm, extra_plugins, where)
+    built = _finish(pm, extra_plugins, where)
     if not sched_cfg.num_speculative_tokens:
-        idle = [i.plugin_name for i in pm.hook.schedkit_num_speculative_tokens.get_hookimpls()]
+        idle = [i.plugin_name for i in built.hook.schedkit_num_speculative_tokens.get_hookimpls()]
         if idle:
             log.warning("%s%s implements schedkit_num_speculative_tokens, but "
                         "scheduler.num_speculative_tokens is 0: speculation is off and the hook "
                         "is never called", _at(where(idle[0])), ", ".join(repr(n) for n in idle))
-    return pm
+    return built
 
 
 BUILTIN_ROUTERS: Mapping[str, str] = {

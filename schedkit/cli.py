@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)  # a bad file stops here, before any process starts
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     tokenizer = load_tokenizer(config) if config.workload.prompts else None
     workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
     wall0 = time.perf_counter()
@@ -226,9 +226,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"{config.where('runner', 'kind') or args.config}: runner.kind = 'fake': "
                           "calibrate measures a real runner's step times (kind paged); the fake "
                           "runner's are a constant")
-    _check_writable(args.output)
+    check_writable(args.output)
     if args.steps:
-        _check_writable(args.steps, "--steps")
+        check_writable(args.steps, "--steps")
     if args.rescale:
         return _rescale(args, config)
     tokenizer = load_tokenizer(config) if config.workload.prompts else None
@@ -291,7 +291,7 @@ def _positive_seconds(text: str) -> float:
     return s
 
 
-def _check_writable(path: str, flag: str = "--output") -> None:
+def check_writable(path: str, flag: str = "--output") -> None:
     """Refuse an output path that cannot be written before a run, not after it."""
     parent = Path(path).resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(path).is_dir():
@@ -367,7 +367,7 @@ def _record(args: argparse.Namespace) -> int:
     from schedkit.lab.workloads import generate
 
     config = load_config(args.config)
-    _check_writable(args.output)
+    check_writable(args.output)
     tokenizer = load_tokenizer(config) if config.workload.prompts else None
     workload = generate(config.workload, config.runner.vocab_size, Path(args.config).parent, tokenizer)
     recording, result = record_run(config, workload)
@@ -386,7 +386,7 @@ def _replay(args: argparse.Namespace) -> int:
     recording = read_recording(args.recording)
     config = load_config(args.config) if args.config else None
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     result = replay(recording, config=config, from_step=args.from_step, policy=_named(args.policy),
                     victim=args.victim, router=_named(args.router))
     print(result.describe())

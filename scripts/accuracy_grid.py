@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from schedkit.cli import check_writable
 from schedkit.cli import main as cli_main
 from schedkit.errors import ConfigError
 from schedkit.lab.accuracy import (
@@ -234,8 +235,7 @@ def _main() -> None:
         if not a.grid:
             ap.error("give a grid file (or --render JSON)")
         out = Path(a.output)
-        if out.is_dir() or not out.resolve().parent.is_dir():
-            ap.error(f"--output {out}: cannot write there (no such folder, or a folder)")
+        check_writable(str(out))
         save_steps = _steps_writer(Path(a.steps_dir)) if a.steps_dir else None  # makes the folder
         calibrated = None
         if a.calibrate:

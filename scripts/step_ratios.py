@@ -25,7 +25,7 @@ from pathlib import Path
 from schedkit.errors import ConfigError
 from schedkit.lab.calibrate import probe_ratio
 from schedkit.lab.cost_fit import StepRecord, read_steps
-from schedkit.runners.cost_model import CostModel, StepFeatures
+from schedkit.runners.cost_model import CostModel, StepFeatures, profile_path
 
 KINDS = ("full-budget prompt steps", "smaller prompt steps", "decode, one sequence",
          "decode, 2-4 sequences", "decode, 5 or more")
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = CostModel.load(a.profile)
     except ConfigError as e:
         ap.error(str(e))
-    data = json.loads(Path(a.profile).read_text())  # it loaded: a JSON object
+    data = json.loads(profile_path(a.profile).read_text())  # it loaded: a JSON object
     budget = a.budget or _fitted_budget(data)
     if not budget:
         ap.error("the profile does not say its token budget: give --budget")

@@ -97,3 +97,9 @@ def test_a_bad_profile_or_budget_is_refused_by_name(tmp_path, profile, capsys, e
     with pytest.raises(SystemExit):
         step_ratios.main([str(tmp_path), "--profile", str(path), "--budget", "0"])
     assert "--budget must be at least 1" in capsys.readouterr().err
+
+
+def test_a_bundled_profile_is_read_by_name(tmp_path, capsys):
+    write_steps(tmp_path / "x-0.jsonl", [(FULL, 0.5), (ONE, 0.02)])
+    assert step_ratios.main([str(tmp_path), "--profile", "cpu-smollm2-135m", "--budget", "512"]) == 0
+    assert "| grid, pass 1 |" in capsys.readouterr().out

@@ -103,4 +103,5 @@ def _beside(config: Config, folder: Path) -> Config:
     profile = getattr(config.runner, "profile", None)
     if not isinstance(profile, str) or Path(profile).is_absolute() or not (folder / profile).is_file():
         return config
-    return config.model_copy(update={"runner": config.runner.model_copy(update={"profile": str(folder / profile)})})
+    found = str((folder / profile).resolve())
+    return config.model_copy(update={"runner": config.runner.model_copy(update={"profile": found})})

@@ -128,9 +128,11 @@ class GridConfig(StrictModel):
         known = [k for k in SchedulerConfig.model_fields if k != "policy"]
         for name, keys in value.items():
             for key in keys:
+                if key == "policy":
+                    raise ValueError(f"shape {name!r}: 'policy' is set by the policies axis, not a shape")
                 if key not in known:
                     near = difflib.get_close_matches(key, known, n=1)
-                    hint = f"did you mean {near[0]!r}?" if near else "the policies axis sets the policy"
+                    hint = f"did you mean {near[0]!r}?" if near else f"the keys are {', '.join(known)}"
                     raise ValueError(f"shape {name!r}: {key!r} is not a scheduler key ({hint})")
         return value
 

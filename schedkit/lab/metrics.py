@@ -73,13 +73,13 @@ class RequestMetrics:
     rejected_by: str | None = None
     error: str | None = None
     max_tokens: int | None = None
+    """The output length asked for (None when unknown, e.g. from a RequestOutput)."""
+    queued_spans: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    """Every stretch spent queued (waiting or preempted): ``(start, end)`` in order."""
     num_draft_tokens: int = 0
     """Speculative draft tokens verified for it."""
     num_accepted_tokens: int = 0
     """Of those, the ones accepted."""
-    """The output length asked for (None when unknown, e.g. from a RequestOutput)."""
-    queued_spans: tuple[tuple[float, float], ...] = field(default=(), repr=False)
-    """Every stretch spent queued (waiting or preempted): ``(start, end)`` in order."""
 
     @property
     def output_size(self) -> int:

@@ -198,7 +198,7 @@ def _csv_rows(path: Path, needed: tuple[str, ...]) -> Iterator[tuple[int, dict[s
             for row in reader:
                 yield reader.line_num, row
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e.reason}, byte {e.object[e.start]:#04x})") from None
+            raise _not_text(path, e) from None
 
 
 def _count(path: Path, line: int, row: dict[str, str], column: str) -> int:
@@ -255,7 +255,11 @@ def _lines(path: Path, f: Any) -> Iterator[tuple[int, str]]:
     try:
         yield from enumerate(f)
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e.reason}, byte {e.object[e.start]:#04x})") from None
+        raise _not_text(path, e) from None
+
+
+def _not_text(path: Path, e: UnicodeDecodeError) -> ConfigError:
+    return ConfigError(f"{path}: not UTF-8 text ({e.reason}, byte {e.object[e.start]:#04x})")
 
 
 def token_run(key: int, n: int, vocab_size: int) -> list[int]:

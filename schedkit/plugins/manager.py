@@ -275,20 +275,36 @@ def get_plugin_manager(
                 raise ConfigError(f"{at}plugin {name!r} is built in and always on; choose its "
                                   "backend with structured_outputs.backend instead of listing it "
                                   "under plugins")
-            close = difflib.get_close_matches(name, [*installed, *BUILTIN_POLICIES], n=1)
-            hint = (f"; the built-in policies are {', '.join(BUILTIN_POLICIES)}"
+            is_policy = name == policy
+            close = difflib.get_close_matches(name, [*installed, *(BUILTIN_POLICIES if is_policy else ())], n=1)
+            hint = ((f"; the built-in policies are {', '.join(BUILTIN_POLICIES)}" if is_policy else "")
                     + (f"; did you mean {close[0]!r}?" if close else ""))
             obj = _load_installed(installed, name, at, builtins=hint)
             _register(pm, _instantiate(name, obj, settings, where(name)), name, where(name))
 
     built = _finish(pm, extra_plugins, where)
     if not sched_cfg.num_speculative_tokens:
-        idle = [i.plugin_name for i in built.hook.schedkit_num_speculative_tokens.get_hookimpls()]
-        if idle:
-            log.warning("%s%s implements schedkit_num_speculative_tokens, but "
-                        "scheduler.num_speculative_tokens is 0: speculation is off and the hook "
-                        "is never called", _at(where(idle[0])), ", ".join(repr(n) for n in idle))
+        _warn_idle_speculation(built, wanted, where)
     return built
+
+
+_warned_idle: set[tuple[str, str | None]] = set()
+"""Plugins already reported by :func:`_warn_idle_speculation` (each once per process)."""
+
+
+def _warn_idle_speculation(pm: pluggy.PluginManager, wanted: Iterable[str],
+                           where: Callable[[str], str | None]) -> None:
+    """Log once that a plugin the config switches on implements
+    ``schedkit_num_speculative_tokens`` while speculation is off (it is never called);
+    plugins passed in code (a replay's own) are left alone."""
+    named = set(wanted)
+    for impl in pm.hook.schedkit_num_speculative_tokens.get_hookimpls():
+        key = (impl.plugin_name, where(impl.plugin_name))
+        if impl.plugin_name in named and key not in _warned_idle:
+            _warned_idle.add(key)
+            log.warning("%s%r implements schedkit_num_speculative_tokens, but "
+                        "scheduler.num_speculative_tokens is 0: speculation is off and the hook "
+                        "is never called", _at(key[1]), impl.plugin_name)
 
 
 BUILTIN_ROUTERS: Mapping[str, str] = {

@@ -191,8 +191,9 @@ class CostModel:
             model = cls.from_profile(data, default_name=path.stem)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             why = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-            raise ConfigError(f"{path}: not a cost-model profile: {why} (it needs coefficients "
-                              f"{', '.join(REQUIRED_FEATURES)}; docs/lab.md#calibration)") from e
+            needs = (f" (a profile needs coefficients {', '.join(REQUIRED_FEATURES)}; docs/lab.md#calibration)"
+                     if why.startswith("coefficients lacks") else "")
+            raise ConfigError(f"{path}: not a cost-model profile: {why}{needs}") from e
         _warn_if_foreign(model.name, data.get("hardware"))
         return model
 

@@ -232,7 +232,7 @@ class FakeRunner:
     def _propose(self, rid: str, st: _ReqState, k: int) -> list[int]:
         """``k`` drafts continuing the request's tokens."""
         base = len(st.tokens) - st.num_prompt_tokens
-        alpha = self.acceptance_of(st.seed, st.tenant)
+        alpha = self.acceptance_of(st.seed, tenant=st.tenant)
         props = []
         for j in range(k):
             tok = self.token_at(st, base + j)
@@ -245,7 +245,7 @@ class FakeRunner:
             props.append(tok)
         return props
 
-    def acceptance_of(self, seed: int, tenant: str = "default") -> float | None:
+    def acceptance_of(self, seed: int, *, tenant: str = "default") -> float | None:
         """The chance that a draft of a request of this seed and tenant is right (None:
         the fixed pattern of ``draft_error_every``)."""
         alpha = self.acceptance_by_tenant.get(tenant)

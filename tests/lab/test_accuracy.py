@@ -403,8 +403,10 @@ def test_the_script_refuses_bad_input_before_running_anything(tmp_path, monkeypa
     assert "cannot read it" in run("--render", str(tmp_path / "missing.json"))
     assert "cannot write there" in run(str(grid_path), "--reduced", "-o", str(tmp_path / "no" / "x.json"))
     bad = tmp_path / "bad-profile.json"
-    bad.write_text(json.dumps({"coefficients": {"base_s": float("nan")}}))
-    assert "not a cost-model profile" in run(str(grid_path), "--reduced", "--profile", str(bad), "-o", str(out))
+    coefficients = {k: 1e-3 for k in ("base_s", "per_token_s", "per_request_s", "per_context_token_s",
+                                       "per_prefill_attention_s")}
+    bad.write_text(json.dumps({"coefficients": {**coefficients, "base_s": float("nan")}}))
+    assert "coefficients.base_s must be a number of seconds" in run(str(grid_path), "--reduced", "--profile", str(bad), "-o", str(out))
     assert not out.exists()
     monkeypatch.setattr(sys, "argv", ["accuracy_grid.py", str(grid_path), "--reduced", "--no-probe", "-o", str(out)])
     script.main()

@@ -343,13 +343,20 @@ def test_a_runner_that_cannot_draft_inside_the_step_is_refused_under_async():
     EngineCore(_config(2), runner=BetweenSteps(vocab_size=1000))  # synchronous: proposed between steps
 
 
-def test_a_speculation_policy_with_speculation_off_is_reported(caplog):
+def test_a_speculation_policy_with_speculation_off_is_reported(caplog, monkeypatch):
     from schedkit.config import config_from_dict
+    from schedkit.plugins import manager
     from schedkit.plugins.manager import get_plugin_manager
+    from schedkit.policies.speculation import SpeculateByBatch
 
+    monkeypatch.setattr(manager, "_warned_idle", set())
     with caplog.at_level("WARNING", logger="schedkit.plugins"):
-        get_plugin_manager(config_from_dict({"plugins": [{"name": "speculate-by-batch"}]}))
-    assert "'speculate-by-batch' implements schedkit_num_speculative_tokens" in caplog.text
+        get_plugin_manager(config_from_dict({}), extra_plugins=[SpeculateByBatch()])  # a replay's own
+    assert "never called" not in caplog.text
+    with caplog.at_level("WARNING", logger="schedkit.plugins"):
+        for _ in range(2):  # once
+            get_plugin_manager(config_from_dict({"plugins": [{"name": "speculate-by-batch"}]}))
+    assert caplog.text.count("'speculate-by-batch' implements schedkit_num_speculative_tokens") == 1
     caplog.clear()
     with caplog.at_level("WARNING", logger="schedkit.plugins"):
         get_plugin_manager(config_from_dict({"scheduler": {"num_speculative_tokens": 2},

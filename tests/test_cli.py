@@ -249,3 +249,10 @@ def test_a_profile_path_is_read_next_to_the_config_and_checked(tmp_path, capsys,
     capsys.readouterr()
     assert main(["check", "../bad.yaml"]) == 2
     assert "bad.yaml:2: runner.profile = 'nosuch.json': no such profile file" in capsys.readouterr().err
+
+
+def test_a_builtin_policy_listed_as_a_plugin_is_named_at_its_plugins_line(tmp_path, capsys):
+    cfg = tmp_path / "bp.yaml"
+    cfg.write_text("scheduler: {policy: fcfs}\nworkload: {num_requests: 2}\nplugins:\n  - {name: fcfs}\n")
+    assert main(["check", str(cfg)]) == 2
+    assert f"{cfg}:4: plugin 'fcfs' is a built-in policy" in capsys.readouterr().err

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -320,9 +321,9 @@ def _request(line: _Line, known: set[str]) -> RequestRecord:
     arrival = line.get("arrival_time", "number")
     max_tokens = line.get("max_tokens", "int")
     step = line.get("step", "int", optional=True)
-    if arrival < 0 or max_tokens < 1 or (step is not None and step < 1):
-        raise line.error(f"request {rid!r}: arrival_time must be >= 0, max_tokens >= 1 and step "
-                         f">= 1, got {arrival}, {max_tokens}, {step}")
+    if not 0 <= arrival < math.inf or max_tokens < 1 or (step is not None and step < 1):
+        raise line.error(f"request {rid!r}: arrival_time must be finite and >= 0, max_tokens >= 1 and "
+                         f"step >= 1, got {arrival}, {max_tokens}, {step}")
     metrics = line.get("metrics", "object", optional=True)
     if metrics is not None and (set(metrics) != set(METRICS) or not all(
             v is None or type(v) in (int, float) for v in metrics.values())):

@@ -174,6 +174,8 @@ def test_a_malformed_recording_names_file_and_line(tmp_path):
          first_step + 1, "ghost"),
         (broken(1, json.dumps({"type": "request", "id": "x", "arrival_time": 0, "max_tokens": 0,
                                "prompt_token_ids": [1]})), 2, "max_tokens >= 1"),
+        (broken(1, json.dumps({"type": "request", "id": "x", "arrival_time": float("nan"), "max_tokens": 2,
+                               "prompt_token_ids": [1]})), 2, "arrival_time must be finite"),
         (broken(0, json.dumps({"type": "header", "format": "other"})), 1, "not a schedkit recording"),
         (broken(first_step, json.dumps({"type": "mystery"})), first_step + 1, "unknown line type"),
     ]

@@ -75,6 +75,8 @@ def sources(steps_dir: Path, profile: dict) -> list[tuple[str, list[StepRecord]]
     out += [(f"grid, pass {p + 1}", passes[p]) for p in sorted(passes)]
     if not out:
         raise ValueError(f"{steps_dir}: no step files (calibration.jsonl or <experiment>-<pass>.jsonl)")
+    if not any(records for _, records in out):
+        raise ValueError(f"{steps_dir}: its step files hold no step")
     return out
 
 

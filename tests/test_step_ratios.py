@@ -71,6 +71,10 @@ def test_a_directory_without_steps_is_refused(tmp_path, profile, capsys):
     with pytest.raises(SystemExit):
         step_ratios.main([str(tmp_path), "--profile", str(path)])
     assert "no step files" in capsys.readouterr().err
+    write_steps(tmp_path / "x-0.jsonl", [])
+    with pytest.raises(SystemExit):
+        step_ratios.main([str(tmp_path), "--profile", str(path)])
+    assert "its step files hold no step" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("edit, needle", [

@@ -10,6 +10,7 @@ fitted in turn a few times, each to what the other leaves. See
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,9 +40,13 @@ def read_steps(path: str | Path) -> list[StepRecord]:
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         try:
             data = json.loads(line)
-            out.append((StepFeatures(**data["features"]), float(data["seconds"])))
+            record = (StepFeatures(**{k: float(v) for k, v in data["features"].items()}), float(data["seconds"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}:{n}: not a step record ({e})") from None
+        if not 0 <= record[1] < math.inf or not all(0 <= x < math.inf for x in record[0]):
+            raise ValueError(f"{path}:{n}: not a step record (seconds and features must be finite "
+                             f"and >= 0, got {data['seconds']!r} and {data['features']!r})")
+        out.append(record)
     return out
 
 RIDGE = 1e-9

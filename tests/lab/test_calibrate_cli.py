@@ -85,6 +85,14 @@ def test_a_steps_file_that_is_not_one_is_named_with_its_line(tmp_path):
                     '"prefill_attention": 0, "is_prefill_step": 0}}\n{"seconds": 1}\n')
     with pytest.raises(ValueError, match=r"steps.jsonl:2: not a step record"):
         read_steps(path)
+    good = '{"seconds": %s, "features": {"tokens": %s, "requests": 1, "context_tokens": 1, ' \
+           '"prefill_attention": 0, "is_prefill_step": 0}}\n'
+    for seconds, tokens in (("NaN", "1"), ("-0.5", "1"), ("0.1", "Infinity"), ("0.1", '"many"')):
+        path.write_text(good % ("0.1", "1") + good % (seconds, tokens))
+        with pytest.raises(ValueError, match=r"steps.jsonl:2: not a step record"):
+            read_steps(path)
+    path.write_text(good % ("0.1", '"2"'))
+    assert read_steps(path)[0][0].tokens == 2.0  # a number written as a string still reads
 
 
 def test_bad_config_output_and_runner_name_what_is_wrong(tmp_path, capsys):

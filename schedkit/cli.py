@@ -407,24 +407,22 @@ def _named(value: str | None) -> str | Config | None:
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    if n < minimum:
+        raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {n}")
     return n
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
-    return n
+    return _int_at_least(text, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 from schedkit.cluster.flow import FlowController
 from schedkit.cluster.front import ClusterClient
 from schedkit.config import Config, load_config
+from schedkit.config.plugins import first_repeat
 from schedkit.core.hints import RequestHints
 from schedkit.core.request import SamplingParams
 from schedkit.core.routing import ReplicaState
@@ -367,9 +368,10 @@ class LLM:
             bad = next((i for i, r in enumerate(request_ids) if not isinstance(r, str) or not r), None)
             if bad is not None:
                 raise RequestError(f"request_ids[{bad}] must be a non-empty string, got {request_ids[bad]!r}")
-            if len(set(request_ids)) != len(request_ids):
-                twice = next(r for i, r in enumerate(request_ids) if r in request_ids[:i])
-                raise RequestError(f"request_ids: {twice!r} is given twice", request_id=twice)
+            twice = first_repeat(request_ids)
+            if twice is not None:
+                raise RequestError(f"request_ids: {request_ids[twice]!r} is given twice",
+                                   request_id=request_ids[twice])
         requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             rid = request_ids[i] if request_ids is not None else f"{self._id_prefix}-{next(self._ids)}"

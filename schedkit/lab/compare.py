@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from schedkit.config import Config, ProfileConfig, WorkloadConfig, profile_scheduler
+from schedkit.config.plugins import first_repeat
 from schedkit.errors import ConfigError, PluginError
 from schedkit.lab.metrics import RequestMetrics
 from schedkit.lab.points import (
@@ -345,9 +346,9 @@ def parse_seeds(spec: str) -> list[int]:
     except ValueError:
         raise ConfigError(f"--seeds {spec!r}: expected whole numbers separated by commas, "
                           "e.g. 0,1,2") from None
-    twice = next((s for i, s in enumerate(seeds) if s in seeds[:i]), None)
+    twice = first_repeat(seeds)
     if twice is not None:
-        raise ConfigError(f"--seeds {spec!r}: seed {twice} is listed twice")
+        raise ConfigError(f"--seeds {spec!r}: seed {seeds[twice]} is listed twice")
     return seeds
 
 

@@ -269,9 +269,9 @@ def get_plugin_manager(
         for name, settings in wanted.items():
             at = _at(where(name))
             if name in BUILTIN_POLICIES:
-                listed = next((i for i, p in enumerate(config.plugins) if p.name == name), None) \
-                    if config is not None else None
-                at = _at(config.where("plugins", listed, "name")) if listed is not None and config else at
+                listed = [i for i, p in enumerate(config.plugins) if p.name == name] if config is not None else []
+                if config is not None and listed:  # the plugins entry, not scheduler.policy's line
+                    at = _at(config.where("plugins", listed[0], "name"))
                 raise ConfigError(f"{at}plugin {name!r} is a built-in policy; select it with "
                                   f"scheduler.policy instead of listing it under plugins")
             if name == STRUCTURED_OUTPUTS_PLUGIN[0]:

@@ -191,9 +191,7 @@ class CostModel:
             model = cls.from_profile(data, default_name=path.stem)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             why = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-            needs = (f" (a profile needs coefficients {', '.join(REQUIRED_FEATURES)}; docs/lab.md#calibration)"
-                     if why.startswith("coefficients lacks") else "")
-            raise ConfigError(f"{path}: not a cost-model profile: {why}{needs}") from e
+            raise ConfigError(f"{path}: not a cost-model profile: {why}") from e
         _warn_if_foreign(model.name, data.get("hardware"))
         return model
 
@@ -213,7 +211,8 @@ class CostModel:
             raise ValueError(f"coefficients must be a JSON object, got {type(coef).__name__}")
         missing = [k for k in REQUIRED_FEATURES if k not in coef]
         if missing:
-            raise ValueError(f"coefficients lacks {', '.join(missing)}")
+            raise ValueError(f"coefficients lacks {', '.join(missing)} (a profile needs coefficients "
+                             f"{', '.join(REQUIRED_FEATURES)}; docs/lab.md#calibration)")
         unknown = sorted(set(coef) - set(FEATURES))
         if unknown:
             near = difflib.get_close_matches(unknown[0], FEATURES, n=1)
